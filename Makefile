@@ -1,0 +1,59 @@
+# diffkv: the commands README.md names.  Everything installs what it needs on a fresh machine.
+#   make demo      the main job on a small built-in example (GPU when there is one, else CPU)
+#   make test      the CPU suite (what CI runs)
+#   make test-gpu  the GPU suite (on a CUDA machine)
+#   make bench     the benchmarks
+#   make lint      ruff + clang-format, failing on a diff
+#   make asan      CPU-only build with AddressSanitizer + UBSan, CPU suite under it
+
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: deps install inplace demo test test-gpu bench lint format asan clean
+
+# torch is a large download: install it only when no suitable one (>= 2.10) imports.
+deps:
+	@$(PYTHON) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 10) else 1)" 2>/dev/null \
+		|| $(PIP) install --quiet "torch>=2.10"
+	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel" 2>/dev/null \
+		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel
+
+install: deps
+	DIFFKV_WERROR=1 $(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall .
+
+# Development build: the extension next to the sources (python/diffkv/_C*.so).
+inplace: deps
+	DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
+
+demo: install
+	cd /tmp && $(PYTHON) -m diffkv demo
+
+test: install
+	$(PYTHON) -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
+
+test-gpu: install
+	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+bench: install
+	$(PYTHON) benchmarks/bench_bridge.py
+
+lint:
+	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff
+	$(PYTHON) -m ruff check python tests benchmarks setup.py
+	$(PYTHON) -m ruff format --check python tests benchmarks setup.py
+	clang-format --dry-run -Werror csrc/*.c csrc/*.h cuda/*.cu cuda/*.cuh
+
+format:
+	$(PYTHON) -m ruff format python tests benchmarks setup.py
+	clang-format -i csrc/*.c csrc/*.h cuda/*.cu cuda/*.cuh
+
+asan: deps
+	rm -f python/diffkv/_C*.so
+	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force
+	ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider tests $(PYTEST_ARGS)
+	rm -f python/diffkv/_C*.so
+
+clean:
+	rm -rf build dist python/*.egg-info python/diffkv/_C*.so

@@ -1,0 +1,170 @@
+/*
+ * common.c -- small helpers every C file shares: error formatting, dtype names and sizes,
+ * element counts and the fp16/bf16 <-> fp32 conversions of the CPU reference.
+ *
+ * Entry points: dk_fail, dk_dtype_size, dk_dtype_name, dk_tensor_numel, dk_f16_to_f32,
+ * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16.
+ */
+#include "diffkv.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+dk_status
+dk_fail(dk_error *err, dk_status status, const char *fmt, ...)
+{
+    if (err != NULL) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+size_t
+dk_dtype_size(dk_dtype dtype)
+{
+    switch (dtype) {
+    case DK_F32:
+    case DK_I32:
+        return 4;
+    case DK_F16:
+    case DK_BF16:
+    case DK_I16:
+        return 2;
+    case DK_F64:
+    case DK_I64:
+        return 8;
+    case DK_U8:
+    case DK_BOOL:
+    case DK_I8:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+const char *
+dk_dtype_name(dk_dtype dtype)
+{
+    switch (dtype) {
+    case DK_F32:
+        return "float32";
+    case DK_F16:
+        return "float16";
+    case DK_BF16:
+        return "bfloat16";
+    case DK_F64:
+        return "float64";
+    case DK_I32:
+        return "int32";
+    case DK_I64:
+        return "int64";
+    case DK_U8:
+        return "uint8";
+    case DK_BOOL:
+        return "bool";
+    case DK_I8:
+        return "int8";
+    case DK_I16:
+        return "int16";
+    default:
+        return "unsupported dtype";
+    }
+}
+
+int64_t
+dk_tensor_numel(const dk_tensor *t)
+{
+    int64_t n = 1;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        n *= t->shape[i];
+    }
+    return n;
+}
+
+static uint32_t
+float_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static float
+bits_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+float
+dk_bf16_to_f32(uint16_t h)
+{
+    return bits_float((uint32_t)h << 16);
+}
+
+uint16_t
+dk_f32_to_bf16(float f)
+{
+    uint32_t u = float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        /* NaN: keep it a quiet NaN with the sign. */
+        return (uint16_t)((u >> 16) | 0x0040u);
+    }
+    /* Round to nearest, ties to even. */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float
+dk_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0) {
+        if (man == 0) {
+            return bits_float(sign);
+        }
+        /* Subnormal: value = man * 2^-24. */
+        float v = (float)man * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (exp == 31) {
+        return bits_float(sign | 0x7f800000u | (man << 13));
+    }
+    return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+uint16_t
+dk_f32_to_f16(float f)
+{
+    uint32_t u = float_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t absu = u & 0x7fffffffu;
+    if (absu > 0x7f800000u) {
+        return (uint16_t)(sign | 0x7e00u); /* NaN */
+    }
+    if (absu >= 0x477ff000u) {
+        /* >= 65520 rounds to infinity (65504 is the largest finite half). */
+        return (uint16_t)(sign | 0x7c00u);
+    }
+    if (absu < 0x38800000u) {
+        /* Below the smallest normal half (2^-14): subnormal or zero, rounded to even by
+         * letting the FPU do the scaling (exact for this range). */
+        float a = bits_float(absu) * 16777216.0f; /* units of 2^-24 */
+        uint32_t q = (uint32_t)a;
+        float rem = a - (float)q;
+        if (rem > 0.5f || (rem == 0.5f && (q & 1u))) {
+            q++;
+        }
+        return (uint16_t)(sign | q);
+    }
+    /* Normal: rebias the exponent and round the 13 dropped mantissa bits to even. */
+    uint32_t rounded = absu + 0xfffu + ((absu >> 13) & 1u);
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+}

@@ -1,0 +1,2203 @@
+/*
+ * module.c -- diffkv._C: the CPython binding (limited API, multi-phase init, module state).
+ *
+ * The only place that raises Python exceptions: every C routine returns a dk_status and a
+ * message, and the seed's validation rules are checked here (they judge Python objects: "is
+ * this exactly an int", reprs of identities) with the seed's exact texts.  Tensor arguments
+ * come in through the DLPack bridge (tensor.c); CPU tensors go to the C reference, CUDA tensors
+ * to the dk_cuda_* launchers on torch's current stream.
+ *
+ * Entry points: PyInit__C and the functions listed in `module_methods` (contract: _C.pyi).
+ */
+#include "bridge.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef DIFFKV_CUDA_ARCHS
+#define DIFFKV_CUDA_ARCHS ""
+#endif
+
+typedef struct {
+    dk_bridge bridge;
+    PyObject *cuda_error; /* diffkv.CudaError */
+} module_state;
+
+static module_state *
+state_of(PyObject *module)
+{
+    return (module_state *)PyModule_GetState(module);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Small helpers                                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *
+raise_status(PyObject *module, dk_status status, const dk_error *err)
+{
+    PyObject *type;
+    switch (status) {
+    case DK_ERR_TYPE:
+        type = PyExc_TypeError;
+        break;
+    case DK_ERR_CUDA:
+        type = state_of(module)->cuda_error;
+        break;
+    case DK_ERR_NO_CUDA:
+    case DK_ERR_RUNTIME:
+        type = PyExc_RuntimeError;
+        break;
+    case DK_ERR_NOMEM:
+        type = PyExc_MemoryError;
+        break;
+    default:
+        type = PyExc_ValueError;
+        break;
+    }
+    PyErr_SetString(type, err->msg);
+    return NULL;
+}
+
+static int
+check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", op, expected, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* An int argument of an internal call (bool is refused). */
+static int
+get_i64(PyObject *obj, const char *op, const char *arg, int64_t *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be an int, got %R", op, arg, obj);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow != 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must fit in int64, got %R", op, arg, obj);
+        return -1;
+    }
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* Python truth of `type(obj) is int`. */
+static int
+is_exact_int(PyObject *obj)
+{
+    return PyLong_CheckExact(obj);
+}
+
+/* For an exact int: -1, 0 or 1 as its sign.  Cannot fail. */
+static int
+int_sign(PyObject *obj)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow != 0) {
+        return overflow;
+    }
+    PyErr_Clear();
+    return v < 0 ? -1 : (v > 0 ? 1 : 0);
+}
+
+/* Clamped int64 value of an exact int (huge values saturate).  Cannot fail. */
+static int64_t
+int_saturated(PyObject *obj)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow > 0) {
+        return INT64_MAX;
+    }
+    if (overflow < 0) {
+        return INT64_MIN;
+    }
+    PyErr_Clear();
+    return (int64_t)v;
+}
+
+static PyObject *
+get_attr(PyObject *obj, const char *name)
+{
+    return PyObject_GetAttrString(obj, name);
+}
+
+/* An int64 attribute of a row (already validated by check_row). */
+static int
+row_i64(PyObject *row, const char *name, int64_t *out)
+{
+    PyObject *v = get_attr(row, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int rc = get_i64(v, "diffkv", name, out);
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject *
+as_tuple(PyObject *seq, const char *op, const char *arg)
+{
+    PyObject *t = PySequence_Tuple(seq);
+    if (t == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be a sequence, got %R", op, arg, seq);
+    }
+    return t;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tensor argument checks                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+static int
+tensor_arg(PyObject *module, PyObject *obj, const char *op, const char *arg, dk_tensor *t)
+{
+    return dk_bridge_tensor(&state_of(module)->bridge, obj, op, arg, t);
+}
+
+static int
+want_dtype(const dk_tensor *t, dk_dtype dtype, const char *op, const char *arg)
+{
+    if (t->dtype != dtype) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be %s, got %s", op, arg,
+                     dk_dtype_name(dtype), dk_dtype_name(t->dtype));
+        return -1;
+    }
+    return 0;
+}
+
+static int
+want_float(const dk_tensor *t, const char *op, const char *arg)
+{
+    if (t->dtype != DK_F32 && t->dtype != DK_F16 && t->dtype != DK_BF16) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be float32, float16 or bfloat16, got %s", op,
+                     arg, dk_dtype_name(t->dtype));
+        return -1;
+    }
+    return 0;
+}
+
+static int
+want_ndim(const dk_tensor *t, int ndim, const char *op, const char *arg)
+{
+    if (t->ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have %d dimensions, got %d", op, arg, ndim,
+                     (int)t->ndim);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+want_cpu(const dk_tensor *t, const char *op, const char *arg)
+{
+    if (t->device_type != DK_CPU) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be a CPU tensor, got cuda:%d", op, arg,
+                     (int)t->device_id);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+same_device(const dk_tensor *ref, const dk_tensor *t, const char *op, const char *arg)
+{
+    if (t->device_type != ref->device_type || t->device_id != ref->device_id) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): %s must be on the same device as the other tensors (%s:%d), got %s:%d",
+                     op, arg, ref->device_type == DK_CUDA ? "cuda" : "cpu", (int)ref->device_id,
+                     t->device_type == DK_CUDA ? "cuda" : "cpu", (int)t->device_id);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+want_contiguous_1d(const dk_tensor *t, const char *op, const char *arg)
+{
+    if (t->ndim != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must be 1-D, got %d dimensions", op, arg,
+                     (int)t->ndim);
+        return -1;
+    }
+    if (t->shape[0] > 1 && t->strides[0] != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must be contiguous, got stride %lld", op, arg,
+                     (long long)t->strides[0]);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg)
+{
+    if (t->shape[0] < n) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have at least %lld entries, got %lld", op,
+                     arg, (long long)n, (long long)t->shape[0]);
+        return -1;
+    }
+    return 0;
+}
+
+/* Runs a launcher with the tensor's device current and torch's current stream. */
+typedef dk_status (*cuda_launcher)(const void *args, void *stream, dk_error *err);
+
+static int
+run_cuda(PyObject *module, PyObject *tensor_obj, int32_t device, cuda_launcher launch,
+         const void *args)
+{
+    dk_error err = {{0}};
+    if (!dk_cuda_compiled()) {
+        dk_status s = launch(args, NULL, &err); /* the CPU-only stub explains how to rebuild */
+        raise_status(module, s, &err);
+        return -1;
+    }
+    void *stream = NULL;
+    if (dk_bridge_stream(&state_of(module)->bridge, tensor_obj, device, &stream) != 0) {
+        return -1;
+    }
+    int32_t prev = 0;
+    dk_status s = dk_cuda_device_enter(device, &prev, &err);
+    if (s == DK_OK) {
+        s = launch(args, stream, &err);
+        dk_cuda_device_exit(prev);
+    }
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
+static dk_status
+launch_slots(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_slots((const dk_slots_args *)a, stream, err);
+}
+
+static dk_status
+launch_kv_write(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_kv_write((const dk_kv_write_args *)a, stream, err);
+}
+
+static dk_status
+launch_attention(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_attention((const dk_attention_args *)a, stream, err);
+}
+
+static dk_status
+launch_rows_gather(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_rows_gather((const dk_rows_args *)a, stream, err);
+}
+
+static dk_status
+launch_rows_scatter(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_rows_scatter((const dk_rows_args *)a, stream, err);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Module / bridge functions                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *
+py_configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("configure", nargs, 2) != 0) {
+        return NULL;
+    }
+    module_state *st = state_of(module);
+    Py_CLEAR(st->bridge.to_dlpack);
+    Py_CLEAR(st->bridge.stream_getter);
+    st->bridge.to_dlpack = args[0] == Py_None ? NULL : Py_NewRef(args[0]);
+    st->bridge.stream_getter = args[1] == Py_None ? NULL : Py_NewRef(args[1]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_set_bridge_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("set_bridge_path", nargs, 1) != 0) {
+        return NULL;
+    }
+    const char *path = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
+    if (path == NULL || (strcmp(path, "auto") != 0 && strcmp(path, "capsule") != 0)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "set_bridge_path(): path must be 'auto' or 'capsule', got %R",
+                     args[0]);
+        return NULL;
+    }
+    state_of(module)->bridge.force_capsule = strcmp(path, "capsule") == 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_bridge_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("bridge_path", nargs, 1) != 0) {
+        return NULL;
+    }
+    int rc = dk_bridge_uses_exchange(&state_of(module)->bridge, args[0]);
+    if (rc < 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(rc ? "exchange" : "capsule");
+}
+
+static PyObject *
+int_tuple(const int64_t *v, int n)
+{
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong((long long)v[i]);
+        if (x == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SetItem(t, i, x);
+    }
+    return t;
+}
+
+static PyObject *
+py_tensor_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("tensor_info", nargs, 1) != 0) {
+        return NULL;
+    }
+    dk_tensor t;
+    if (tensor_arg(module, args[0], "tensor_info", "tensor", &t) != 0) {
+        return NULL;
+    }
+    int exchange = dk_bridge_uses_exchange(&state_of(module)->bridge, args[0]);
+    if (exchange < 0) {
+        return NULL;
+    }
+    PyObject *shape = int_tuple(t.shape, t.ndim);
+    PyObject *strides = shape == NULL ? NULL : int_tuple(t.strides, t.ndim);
+    if (strides == NULL) {
+        Py_XDECREF(shape);
+        return NULL;
+    }
+    return Py_BuildValue("{s:K,s:s,s:s,s:i,s:N,s:N,s:s}", "data_ptr",
+                         (unsigned long long)(uintptr_t)t.data, "dtype", dk_dtype_name(t.dtype),
+                         "device_type", t.device_type == DK_CUDA ? "cuda" : "cpu", "device_id",
+                         (int)t.device_id, "shape", shape, "strides", strides, "path",
+                         exchange ? "exchange" : "capsule");
+}
+
+static PyObject *
+py_bridge_noop4(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("bridge_noop4", nargs, 4) != 0) {
+        return NULL;
+    }
+    static const char *names[4] = {"a", "b", "c", "d"};
+    dk_tensor t[4];
+    for (int i = 0; i < 4; i++) {
+        if (tensor_arg(module, args[i], "bridge_noop4", names[i], &t[i]) != 0) {
+            return NULL;
+        }
+    }
+    if (t[0].device_type == DK_CUDA) {
+        void *stream = NULL;
+        if (dk_bridge_stream(&state_of(module)->bridge, args[0], t[0].device_id, &stream) != 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_cuda_compiled(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (check_nargs("cuda_compiled", nargs, 0) != 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(dk_cuda_compiled());
+}
+
+static PyObject *
+py_build_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (check_nargs("build_info", nargs, 0) != 0) {
+        return NULL;
+    }
+    int compiled = dk_cuda_compiled();
+    return Py_BuildValue("{s:O,s:i,s:i,s:s,s:s}", "cuda_compiled", compiled ? Py_True : Py_False,
+                         "cuda_runtime_version", dk_cuda_runtime_version(), "device_count",
+                         compiled ? dk_cuda_device_count() : 0, "archs", DIFFKV_CUDA_ARCHS,
+                         "limited_api", "cp310-abi3");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rows, metadata, layer heads (the seed's rules R*, M*, L*)                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *
+value_error(const char *msg)
+{
+    PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
+}
+
+static PyObject *
+py_check_row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_row", nargs, 6) != 0) {
+        return NULL;
+    }
+    PyObject *request_id = args[0], *query_len = args[1], *seq_len = args[2];
+    PyObject *kv_start_pos = args[3], *sequence_id = args[4], *context_id = args[5];
+
+    if (!PyUnicode_CheckExact(request_id) || PyUnicode_GetLength(request_id) == 0) {
+        return value_error("Paged attention request_id must be a non-empty string");
+    }
+    if ((sequence_id == Py_None) == (context_id == Py_None)) {
+        return value_error("Paged attention row requires exactly one of sequence_id or context_id");
+    }
+    if (sequence_id != Py_None && (!is_exact_int(sequence_id) || int_sign(sequence_id) < 0)) {
+        return value_error("Paged attention sequence_id must be a non-negative integer");
+    }
+    if (context_id != Py_None &&
+        (!PyUnicode_CheckExact(context_id) || PyUnicode_GetLength(context_id) == 0)) {
+        return value_error("Paged attention context_id must be a non-empty string");
+    }
+    if (!is_exact_int(query_len) || int_sign(query_len) <= 0) {
+        return value_error("Paged attention query_len must be a positive integer");
+    }
+    if (!is_exact_int(seq_len) || int_sign(seq_len) <= 0) {
+        return value_error("Paged attention seq_len must be a positive integer");
+    }
+    if (!is_exact_int(kv_start_pos) || int_sign(kv_start_pos) < 0) {
+        return value_error("Paged attention kv_start_pos must be a non-negative integer");
+    }
+    /* Exact Python arithmetic: the seed accepts any int, however large. */
+    PyObject *end = PyNumber_Add(kv_start_pos, query_len);
+    if (end == NULL) {
+        return NULL;
+    }
+    int over = PyObject_RichCompareBool(end, seq_len, Py_GT);
+    Py_DECREF(end);
+    if (over < 0) {
+        return NULL;
+    }
+    if (over) {
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention write span exceeds seq_len: start=%S, query_len=%S, "
+                     "seq_len=%S",
+                     kv_start_pos, query_len, seq_len);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* tuple(row.identity for row in rows) */
+static PyObject *
+identities_of(PyObject *rows)
+{
+    PyObject *t = as_tuple(rows, "diffkv", "rows");
+    if (t == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(t);
+    PyObject *ids = PyTuple_New(n);
+    if (ids == NULL) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = get_attr(PyTuple_GetItem(t, i), "identity");
+        if (id == NULL) {
+            Py_DECREF(t);
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyTuple_SetItem(ids, i, id);
+    }
+    Py_DECREF(t);
+    return ids;
+}
+
+static PyObject *
+py_check_metadata(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_metadata", nargs, 2) != 0) {
+        return NULL;
+    }
+    int a = PyObject_IsTrue(args[0]);
+    int b = a < 0 ? -1 : PyObject_IsTrue(args[1]);
+    if (a < 0 || b < 0) {
+        return NULL;
+    }
+    if (!a || !b) {
+        return value_error("Paged attention metadata requires both prefill and denoise rows");
+    }
+    PyObject *pre = identities_of(args[0]);
+    PyObject *den = pre == NULL ? NULL : identities_of(args[1]);
+    if (den == NULL) {
+        Py_XDECREF(pre);
+        return NULL;
+    }
+    int differ = PyObject_RichCompareBool(pre, den, Py_NE);
+    if (differ > 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention prefill and denoise rows must use the same ordered "
+                     "identities: prefill=%R, denoise=%R",
+                     pre, den);
+    }
+    Py_DECREF(pre);
+    Py_DECREF(den);
+    if (differ != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_check_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_step", nargs, 1) != 0) {
+        return NULL;
+    }
+    if (!is_exact_int(args[0]) || int_sign(args[0]) < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention requires a non-negative denoise step index, got %R",
+                     args[0]);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1 when a % b != 0 (Python semantics), -1 on error. */
+static int
+py_not_divisible(PyObject *a, PyObject *b)
+{
+    PyObject *r = PyNumber_Remainder(a, b);
+    if (r == NULL) {
+        return -1;
+    }
+    int nz = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return nz;
+}
+
+static PyObject *
+py_check_layer_heads(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_layer_heads", nargs, 3) != 0) {
+        return NULL;
+    }
+    PyObject *u = args[0], *h = args[1], *hkv = args[2];
+    if (!is_exact_int(u) || int_sign(u) <= 0) {
+        PyErr_Format(PyExc_ValueError, "ulysses_degree must be a positive integer, got %R", u);
+        return NULL;
+    }
+    if (!PyLong_Check(h) || !PyLong_Check(hkv)) {
+        PyErr_SetString(PyExc_TypeError, "check_layer_heads(): num_heads and num_kv_heads must be ints");
+        return NULL;
+    }
+    int bad = int_sign(h) <= 0 || int_sign(hkv) <= 0;
+    if (!bad) {
+        bad = py_not_divisible(h, hkv);
+        if (bad < 0) {
+            return NULL;
+        }
+    }
+    if (bad) {
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention requires positive Q/KV heads with num_heads divisible by "
+                     "num_kv_heads: num_heads=%S, num_kv_heads=%S",
+                     h, hkv);
+        return NULL;
+    }
+    int bad_h = py_not_divisible(h, u);
+    int bad_kv = bad_h < 0 ? -1 : py_not_divisible(hkv, u);
+    if (bad_h < 0 || bad_kv < 0) {
+        return NULL;
+    }
+    if (bad_h || bad_kv) {
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention requires Q/KV heads divisible by ulysses_degree: "
+                     "num_heads=%S, num_kv_heads=%S, ulysses_degree=%S",
+                     h, hkv, u);
+        return NULL;
+    }
+    PyObject *lh = PyNumber_FloorDivide(h, u);
+    PyObject *lkv = lh == NULL ? NULL : PyNumber_FloorDivide(hkv, u);
+    if (lkv == NULL) {
+        Py_XDECREF(lh);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", lh, lkv);
+}
+
+static PyObject *
+py_check_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_head_sizes", nargs, 2) != 0) {
+        return NULL;
+    }
+    int ne = PyObject_RichCompareBool(args[1], args[0], Py_NE);
+    if (ne < 0) {
+        return NULL;
+    }
+    if (ne) {
+        PyErr_Format(PyExc_ValueError,
+                     "Diffusion native paged attention requires equal key/value head sizes; got "
+                     "head_size=%S, head_size_v=%S",
+                     args[0], args[1]);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* prepare_batch (P1..P11)                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *
+py_check_batch_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("check_batch_rows", nargs, 3) != 0) {
+        return NULL;
+    }
+    PyObject *rows = args[0];
+    Py_ssize_t n = PyObject_Length(rows);
+    if (n < 0) {
+        return NULL;
+    }
+    if (n == 0) {
+        return value_error("Paged attention batch must contain at least one row");
+    }
+    int active = PyObject_IsTrue(args[1]);
+    if (active < 0) {
+        return NULL;
+    }
+    if (active) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "Cannot prepare paged attention metadata during an active forward");
+        return NULL;
+    }
+    PyObject *nlen = PyLong_FromSsize_t(n);
+    if (nlen == NULL) {
+        return NULL;
+    }
+    int over = PyObject_RichCompareBool(nlen, args[2], Py_GT);
+    Py_DECREF(nlen);
+    if (over < 0) {
+        return NULL;
+    }
+    if (over) {
+        PyErr_Format(PyExc_ValueError, "Paged attention batch has %zd rows; Worker capacity is %S",
+                     n, args[2]);
+        return NULL;
+    }
+    PyObject *ids = identities_of(rows);
+    if (ids == NULL) {
+        return NULL;
+    }
+    PyObject *set = PySet_New(ids);
+    Py_ssize_t unique = set == NULL ? -1 : PySet_Size(set);
+    Py_XDECREF(set);
+    Py_DECREF(ids);
+    if (unique < 0) {
+        return NULL;
+    }
+    if (unique != n) {
+        return value_error("Paged attention batch contains duplicate row identities");
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+i64_list(PyObject *seq, const char *op, const char *arg, int64_t **out, Py_ssize_t *n)
+{
+    PyObject *t = as_tuple(seq, op, arg);
+    if (t == NULL) {
+        return -1;
+    }
+    *n = PyTuple_Size(t);
+    *out = (int64_t *)calloc((size_t)(*n > 0 ? *n : 1), sizeof(int64_t));
+    if (*out == NULL) {
+        Py_DECREF(t);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        PyObject *item = PyTuple_GetItem(t, i);
+        if (!PyLong_Check(item)) {
+            /* vLLM's block_sizes can be numpy ints: take anything with __index__. */
+            PyObject *idx = PyNumber_Index(item);
+            if (idx == NULL) {
+                Py_DECREF(t);
+                free(*out);
+                *out = NULL;
+                return -1;
+            }
+            int rc = get_i64(idx, op, arg, &(*out)[i]);
+            Py_DECREF(idx);
+            if (rc != 0) {
+                Py_DECREF(t);
+                free(*out);
+                *out = NULL;
+                return -1;
+            }
+            continue;
+        }
+        if (get_i64(item, op, arg, &(*out)[i]) != 0) {
+            Py_DECREF(t);
+            free(*out);
+            *out = NULL;
+            return -1;
+        }
+    }
+    Py_DECREF(t);
+    return 0;
+}
+
+static PyObject *
+py_check_batch_bindings(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "check_batch_bindings";
+    if (check_nargs(op, nargs, 10) != 0) {
+        return NULL;
+    }
+    PyObject *rows = NULL, *bindings = NULL, *row_index_objs = NULL, *capacity_objs = NULL;
+    PyObject *result = NULL;
+    int64_t *query_lens = NULL, *seq_lens = NULL, *row_indices = NULL, *capacities = NULL;
+    uint8_t *row_is_int = NULL, *cap_is_int = NULL;
+    int64_t *block_sizes = NULL, *multipliers = NULL;
+    Py_ssize_t num_groups = 0, num_mult = 0;
+
+    rows = as_tuple(args[0], op, "rows");
+    bindings = rows == NULL ? NULL : as_tuple(args[1], op, "bindings");
+    if (bindings == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PyTuple_Size(rows);
+    if (PyTuple_Size(bindings) != n) {
+        PyErr_Format(PyExc_ValueError, "%s(): bindings must have one entry per row (%zd), got %zd",
+                     op, n, PyTuple_Size(bindings));
+        goto done;
+    }
+    row_index_objs = PyTuple_New(n);
+    capacity_objs = row_index_objs == NULL ? NULL : PyTuple_New(n);
+    size_t cnt = (size_t)(n > 0 ? n : 1);
+    query_lens = (int64_t *)calloc(cnt, sizeof(int64_t));
+    seq_lens = (int64_t *)calloc(cnt, sizeof(int64_t));
+    row_indices = (int64_t *)calloc(cnt, sizeof(int64_t));
+    capacities = (int64_t *)calloc(cnt, sizeof(int64_t));
+    row_is_int = (uint8_t *)calloc(cnt, 1);
+    cap_is_int = (uint8_t *)calloc(cnt, 1);
+    if (capacity_objs == NULL || !query_lens || !seq_lens || !row_indices || !capacities ||
+        !row_is_int || !cap_is_int) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyTuple_GetItem(rows, i);
+        PyObject *binding = PyTuple_GetItem(bindings, i);
+        if (row_i64(row, "query_len", &query_lens[i]) != 0 ||
+            row_i64(row, "seq_len", &seq_lens[i]) != 0) {
+            goto done;
+        }
+        PyObject *ri = get_attr(binding, "row_index");
+        if (ri == NULL) {
+            goto done;
+        }
+        PyTuple_SetItem(row_index_objs, i, ri);
+        row_is_int[i] = (uint8_t)is_exact_int(ri);
+        row_indices[i] = row_is_int[i] ? int_saturated(ri) : -1;
+        PyObject *cap = get_attr(binding, "max_seq_len");
+        if (cap == NULL) {
+            goto done;
+        }
+        PyTuple_SetItem(capacity_objs, i, cap);
+        cap_is_int[i] = (uint8_t)is_exact_int(cap);
+        capacities[i] = cap_is_int[i] ? int_saturated(cap) : -1;
+    }
+    /* P5: Python set semantics over whatever the resolver returned. */
+    {
+        PyObject *set = PySet_New(row_index_objs);
+        if (set == NULL) {
+            goto done;
+        }
+        Py_ssize_t unique = PySet_Size(set);
+        Py_DECREF(set);
+        if (unique != n) {
+            value_error("Paged attention batch resolves multiple inputs to the same Worker row");
+            goto done;
+        }
+    }
+    int64_t threshold = -1, max_reqs = 0, max_tokens = 0, cp_size = 0;
+    int has_threshold = args[2] != Py_None;
+    if (has_threshold && get_i64(args[2], op, "reorder_threshold", &threshold) != 0) {
+        goto done;
+    }
+    int any_causal = PyObject_IsTrue(args[3]);
+    if (any_causal < 0 || get_i64(args[4], op, "max_num_reqs", &max_reqs) != 0 ||
+        get_i64(args[5], op, "max_num_batched_tokens", &max_tokens) != 0 ||
+        i64_list(args[6], op, "block_sizes", &block_sizes, &num_groups) != 0 ||
+        i64_list(args[7], op, "blocks_per_kv_block", &multipliers, &num_mult) != 0 ||
+        get_i64(args[8], op, "cp_size", &cp_size) != 0) {
+        goto done;
+    }
+    if (num_mult != num_groups) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): blocks_per_kv_block must have one entry per cache group (%zd), got %zd",
+                     op, num_groups, num_mult);
+        goto done;
+    }
+    for (Py_ssize_t g = 0; g < num_groups; g++) {
+        if (block_sizes[g] <= 0 || multipliers[g] <= 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): block sizes and blocks_per_kv_block must be positive, got %lld and "
+                         "%lld for group %zd",
+                         op, (long long)block_sizes[g], (long long)multipliers[g], g);
+            goto done;
+        }
+    }
+    if (cp_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): cp_size must be positive, got %lld", op,
+                     (long long)cp_size);
+        goto done;
+    }
+    if (has_threshold && threshold < 0) {
+        /* A negative threshold makes every row "long": no ordering can be violated. */
+        has_threshold = 0;
+    }
+    dk_tensor nb;
+    if (tensor_arg(module, args[9], op, "num_blocks", &nb) != 0 ||
+        want_cpu(&nb, op, "num_blocks") != 0 || want_ndim(&nb, 2, op, "num_blocks") != 0) {
+        goto done;
+    }
+    if (nb.dtype != DK_I32 && nb.dtype != DK_I64) {
+        PyErr_Format(PyExc_TypeError, "%s(): num_blocks must be int32 or int64, got %s", op,
+                     dk_dtype_name(nb.dtype));
+        goto done;
+    }
+    if (nb.shape[0] < num_groups || nb.shape[1] < max_reqs) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): num_blocks must have shape [>= %zd groups, >= %lld rows], got [%lld, "
+                     "%lld]",
+                     op, num_groups, (long long)max_reqs, (long long)nb.shape[0],
+                     (long long)nb.shape[1]);
+        goto done;
+    }
+    dk_batch_check_args ca = {
+        .num_rows = n,
+        .query_lens = query_lens,
+        .seq_lens = seq_lens,
+        .row_indices = row_indices,
+        .row_index_is_int = row_is_int,
+        .capacities = capacities,
+        .capacity_is_int = cap_is_int,
+        .reorder_threshold = has_threshold ? threshold : -1,
+        .any_causal = any_causal,
+        .max_num_reqs = max_reqs,
+        .max_num_batched_tokens = max_tokens,
+        .num_groups = num_groups,
+        .block_sizes = block_sizes,
+        .blocks_per_kv_block = multipliers,
+        .cp_size = cp_size,
+        .num_blocks = nb.data,
+        .num_blocks_dtype = nb.dtype,
+        .num_blocks_stride_group = nb.strides[0],
+        .num_blocks_stride_row = nb.strides[1],
+    };
+    dk_batch_fault fault;
+    memset(&fault, 0, sizeof(fault));
+    dk_error err = {{0}};
+    dk_status s = dk_batch_check(&ca, &fault, &err);
+    if (s == DK_OK && fault.rule == DK_BATCH_OK) {
+        result = PyLong_FromLongLong((long long)fault.num_tokens);
+        goto done;
+    }
+    PyObject *row = fault.row >= 0 && fault.row < n ? PyTuple_GetItem(rows, fault.row) : NULL;
+    PyObject *identity = row == NULL ? NULL : get_attr(row, "identity");
+    if (row != NULL && identity == NULL) {
+        goto done;
+    }
+    switch (fault.rule) {
+    case DK_BATCH_P5_DUP_WORKER_ROW:
+        value_error("Paged attention batch resolves multiple inputs to the same Worker row");
+        break;
+    case DK_BATCH_P6_BAD_CAPACITY:
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention row %R resolved to invalid logical capacity %R", identity,
+                     PyTuple_GetItem(capacity_objs, fault.row));
+        break;
+    case DK_BATCH_P7_SEQ_LEN_OVER_CAPACITY:
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention row %R uses seq_len=%lld, but its installed allocation has "
+                     "logical length %S",
+                     identity, (long long)seq_lens[fault.row],
+                     PyTuple_GetItem(capacity_objs, fault.row));
+        break;
+    case DK_BATCH_P8_ORDER:
+        PyErr_Format(PyExc_ValueError,
+                     "Causal paged attention rows must place native decode/short-query rows "
+                     "before prefill/long-query rows (decode threshold=%S)",
+                     args[2]);
+        break;
+    case DK_BATCH_P9_BAD_WORKER_ROW:
+        PyErr_Format(PyExc_ValueError, "Paged attention row %R resolved to invalid Worker row %R",
+                     identity, PyTuple_GetItem(row_index_objs, fault.row));
+        break;
+    case DK_BATCH_P10_TOO_FEW_BLOCKS:
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention row %R requires %lld blocks in cache group %lld for "
+                     "seq_len=%lld, but its installed Worker row contains only %lld blocks",
+                     identity, (long long)fault.required_blocks, (long long)fault.group,
+                     (long long)seq_lens[fault.row], (long long)fault.installed_blocks);
+        break;
+    case DK_BATCH_P11_TOO_MANY_TOKENS:
+        PyErr_Format(PyExc_ValueError, "Paged attention batch has %lld tokens; Worker capacity is %S",
+                     (long long)fault.num_tokens, args[5]);
+        break;
+    default:
+        raise_status(module, s == DK_OK ? DK_ERR_VALUE : s, &err);
+        break;
+    }
+    Py_XDECREF(identity);
+
+done:
+    Py_XDECREF(rows);
+    Py_XDECREF(bindings);
+    Py_XDECREF(row_index_objs);
+    Py_XDECREF(capacity_objs);
+    free(query_lens);
+    free(seq_lens);
+    free(row_indices);
+    free(capacities);
+    free(row_is_int);
+    free(cap_is_int);
+    free(block_sizes);
+    free(multipliers);
+    return result;
+}
+
+static int
+cpu_i32_1d(PyObject *module, PyObject *obj, const char *op, const char *arg, int64_t n,
+           dk_tensor *t)
+{
+    if (tensor_arg(module, obj, op, arg, t) != 0 || want_cpu(t, op, arg) != 0 ||
+        want_dtype(t, DK_I32, op, arg) != 0 || want_contiguous_1d(t, op, arg) != 0 ||
+        want_min_len(t, n, op, arg) != 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "build_batch";
+    if (check_nargs(op, nargs, 6) != 0) {
+        return NULL;
+    }
+    PyObject *rows = as_tuple(args[0], op, "rows");
+    if (rows == NULL) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t *kv_start = NULL, *ri = NULL;
+    Py_ssize_t n = PyTuple_Size(rows), nri = 0;
+    if (i64_list(args[1], op, "row_indices", &ri, &nri) != 0) {
+        goto done;
+    }
+    if (nri != n) {
+        PyErr_Format(PyExc_ValueError, "%s(): row_indices must have %zd entries, got %zd", op, n, nri);
+        goto done;
+    }
+    dk_tensor t_ri, t_qsl, t_sl, t_pos;
+    if (cpu_i32_1d(module, args[2], op, "row_indices_out", n, &t_ri) != 0 ||
+        cpu_i32_1d(module, args[3], op, "query_start_loc_out", n + 1, &t_qsl) != 0 ||
+        cpu_i32_1d(module, args[4], op, "seq_lens_out", n, &t_sl) != 0) {
+        goto done;
+    }
+    kv_start = (int64_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
+    if (kv_start == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int32_t *qsl = (int32_t *)t_qsl.data;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyTuple_GetItem(rows, i);
+        int64_t q = 0, s = 0;
+        if (row_i64(row, "query_len", &q) != 0 || row_i64(row, "seq_len", &s) != 0 ||
+            row_i64(row, "kv_start_pos", &kv_start[i]) != 0) {
+            goto done;
+        }
+        if (s > INT32_MAX || total + q > INT32_MAX || ri[i] < INT32_MIN || ri[i] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): row %zd must fit int32 metadata (seq_len %lld, tokens so far "
+                         "%lld, row index %lld)",
+                         op, i, (long long)s, (long long)total, (long long)ri[i]);
+            goto done;
+        }
+        qsl[i] = (int32_t)total;
+        total += q;
+        ((int32_t *)t_sl.data)[i] = (int32_t)s;
+        ((int32_t *)t_ri.data)[i] = (int32_t)ri[i];
+    }
+    qsl[n] = (int32_t)total;
+    if (tensor_arg(module, args[5], op, "positions_out", &t_pos) != 0 ||
+        want_cpu(&t_pos, op, "positions_out") != 0 ||
+        want_dtype(&t_pos, DK_I64, op, "positions_out") != 0 ||
+        want_contiguous_1d(&t_pos, op, "positions_out") != 0 ||
+        want_min_len(&t_pos, total, op, "positions_out") != 0) {
+        goto done;
+    }
+    dk_positions_build(kv_start, qsl, n, (int64_t *)t_pos.data);
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(rows);
+    free(kv_start);
+    free(ri);
+    return result;
+}
+
+static PyObject *
+py_dcp_local_seq_lens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "dcp_local_seq_lens";
+    if (check_nargs(op, nargs, 5) != 0) {
+        return NULL;
+    }
+    dk_tensor sl, out;
+    int64_t c = 0, r = 0, il = 0;
+    if (tensor_arg(module, args[0], op, "seq_lens", &sl) != 0 || want_cpu(&sl, op, "seq_lens") ||
+        want_dtype(&sl, DK_I32, op, "seq_lens") || want_contiguous_1d(&sl, op, "seq_lens") ||
+        cpu_i32_1d(module, args[1], op, "out", sl.shape[0], &out) != 0 ||
+        get_i64(args[2], op, "cp_size", &c) || get_i64(args[3], op, "cp_rank", &r) ||
+        get_i64(args[4], op, "cp_interleave", &il)) {
+        return NULL;
+    }
+    if (c < 1 || r < 0 || r >= c || il < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): cp_size must be >= 1, cp_rank in [0, cp_size) and cp_interleave >= 1, "
+                     "got %lld, %lld, %lld",
+                     op, (long long)c, (long long)r, (long long)il);
+        return NULL;
+    }
+    dk_dcp_local_seq_lens((const int32_t *)sl.data, sl.shape[0], c, r, il, (int32_t *)out.data);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Block tables and the pool                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static int
+cpu_i32_2d(PyObject *module, PyObject *obj, const char *op, const char *arg, dk_tensor *t)
+{
+    if (tensor_arg(module, obj, op, arg, t) != 0 || want_cpu(t, op, arg) != 0 ||
+        want_dtype(t, DK_I32, op, arg) != 0 || want_ndim(t, 2, op, arg) != 0) {
+        return -1;
+    }
+    if (t->shape[1] > 1 && t->strides[1] != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have unit column stride, got %lld", op, arg,
+                     (long long)t->strides[1]);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_table_append(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "BlockTables.append_block_ids";
+    if (check_nargs(op, nargs, 7) != 0) {
+        return NULL;
+    }
+    dk_tensor table, counts;
+    int64_t row = 0, k = 0, nk = 0;
+    if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
+        tensor_arg(module, args[1], op, "counts", &counts) != 0 || want_cpu(&counts, op, "counts") ||
+        want_dtype(&counts, DK_I32, op, "counts") || want_ndim(&counts, 1, op, "counts") ||
+        want_min_len(&counts, table.shape[0], op, "counts") ||
+        get_i64(args[2], op, "row", &row) || get_i64(args[4], op, "blocks_per_kv_block", &k) ||
+        get_i64(args[5], op, "num_kernel_blocks", &nk)) {
+        return NULL;
+    }
+    int overwrite = PyObject_IsTrue(args[6]);
+    if (overwrite < 0) {
+        return NULL;
+    }
+    int64_t *ids = NULL;
+    Py_ssize_t n = 0;
+    if (i64_list(args[3], op, "block_ids", &ids, &n) != 0) {
+        return NULL;
+    }
+    dk_table_append_args a = {
+        .table = (int32_t *)table.data,
+        .table_stride_row = table.strides[0],
+        .table_rows = table.shape[0],
+        .table_cols = table.shape[1],
+        .counts = (int32_t *)counts.data,
+        .counts_stride = counts.strides[0],
+        .row = row,
+        .block_ids = ids,
+        .n = n,
+        .blocks_per_kv_block = k,
+        .num_kernel_blocks = nk,
+        .overwrite = overwrite,
+    };
+    dk_error err = {{0}};
+    dk_status s = dk_table_append(&a, &err);
+    free(ids);
+    if (s != DK_OK) {
+        return raise_status(module, s, &err);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_gather_block_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "BlockTables.gather_block_tables";
+    if (check_nargs(op, nargs, 5) != 0) {
+        return NULL;
+    }
+    dk_tensor table, counts, ri, out;
+    int64_t padded = 0;
+    if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
+        tensor_arg(module, args[1], op, "counts", &counts) != 0 || want_cpu(&counts, op, "counts") ||
+        want_dtype(&counts, DK_I32, op, "counts") || want_ndim(&counts, 1, op, "counts") ||
+        want_min_len(&counts, table.shape[0], op, "counts") ||
+        tensor_arg(module, args[2], op, "row_indices", &ri) != 0 ||
+        want_cpu(&ri, op, "row_indices") || want_dtype(&ri, DK_I32, op, "row_indices") ||
+        want_contiguous_1d(&ri, op, "row_indices") ||
+        cpu_i32_2d(module, args[3], op, "out", &out) != 0 ||
+        get_i64(args[4], op, "num_reqs_padded", &padded)) {
+        return NULL;
+    }
+    if (out.shape[1] != table.shape[1]) {
+        PyErr_Format(PyExc_ValueError, "%s(): out must have %lld columns, got %lld", op,
+                     (long long)table.shape[1], (long long)out.shape[1]);
+        return NULL;
+    }
+    dk_gather_args a = {
+        .table = (const int32_t *)table.data,
+        .table_stride_row = table.strides[0],
+        .table_rows = table.shape[0],
+        .table_cols = table.shape[1],
+        .counts = (const int32_t *)counts.data,
+        .counts_stride = counts.strides[0],
+        .row_indices = (const int32_t *)ri.data,
+        .num_rows = ri.shape[0],
+        .out = (int32_t *)out.data,
+        .out_stride_row = out.strides[0],
+        .out_rows = out.shape[0],
+        .num_reqs_padded = padded,
+    };
+    dk_error err = {{0}};
+    dk_status s = dk_ref_gather_block_tables(&a, &err);
+    if (s != DK_OK) {
+        return raise_status(module, s, &err);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "BlockTables.compute_slot_mappings";
+    if (check_nargs(op, nargs, 11) != 0) {
+        return NULL;
+    }
+    dk_tensor table, ri, qsl, pos, out;
+    int64_t num_tokens = 0, padded = 0, bs = 0, c = 0, r = 0, il = 0;
+    if (tensor_arg(module, args[0], op, "table", &table) != 0 ||
+        want_dtype(&table, DK_I32, op, "table") || want_ndim(&table, 2, op, "table") ||
+        tensor_arg(module, args[1], op, "row_indices", &ri) != 0 ||
+        want_dtype(&ri, DK_I32, op, "row_indices") || want_contiguous_1d(&ri, op, "row_indices") ||
+        same_device(&table, &ri, op, "row_indices") ||
+        tensor_arg(module, args[2], op, "query_start_loc", &qsl) != 0 ||
+        want_dtype(&qsl, DK_I32, op, "query_start_loc") ||
+        want_contiguous_1d(&qsl, op, "query_start_loc") ||
+        want_min_len(&qsl, ri.shape[0] + 1, op, "query_start_loc") ||
+        same_device(&table, &qsl, op, "query_start_loc") ||
+        tensor_arg(module, args[3], op, "positions", &pos) != 0 ||
+        want_dtype(&pos, DK_I64, op, "positions") || want_contiguous_1d(&pos, op, "positions") ||
+        same_device(&table, &pos, op, "positions") ||
+        tensor_arg(module, args[4], op, "out", &out) != 0 || want_dtype(&out, DK_I64, op, "out") ||
+        want_ndim(&out, 1, op, "out") || same_device(&table, &out, op, "out") ||
+        get_i64(args[5], op, "num_tokens", &num_tokens) ||
+        get_i64(args[6], op, "num_tokens_padded", &padded) ||
+        get_i64(args[7], op, "block_size", &bs) || get_i64(args[8], op, "cp_size", &c) ||
+        get_i64(args[9], op, "cp_rank", &r) || get_i64(args[10], op, "cp_interleave", &il)) {
+        return NULL;
+    }
+    if (table.shape[1] > 1 && table.strides[1] != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): table must have unit column stride", op);
+        return NULL;
+    }
+    if (num_tokens < 0 || padded < num_tokens || pos.shape[0] < num_tokens ||
+        out.shape[0] < padded) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): need 0 <= num_tokens (%lld) <= num_tokens_padded (%lld), positions "
+                     "with >= num_tokens entries (%lld) and out with >= num_tokens_padded entries "
+                     "(%lld)",
+                     op, (long long)num_tokens, (long long)padded, (long long)pos.shape[0],
+                     (long long)out.shape[0]);
+        return NULL;
+    }
+    if (bs < 1 || c < 1 || r < 0 || r >= c || il < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): block_size >= 1, cp_size >= 1, cp_rank in [0, cp_size) and "
+                     "cp_interleave >= 1 required, got %lld, %lld, %lld, %lld",
+                     op, (long long)bs, (long long)c, (long long)r, (long long)il);
+        return NULL;
+    }
+    dk_slots_args a = {
+        .block_table = (const int32_t *)table.data,
+        .bt_stride_row = table.strides[0],
+        .table_rows = table.shape[0],
+        .table_cols = table.shape[1],
+        .row_indices = (const int32_t *)ri.data,
+        .query_start_loc = (const int32_t *)qsl.data,
+        .positions = (const int64_t *)pos.data,
+        .slot_mapping = (int64_t *)out.data,
+        .slot_stride = out.strides[0],
+        .num_rows = ri.shape[0],
+        .num_tokens = num_tokens,
+        .num_tokens_padded = padded,
+        .block_size = bs,
+        .cp_size = c,
+        .cp_rank = r,
+        .cp_interleave = il,
+    };
+    if (table.device_type == DK_CUDA) {
+        if (run_cuda(module, args[0], table.device_id, launch_slots, &a) != 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    const int32_t *q = (const int32_t *)qsl.data;
+    if (q[ri.shape[0]] != num_tokens) {
+        PyErr_Format(PyExc_ValueError, "%s(): query_start_loc must end at num_tokens (%lld), got %d",
+                     op, (long long)num_tokens, (int)q[ri.shape[0]]);
+        return NULL;
+    }
+    dk_error err = {{0}};
+    dk_status s = dk_ref_slots(&a, &err);
+    if (s != DK_OK) {
+        return raise_status(module, s, &err);
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+pool_args(PyObject *module, PyObject *const *args, const char *op, dk_pool *pool, int64_t **state)
+{
+    dk_tensor st, fs, iu;
+    if (tensor_arg(module, args[0], op, "state", &st) != 0 || want_cpu(&st, op, "state") ||
+        want_dtype(&st, DK_I64, op, "state") || want_contiguous_1d(&st, op, "state") ||
+        want_min_len(&st, 1, op, "state") ||
+        tensor_arg(module, args[1], op, "free_stack", &fs) != 0 ||
+        want_cpu(&fs, op, "free_stack") || want_dtype(&fs, DK_I32, op, "free_stack") ||
+        want_contiguous_1d(&fs, op, "free_stack") ||
+        tensor_arg(module, args[2], op, "in_use", &iu) != 0 || want_cpu(&iu, op, "in_use") ||
+        want_dtype(&iu, DK_U8, op, "in_use") || want_contiguous_1d(&iu, op, "in_use")) {
+        return -1;
+    }
+    if (iu.shape[0] != fs.shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s(): in_use must have %lld entries, got %lld", op,
+                     (long long)fs.shape[0], (long long)iu.shape[0]);
+        return -1;
+    }
+    *state = (int64_t *)st.data;
+    pool->free_stack = (int32_t *)fs.data;
+    pool->in_use = (uint8_t *)iu.data;
+    pool->num_blocks = fs.shape[0];
+    pool->num_free = **state;
+    if (pool->num_free < 0 || pool->num_free > pool->num_blocks) {
+        PyErr_Format(PyExc_ValueError, "%s(): state holds %lld free blocks of %lld", op,
+                     (long long)pool->num_free, (long long)pool->num_blocks);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_pool_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("pool_init", nargs, 3) != 0) {
+        return NULL;
+    }
+    dk_pool pool;
+    int64_t *state = NULL;
+    dk_tensor st;
+    if (tensor_arg(module, args[0], "BlockPool", "state", &st) != 0 ||
+        want_dtype(&st, DK_I64, "BlockPool", "state") || want_cpu(&st, "BlockPool", "state")) {
+        return NULL;
+    }
+    *(int64_t *)st.data = 0;
+    if (pool_args(module, args, "BlockPool", &pool, &state) != 0) {
+        return NULL;
+    }
+    dk_pool_init(&pool);
+    *state = pool.num_free;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_pool_allocate(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "BlockPool.allocate";
+    if (check_nargs(op, nargs, 4) != 0) {
+        return NULL;
+    }
+    dk_pool pool;
+    int64_t *state = NULL, n = 0;
+    if (pool_args(module, args, op, &pool, &state) != 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(args[3]) || PyBool_Check(args[3])) {
+        PyErr_Format(PyExc_TypeError, "%s(): n must be an int, got %R", op, args[3]);
+        return NULL;
+    }
+    int overflow = 0;
+    n = PyLong_AsLongLongAndOverflow(args[3], &overflow);
+    if (overflow > 0) {
+        n = INT64_MAX;
+    }
+    else if (overflow < 0) {
+        n = -1;
+    }
+    int32_t *ids = (int32_t *)malloc((size_t)(n > 0 && n <= pool.num_free ? n : 1) * sizeof(int32_t));
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    dk_error err = {{0}};
+    dk_status s = dk_pool_allocate(&pool, n, ids, &err);
+    if (s != DK_OK) {
+        free(ids);
+        return raise_status(module, s, &err);
+    }
+    *state = pool.num_free;
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (int64_t i = 0; list != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromLong(ids[i]);
+        if (x == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SetItem(list, (Py_ssize_t)i, x);
+    }
+    free(ids);
+    return list;
+}
+
+static PyObject *
+py_pool_free(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "BlockPool.free";
+    if (check_nargs(op, nargs, 4) != 0) {
+        return NULL;
+    }
+    dk_pool pool;
+    int64_t *state = NULL, *ids = NULL;
+    Py_ssize_t n = 0;
+    if (pool_args(module, args, op, &pool, &state) != 0 ||
+        i64_list(args[3], op, "block_ids", &ids, &n) != 0) {
+        return NULL;
+    }
+    dk_error err = {{0}};
+    dk_status s = dk_pool_free(&pool, ids, n, &err);
+    free(ids);
+    if (s != DK_OK) {
+        return raise_status(module, s, &err);
+    }
+    *state = pool.num_free;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Piecewise plan                                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+static PyObject *
+plan_error(const char *msg)
+{
+    PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
+}
+
+static PyObject *
+py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "build_paged_piecewise_plan";
+    if (check_nargs(op, nargs, 6) != 0) {
+        return NULL;
+    }
+    PyObject *spans_rows = NULL, *norm = NULL, *result = NULL, *segs_py = NULL;
+    int64_t *offsets = NULL, *qlens = NULL, *slens = NULL, *span_off = NULL, *spans = NULL;
+    int32_t *limits = NULL;
+    dk_segment *segs = NULL;
+    Py_ssize_t n = 0, n_off = 0, n_ql = 0, n_sl = 0;
+
+    spans_rows = as_tuple(args[0], op, "full_attn_spans");
+    if (spans_rows == NULL || i64_list(args[1], op, "query_offsets", &offsets, &n_off) != 0 ||
+        i64_list(args[2], op, "query_lens", &qlens, &n_ql) != 0 ||
+        i64_list(args[3], op, "seq_lens", &slens, &n_sl) != 0) {
+        goto done;
+    }
+    n = PyTuple_Size(spans_rows);
+    if (n == 0 || n_off != n || n_ql != n || n_sl != n) {
+        plan_error("Paged piecewise inputs must have one entry per row");
+        goto done;
+    }
+    /* Normalise: tuple(tuple((int(start), int(end)) ...) ...). */
+    norm = PyTuple_New(n);
+    span_off = (int64_t *)calloc((size_t)n + 1, sizeof(int64_t));
+    if (norm == NULL || span_off == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    Py_ssize_t total_spans = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        PyObject *row = as_tuple(PyTuple_GetItem(spans_rows, r), op, "full_attn_spans row");
+        if (row == NULL) {
+            goto done;
+        }
+        Py_ssize_t m = PyTuple_Size(row);
+        PyObject *nrow = PyTuple_New(m);
+        if (nrow == NULL) {
+            Py_DECREF(row);
+            goto done;
+        }
+        PyTuple_SetItem(norm, r, nrow);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            PyObject *pair = as_tuple(PyTuple_GetItem(row, i), op, "span");
+            if (pair == NULL) {
+                Py_DECREF(row);
+                goto done;
+            }
+            if (PyTuple_Size(pair) != 2) {
+                PyErr_Format(PyExc_ValueError, "%s(): each span must be a (start, end) pair, got %R",
+                             op, pair);
+                Py_DECREF(pair);
+                Py_DECREF(row);
+                goto done;
+            }
+            PyObject *a = PyNumber_Long(PyTuple_GetItem(pair, 0));
+            PyObject *b = a == NULL ? NULL : PyNumber_Long(PyTuple_GetItem(pair, 1));
+            Py_DECREF(pair);
+            if (b == NULL) {
+                Py_XDECREF(a);
+                Py_DECREF(row);
+                goto done;
+            }
+            PyObject *np = PyTuple_Pack(2, a, b);
+            Py_DECREF(a);
+            Py_DECREF(b);
+            if (np == NULL) {
+                Py_DECREF(row);
+                goto done;
+            }
+            PyTuple_SetItem(nrow, i, np);
+        }
+        Py_DECREF(row);
+        total_spans += m;
+        span_off[r + 1] = total_spans;
+    }
+    spans = (int64_t *)calloc((size_t)(total_spans > 0 ? 2 * total_spans : 1), sizeof(int64_t));
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0, k = 0; r < n; r++) {
+        PyObject *nrow = PyTuple_GetItem(norm, r);
+        for (Py_ssize_t i = 0; i < PyTuple_Size(nrow); i++, k++) {
+            PyObject *pair = PyTuple_GetItem(nrow, i);
+            /* Huge values saturate: they fail the "within the sequence" rule like the seed. */
+            spans[2 * k] = int_saturated(PyTuple_GetItem(pair, 0));
+            spans[2 * k + 1] = int_saturated(PyTuple_GetItem(pair, 1));
+        }
+    }
+    dk_plan_args pa = {
+        .num_rows = n,
+        .span_offsets = span_off,
+        .spans = spans,
+        .query_offsets = offsets,
+        .query_lens = qlens,
+        .seq_lens = slens,
+    };
+    int64_t total_q = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (qlens[r] > 0) {
+            total_q += qlens[r];
+        }
+    }
+    int64_t cap = dk_plan_segment_capacity(&pa);
+    segs = (dk_segment *)calloc((size_t)(cap > 0 ? cap : 1), sizeof(dk_segment));
+    limits = (int32_t *)calloc((size_t)(total_q > 0 ? total_q : 1), sizeof(int32_t));
+    if (segs == NULL || limits == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t num_segments = 0;
+    dk_plan_rule rule = DK_PLAN_OK;
+    dk_error err = {{0}};
+    dk_status s = dk_plan_build(&pa, segs, cap, &num_segments, limits, &rule, &err);
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        goto done;
+    }
+    dk_tensor kl, qi;
+    if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[4], op, "key_limits_out", &kl) ||
+        dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "query_indices_out",
+                                  &qi)) {
+        goto done;
+    }
+    if (kl.ndim >= 0 &&
+        (want_cpu(&kl, op, "key_limits_out") || want_dtype(&kl, DK_I32, op, "key_limits_out") ||
+         want_contiguous_1d(&kl, op, "key_limits_out") ||
+         want_min_len(&kl, total_q, op, "key_limits_out"))) {
+        goto done;
+    }
+    if (qi.ndim >= 0 &&
+        (want_cpu(&qi, op, "query_indices_out") ||
+         want_dtype(&qi, DK_I64, op, "query_indices_out") ||
+         want_contiguous_1d(&qi, op, "query_indices_out") ||
+         want_min_len(&qi, total_q, op, "query_indices_out"))) {
+        goto done;
+    }
+    if (kl.ndim >= 0 && total_q > 0) {
+        memcpy(kl.data, limits, (size_t)total_q * sizeof(int32_t));
+    }
+    if (qi.ndim >= 0) {
+        int64_t *dst = (int64_t *)qi.data, w = 0;
+        for (int64_t k = 0; k < num_segments; k++) {
+            int64_t packed = 0;
+            for (Py_ssize_t r = 0; r < n; r++) {
+                const dk_segment *sg = &segs[k * n + r];
+                for (int64_t p = sg->q_start; p < sg->q_end; p++) {
+                    dst[w++] = packed + (p - offsets[r]);
+                }
+                packed += qlens[r];
+            }
+        }
+    }
+    segs_py = PyTuple_New((Py_ssize_t)num_segments);
+    if (segs_py == NULL) {
+        goto done;
+    }
+    for (int64_t k = 0; k < num_segments; k++) {
+        PyObject *rowsegs = PyTuple_New(n);
+        if (rowsegs == NULL) {
+            goto done;
+        }
+        PyTuple_SetItem(segs_py, (Py_ssize_t)k, rowsegs);
+        for (Py_ssize_t r = 0; r < n; r++) {
+            const dk_segment *sg = &segs[k * n + r];
+            PyObject *t = Py_BuildValue("(LLLs)", (long long)sg->q_start, (long long)sg->q_end,
+                                        (long long)sg->kv_end,
+                                        sg->mode == DK_MODE_FULL ? "full" : "causal");
+            if (t == NULL) {
+                goto done;
+            }
+            PyTuple_SetItem(rowsegs, r, t);
+        }
+    }
+    result = PyTuple_Pack(2, norm, segs_py);
+done:
+    Py_XDECREF(spans_rows);
+    Py_XDECREF(norm);
+    Py_XDECREF(segs_py);
+    free(offsets);
+    free(qlens);
+    free(slens);
+    free(span_off);
+    free(spans);
+    free(limits);
+    free(segs);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* KV write, attention, row copies                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Reads key/value/kv_cache/slot_mapping into a kv-write argument block. */
+static int
+parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_write_args *a,
+               dk_tensor *key_out)
+{
+    dk_tensor k, v, c, sm;
+    if (tensor_arg(module, args[0], op, "key", &k) != 0 || want_float(&k, op, "key") ||
+        want_ndim(&k, 3, op, "key") || tensor_arg(module, args[1], op, "value", &v) != 0 ||
+        want_dtype(&v, k.dtype, op, "value") || want_ndim(&v, 3, op, "value") ||
+        same_device(&k, &v, op, "value") || tensor_arg(module, args[2], op, "kv_cache", &c) != 0 ||
+        want_dtype(&c, k.dtype, op, "kv_cache") || want_ndim(&c, 5, op, "kv_cache") ||
+        same_device(&k, &c, op, "kv_cache") ||
+        tensor_arg(module, args[3], op, "slot_mapping", &sm) != 0 ||
+        want_dtype(&sm, DK_I64, op, "slot_mapping") || want_ndim(&sm, 1, op, "slot_mapping") ||
+        same_device(&k, &sm, op, "slot_mapping")) {
+        return -1;
+    }
+    if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
+        PyErr_Format(PyExc_ValueError, "%s(): value must have the shape of key [%lld, %lld, %lld], "
+                     "got [%lld, %lld, %lld]", op, (long long)k.shape[0], (long long)k.shape[1],
+                     (long long)k.shape[2], (long long)v.shape[0], (long long)v.shape[1],
+                     (long long)v.shape[2]);
+        return -1;
+    }
+    if (c.shape[0] != 2 || c.shape[3] != k.shape[1] || c.shape[4] != k.shape[2]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): kv_cache must have shape [2, num_blocks, block_size, %lld, %lld], got "
+                     "[%lld, %lld, %lld, %lld, %lld]",
+                     op, (long long)k.shape[1], (long long)k.shape[2], (long long)c.shape[0],
+                     (long long)c.shape[1], (long long)c.shape[2], (long long)c.shape[3],
+                     (long long)c.shape[4]);
+        return -1;
+    }
+    if (want_min_len(&sm, k.shape[0], op, "slot_mapping") != 0) {
+        return -1;
+    }
+    size_t es = dk_dtype_size(k.dtype);
+    memset(a, 0, sizeof(*a));
+    a->key = k.data;
+    a->value = v.data;
+    a->key_stride_token = k.strides[0];
+    a->key_stride_head = k.strides[1];
+    a->key_stride_dim = k.strides[2];
+    a->value_stride_token = v.strides[0];
+    a->value_stride_head = v.strides[1];
+    a->value_stride_dim = v.strides[2];
+    a->key_cache = c.data;
+    a->value_cache = c.data == NULL ? NULL : (void *)((char *)c.data + (size_t)c.strides[0] * es);
+    a->cache_stride_block = c.strides[1];
+    a->cache_stride_token = c.strides[2];
+    a->cache_stride_head = c.strides[3];
+    a->cache_stride_dim = c.strides[4];
+    a->slot_mapping = (const int64_t *)sm.data;
+    a->slot_stride = sm.strides[0];
+    a->num_tokens = k.shape[0];
+    a->num_kv_heads = k.shape[1];
+    a->head_size = k.shape[2];
+    a->block_size = c.shape[2];
+    a->num_blocks = c.shape[1];
+    a->dtype = k.dtype;
+    *key_out = k;
+    return 0;
+}
+
+static int
+run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k, const dk_kv_write_args *a)
+{
+    if (a->num_tokens == 0) {
+        return 0;
+    }
+    if (k->device_type == DK_CUDA) {
+        return run_cuda(module, key_obj, k->device_id, launch_kv_write, a);
+    }
+    dk_error err = {{0}};
+    dk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dk_ref_kv_write(a, &err);
+    Py_END_ALLOW_THREADS
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("kv_write", nargs, 4) != 0) {
+        return NULL;
+    }
+    dk_kv_write_args a;
+    dk_tensor k;
+    if (parse_kv_write(module, args, "kv_write", &a, &k) != 0) {
+        return NULL;
+    }
+    if (k.device_type == DK_CUDA) {
+        /* The slot range check needs host access to the mapping; the CUDA path relies on the
+         * mapping having been built from validated block tables (compute_slot_mappings). */
+    }
+    if (run_kv_write(module, args[0], &k, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/*
+ * Parses the attention arguments starting at args[0] = query:
+ * query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
+ * host_block_table, host_query_start_loc, host_seq_lens.
+ * Fills `a` (device pointers) and `check` (host pointers) and runs dk_attention_check.
+ */
+static int
+parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
+                dk_tensor *q_out)
+{
+    dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
+    int64_t mask = 0;
+    if (tensor_arg(module, args[0], op, "query", &q) != 0 || want_float(&q, op, "query") ||
+        want_ndim(&q, 3, op, "query") || tensor_arg(module, args[1], op, "kv_cache", &c) != 0 ||
+        want_dtype(&c, q.dtype, op, "kv_cache") || want_ndim(&c, 5, op, "kv_cache") ||
+        same_device(&q, &c, op, "kv_cache") ||
+        tensor_arg(module, args[2], op, "block_table", &bt) != 0 ||
+        want_dtype(&bt, DK_I32, op, "block_table") || want_ndim(&bt, 2, op, "block_table") ||
+        same_device(&q, &bt, op, "block_table") ||
+        tensor_arg(module, args[3], op, "query_start_loc", &qsl) != 0 ||
+        want_dtype(&qsl, DK_I32, op, "query_start_loc") ||
+        want_contiguous_1d(&qsl, op, "query_start_loc") ||
+        same_device(&q, &qsl, op, "query_start_loc") ||
+        tensor_arg(module, args[4], op, "seq_lens", &sl) != 0 ||
+        want_dtype(&sl, DK_I32, op, "seq_lens") || want_contiguous_1d(&sl, op, "seq_lens") ||
+        same_device(&q, &sl, op, "seq_lens") ||
+        dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl) ||
+        get_i64(args[6], op, "mask", &mask) ||
+        tensor_arg(module, args[8], op, "out", &o) != 0 || want_dtype(&o, q.dtype, op, "out") ||
+        want_ndim(&o, 3, op, "out") || same_device(&q, &o, op, "out") ||
+        tensor_arg(module, args[9], op, "host_block_table", &hbt) != 0 ||
+        want_cpu(&hbt, op, "host_block_table") ||
+        want_dtype(&hbt, DK_I32, op, "host_block_table") ||
+        want_ndim(&hbt, 2, op, "host_block_table") ||
+        tensor_arg(module, args[10], op, "host_query_start_loc", &hqsl) != 0 ||
+        want_cpu(&hqsl, op, "host_query_start_loc") ||
+        want_dtype(&hqsl, DK_I32, op, "host_query_start_loc") ||
+        want_contiguous_1d(&hqsl, op, "host_query_start_loc") ||
+        tensor_arg(module, args[11], op, "host_seq_lens", &hsl) != 0 ||
+        want_cpu(&hsl, op, "host_seq_lens") || want_dtype(&hsl, DK_I32, op, "host_seq_lens") ||
+        want_contiguous_1d(&hsl, op, "host_seq_lens")) {
+        return -1;
+    }
+    double scale = PyFloat_AsDouble(args[7]);
+    if (scale == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (!(scale > 0.0) || scale > 1e30) {
+        PyErr_Format(PyExc_ValueError, "%s(): scale must be a positive finite float, got %R", op,
+                     args[7]);
+        return -1;
+    }
+    if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
+        PyErr_Format(PyExc_ValueError, "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld",
+                     op, (long long)mask);
+        return -1;
+    }
+    int64_t n = q.shape[0], h = q.shape[1], d = q.shape[2], r = sl.shape[0];
+    if (c.shape[0] != 2 || c.shape[4] != d || c.shape[3] <= 0 || h % c.shape[3] != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, %lld] "
+                     "with num_heads (%lld) divisible by num_kv_heads, got [%lld, %lld, %lld, %lld, "
+                     "%lld]",
+                     op, (long long)d, (long long)h, (long long)c.shape[0], (long long)c.shape[1],
+                     (long long)c.shape[2], (long long)c.shape[3], (long long)c.shape[4]);
+        return -1;
+    }
+    if (o.shape[0] != n || o.shape[1] != h || o.shape[2] != d) {
+        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld, %lld], got [%lld, "
+                     "%lld, %lld]", op, (long long)n, (long long)h, (long long)d,
+                     (long long)o.shape[0], (long long)o.shape[1], (long long)o.shape[2]);
+        return -1;
+    }
+    if (qsl.shape[0] != r + 1 || bt.shape[0] < r || hqsl.shape[0] != r + 1 || hsl.shape[0] != r ||
+        hbt.shape[0] != bt.shape[0] || hbt.shape[1] != bt.shape[1]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): query_start_loc must have num_rows + 1 = %lld entries, block_table at "
+                     "least num_rows rows, and the host_* copies the shapes of their device "
+                     "tensors",
+                     op, (long long)(r + 1));
+        return -1;
+    }
+    if ((bt.shape[1] > 1 && bt.strides[1] != 1) || (hbt.shape[1] > 1 && hbt.strides[1] != 1)) {
+        PyErr_Format(PyExc_ValueError, "%s(): block_table must have unit column stride", op);
+        return -1;
+    }
+    if (mask == DK_MASK_LIMITS) {
+        if (kl.ndim < 0) {
+            PyErr_Format(PyExc_ValueError, "%s(): key_limits must be a tensor when mask is 2 (limits)",
+                         op);
+            return -1;
+        }
+        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
+            want_contiguous_1d(&kl, op, "key_limits") || same_device(&q, &kl, op, "key_limits") ||
+            want_min_len(&kl, n, op, "key_limits")) {
+            return -1;
+        }
+    }
+    memset(a, 0, sizeof(*a));
+    size_t es = dk_dtype_size(q.dtype);
+    a->query = q.data;
+    a->q_stride_token = q.strides[0];
+    a->q_stride_head = q.strides[1];
+    a->q_stride_dim = q.strides[2];
+    a->key_cache = c.data;
+    a->value_cache = c.data == NULL ? NULL : (const void *)((const char *)c.data + (size_t)c.strides[0] * es);
+    a->cache_stride_block = c.strides[1];
+    a->cache_stride_token = c.strides[2];
+    a->cache_stride_head = c.strides[3];
+    a->cache_stride_dim = c.strides[4];
+    a->out = o.data;
+    a->o_stride_token = o.strides[0];
+    a->o_stride_head = o.strides[1];
+    a->o_stride_dim = o.strides[2];
+    a->block_table = (const int32_t *)hbt.data;
+    a->bt_stride_row = hbt.strides[0];
+    a->bt_cols = hbt.shape[1];
+    a->query_start_loc = (const int32_t *)hqsl.data;
+    a->seq_lens = (const int32_t *)hsl.data;
+    a->key_limits = mask == DK_MASK_LIMITS ? (const int32_t *)kl.data : NULL;
+    a->mask = (int32_t)mask;
+    a->num_rows = r;
+    a->num_tokens = n;
+    a->num_heads = h;
+    a->num_kv_heads = c.shape[3];
+    a->head_size = d;
+    a->block_size = c.shape[2];
+    a->num_blocks = c.shape[1];
+    a->scale = (float)scale;
+    a->dtype = q.dtype;
+    int64_t maxq = 0, maxs = 0;
+    for (int64_t i = 0; i < r; i++) {
+        int64_t ql = (int64_t)a->query_start_loc[i + 1] - a->query_start_loc[i];
+        maxq = ql > maxq ? ql : maxq;
+        maxs = a->seq_lens[i] > maxs ? a->seq_lens[i] : maxs;
+    }
+    a->max_query_len = maxq;
+    a->max_seq_len = maxs;
+    /* The host check reads key limits only on CPU (on CUDA they live on the device). */
+    const int32_t *kl_dev = a->key_limits;
+    if (q.device_type == DK_CUDA) {
+        a->key_limits = NULL;
+        if (mask == DK_MASK_LIMITS) {
+            a->mask = DK_MASK_CAUSAL; /* the check's rules for LIMITS and CAUSAL are the same */
+        }
+    }
+    dk_error err = {{0}};
+    dk_status s = dk_attention_check(a, &err);
+    a->key_limits = kl_dev;
+    a->mask = (int32_t)mask;
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        return -1;
+    }
+    /* From here on the kernels use the tensors on the query's device. */
+    a->block_table = (const int32_t *)bt.data;
+    a->bt_stride_row = bt.strides[0];
+    a->query_start_loc = (const int32_t *)qsl.data;
+    a->seq_lens = (const int32_t *)sl.data;
+    *q_out = q;
+    return 0;
+}
+
+static int
+run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q, const dk_attention_args *a)
+{
+    if (a->num_tokens == 0) {
+        return 0;
+    }
+    if (q->device_type == DK_CUDA) {
+        return run_cuda(module, query_obj, q->device_id, launch_attention, a);
+    }
+    dk_error err = {{0}};
+    dk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = dk_ref_attention(a, &err);
+    Py_END_ALLOW_THREADS
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("paged_attention", nargs, 12) != 0) {
+        return NULL;
+    }
+    dk_attention_args a;
+    dk_tensor q;
+    if (parse_attention(module, args, "paged_attention", &a, &q) != 0 ||
+        run_attention(module, args[0], &q, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "forward_paged";
+    if (check_nargs(op, nargs, 15) != 0) {
+        return NULL;
+    }
+    /* args: query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
+     *       key_limits, mask, scale, out, host_block_table, host_query_start_loc, host_seq_lens */
+    PyObject *kv_args[4] = {args[1], args[2], args[3], args[4]};
+    PyObject *attn_args[12] = {args[0], args[3],  args[5],  args[6],  args[7],  args[8],
+                               args[9], args[10], args[11], args[12], args[13], args[14]};
+    dk_kv_write_args w;
+    dk_attention_args a;
+    dk_tensor k, q;
+    if (parse_kv_write(module, kv_args, op, &w, &k) != 0 ||
+        parse_attention(module, attn_args, op, &a, &q) != 0) {
+        return NULL;
+    }
+    if (k.device_type != q.device_type || k.device_id != q.device_id) {
+        PyErr_Format(PyExc_TypeError, "%s(): key must be on the query's device", op);
+        return NULL;
+    }
+    if (w.num_kv_heads != a.num_kv_heads || w.head_size != a.head_size) {
+        PyErr_Format(PyExc_ValueError, "%s(): key must have [%lld, %lld] heads x head_size, got "
+                     "[%lld, %lld]", op, (long long)a.num_kv_heads, (long long)a.head_size,
+                     (long long)w.num_kv_heads, (long long)w.head_size);
+        return NULL;
+    }
+    if (w.num_tokens != a.num_tokens) {
+        PyErr_Format(PyExc_ValueError, "%s(): key must have one token per query token (%lld), got "
+                     "%lld", op, (long long)a.num_tokens, (long long)w.num_tokens);
+        return NULL;
+    }
+    if (run_kv_write(module, args[1], &k, &w) != 0 || run_attention(module, args[0], &q, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args *a,
+           dk_tensor *src_out, int scatter)
+{
+    dk_tensor s, ix, d;
+    if (tensor_arg(module, args[0], op, "src", &s) != 0 || want_float(&s, op, "src") ||
+        want_ndim(&s, 3, op, "src") || tensor_arg(module, args[1], op, "index", &ix) != 0 ||
+        want_dtype(&ix, DK_I64, op, "index") || want_contiguous_1d(&ix, op, "index") ||
+        same_device(&s, &ix, op, "index") || tensor_arg(module, args[2], op, "dst", &d) != 0 ||
+        want_dtype(&d, s.dtype, op, "dst") || want_ndim(&d, 3, op, "dst") ||
+        same_device(&s, &d, op, "dst")) {
+        return -1;
+    }
+    if (d.shape[1] != s.shape[1] || d.shape[2] != s.shape[2]) {
+        PyErr_Format(PyExc_ValueError, "%s(): dst must have [%lld, %lld] trailing dims, got [%lld, %lld]",
+                     op, (long long)s.shape[1], (long long)s.shape[2], (long long)d.shape[1],
+                     (long long)d.shape[2]);
+        return -1;
+    }
+    int64_t need = scatter ? s.shape[0] : d.shape[0];
+    if (ix.shape[0] != need) {
+        PyErr_Format(PyExc_ValueError, "%s(): index must have %lld entries, got %lld", op,
+                     (long long)need, (long long)ix.shape[0]);
+        return -1;
+    }
+    memset(a, 0, sizeof(*a));
+    a->src = s.data;
+    a->src_stride_token = s.strides[0];
+    a->src_stride_head = s.strides[1];
+    a->src_stride_dim = s.strides[2];
+    a->dst = d.data;
+    a->dst_stride_token = d.strides[0];
+    a->dst_stride_head = d.strides[1];
+    a->dst_stride_dim = d.strides[2];
+    a->index = (const int64_t *)ix.data;
+    a->num_index = ix.shape[0];
+    a->src_tokens = s.shape[0];
+    a->dst_tokens = d.shape[0];
+    a->num_heads = s.shape[1];
+    a->head_size = s.shape[2];
+    a->dtype = s.dtype;
+    *src_out = s;
+    return 0;
+}
+
+static PyObject *
+rows_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int scatter)
+{
+    const char *op = scatter ? "rows_scatter" : "rows_gather";
+    if (check_nargs(op, nargs, 3) != 0) {
+        return NULL;
+    }
+    dk_rows_args a;
+    dk_tensor s;
+    if (parse_rows(module, args, op, &a, &s, scatter) != 0) {
+        return NULL;
+    }
+    if (s.device_type == DK_CUDA) {
+        if (run_cuda(module, args[0], s.device_id, scatter ? launch_rows_scatter : launch_rows_gather,
+                     &a) != 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    dk_error err = {{0}};
+    dk_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = scatter ? dk_ref_rows_scatter(&a, &err) : dk_ref_rows_gather(&a, &err);
+    Py_END_ALLOW_THREADS
+    if (st != DK_OK) {
+        return raise_status(module, st, &err);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_rows_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return rows_op(module, args, nargs, 0);
+}
+
+static PyObject *
+py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return rows_op(module, args, nargs, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Module definition                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+#define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
+
+static PyMethodDef module_methods[] = {
+    FAST(configure, "configure(to_dlpack, raw_stream_getter): the DLPack fallback path."),
+    FAST(set_bridge_path, "set_bridge_path('auto' | 'capsule')."),
+    FAST(bridge_path, "bridge_path(tensor) -> 'exchange' | 'capsule'."),
+    FAST(tensor_info, "tensor_info(tensor) -> dict of what C sees."),
+    FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
+    FAST(cuda_compiled, "cuda_compiled() -> bool."),
+    FAST(build_info, "build_info() -> dict."),
+    FAST(check_row, "Row rules R1..R8."),
+    FAST(check_metadata, "Metadata rules M1, M2."),
+    FAST(check_step, "rows_for_step rule M3."),
+    FAST(check_layer_heads, "Layer rules L1..L3; returns rank-local heads."),
+    FAST(check_head_sizes, "Layer rule L5."),
+    FAST(check_batch_rows, "prepare_batch rules P1..P4."),
+    FAST(check_batch_bindings, "prepare_batch rules P5..P11; returns num_tokens."),
+    FAST(build_batch, "Fills row_indices, query_start_loc, seq_lens, positions (CPU)."),
+    FAST(dcp_local_seq_lens, "Context-parallel local sequence lengths (CPU)."),
+    FAST(table_append, "BlockTables.append_block_ids on a host table."),
+    FAST(gather_block_tables, "BlockTables.gather_block_tables on host tables."),
+    FAST(compute_slot_mappings, "Slot mapping (CPU or CUDA)."),
+    FAST(pool_init, "BlockPool state init."),
+    FAST(pool_allocate, "BlockPool.allocate."),
+    FAST(pool_free, "BlockPool.free."),
+    FAST(build_plan, "Piecewise plan (the seed's build_paged_piecewise_plan)."),
+    FAST(kv_write, "KV cache write (CPU or CUDA)."),
+    FAST(paged_attention, "Paged attention (CPU or CUDA)."),
+    FAST(forward_paged, "KV write + paged attention in one call."),
+    FAST(rows_gather, "dst[n] = src[index[n]]."),
+    FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+module_exec(PyObject *module)
+{
+    module_state *st = state_of(module);
+    memset(&st->bridge, 0, sizeof(st->bridge));
+    st->cuda_error = PyErr_NewExceptionWithDoc(
+        "diffkv.CudaError", "A CUDA runtime failure inside diffkv; the message names the operation.",
+        PyExc_RuntimeError, NULL);
+    if (st->cuda_error == NULL || PyModule_AddObjectRef(module, "CudaError", st->cuda_error) < 0) {
+        return -1;
+    }
+    if (PyModule_AddIntConstant(module, "MASK_NONE", DK_MASK_NONE) < 0 ||
+        PyModule_AddIntConstant(module, "MASK_CAUSAL", DK_MASK_CAUSAL) < 0 ||
+        PyModule_AddIntConstant(module, "MASK_LIMITS", DK_MASK_LIMITS) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    module_state *st = state_of(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_VISIT(st->cuda_error);
+    Py_VISIT(st->bridge.to_dlpack);
+    Py_VISIT(st->bridge.stream_getter);
+    for (int i = 0; i < st->bridge.num_types; i++) {
+        Py_VISIT(st->bridge.types[i]);
+    }
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    module_state *st = state_of(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_CLEAR(st->cuda_error);
+    dk_bridge_clear(&st->bridge);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "diffkv._C",
+    .m_doc = "diffkv's C core: DLPack tensor bridge, the seed's validation rules, batch "
+             "preparation, piecewise plans, KV write and paged attention (CPU reference and CUDA).",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

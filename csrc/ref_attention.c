@@ -1,0 +1,474 @@
+/*
+ * ref_attention.c -- the CPU reference of the tensor ops: KV write into the paged cache, the
+ * host-side bounds check of paged attention, paged attention itself (every mask mode, GQA,
+ * fp32 accumulation) and the packed <-> padded row copies.  Plain loops; every address is
+ * computed from int64 element strides, so any view (transposed, block-major, packed) works.
+ * The CUDA kernels in cuda/ are checked against these routines.
+ *
+ * Entry points: dk_ref_kv_write, dk_attention_check, dk_ref_attention, dk_ref_rows_gather,
+ * dk_ref_rows_scatter.
+ */
+#include "diffkv.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Largest head_size the reference accepts (its per-token fp32 rows live in the scratch). */
+#define DK_REF_MAX_HEAD_SIZE 1024
+
+/* ------------------------------------------------------------------------------------------ */
+/* Element helpers                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+static int
+is_float_dtype(dk_dtype dtype)
+{
+    return dtype == DK_F32 || dtype == DK_F16 || dtype == DK_BF16;
+}
+
+/* Copies one [num_heads, head_size] token bit for bit; offsets are in elements. */
+static void
+copy_token(char *dst, int64_t dst_off, int64_t dst_stride_head, int64_t dst_stride_dim,
+           const char *src, int64_t src_off, int64_t src_stride_head, int64_t src_stride_dim,
+           int64_t num_heads, int64_t head_size, size_t es)
+{
+    for (int64_t h = 0; h < num_heads; h++) {
+        char *d = dst + (dst_off + h * dst_stride_head) * (int64_t)es;
+        const char *s = src + (src_off + h * src_stride_head) * (int64_t)es;
+        if (dst_stride_dim == 1 && src_stride_dim == 1) {
+            memcpy(d, s, (size_t)head_size * es);
+            continue;
+        }
+        for (int64_t k = 0; k < head_size; k++) {
+            memcpy(d + k * dst_stride_dim * (int64_t)es, s + k * src_stride_dim * (int64_t)es, es);
+        }
+    }
+}
+
+/* Zeroes one [num_heads, head_size] token (all-zero bits are +0 in every float dtype). */
+static void
+zero_token(char *dst, int64_t dst_off, int64_t stride_head, int64_t stride_dim,
+           int64_t num_heads, int64_t head_size, size_t es)
+{
+    for (int64_t h = 0; h < num_heads; h++) {
+        char *d = dst + (dst_off + h * stride_head) * (int64_t)es;
+        if (stride_dim == 1) {
+            memset(d, 0, (size_t)head_size * es);
+            continue;
+        }
+        for (int64_t k = 0; k < head_size; k++) {
+            memset(d + k * stride_dim * (int64_t)es, 0, es);
+        }
+    }
+}
+
+/* out[k] = base[off + k * stride] as fp32, k < n; one dtype switch per row. */
+static void
+load_row(const void *base, int64_t off, int64_t stride, int64_t n, dk_dtype dtype, float *out)
+{
+    switch (dtype) {
+    case DK_F32: {
+        const float *p = (const float *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            out[k] = p[k * stride];
+        }
+        break;
+    }
+    case DK_F16: {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            out[k] = dk_f16_to_f32(p[k * stride]);
+        }
+        break;
+    }
+    case DK_BF16: {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            out[k] = dk_bf16_to_f32(p[k * stride]);
+        }
+        break;
+    }
+    default:
+        break; /* callers have checked the dtype */
+    }
+}
+
+/* base[off + k * stride] = in[k] rounded to dtype (nearest even), k < n. */
+static void
+store_row(void *base, int64_t off, int64_t stride, int64_t n, dk_dtype dtype, const float *in)
+{
+    switch (dtype) {
+    case DK_F32: {
+        float *p = (float *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            p[k * stride] = in[k];
+        }
+        break;
+    }
+    case DK_F16: {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            p[k * stride] = dk_f32_to_f16(in[k]);
+        }
+        break;
+    }
+    case DK_BF16: {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t k = 0; k < n; k++) {
+            p[k * stride] = dk_f32_to_bf16(in[k]);
+        }
+        break;
+    }
+    default:
+        break; /* callers have checked the dtype */
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* KV write                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+dk_status
+dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
+{
+    if (!is_float_dtype(a->dtype)) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "kv_write(): dtype must be float32, float16 or bfloat16, got %s",
+                       dk_dtype_name(a->dtype));
+    }
+    if (a->num_tokens < 0 || a->num_kv_heads < 0 || a->head_size < 0 || a->block_size < 1
+        || a->num_blocks < 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "kv_write(): sizes must be non-negative with block_size >= 1, got "
+                       "num_tokens=%lld num_kv_heads=%lld head_size=%lld block_size=%lld "
+                       "num_blocks=%lld",
+                       (long long)a->num_tokens, (long long)a->num_kv_heads,
+                       (long long)a->head_size, (long long)a->block_size,
+                       (long long)a->num_blocks);
+    }
+    const int64_t num_slots = a->num_blocks * a->block_size;
+    /* Every slot is checked before the first byte moves: a bad slot leaves the cache as it was. */
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t slot = a->slot_mapping[t * a->slot_stride];
+        if (slot >= num_slots) {
+            return dk_fail(err, DK_ERR_VALUE,
+                           "kv_write(): slot_mapping[%lld] must be < num_blocks * block_size = "
+                           "%lld (or < 0 to skip), got %lld",
+                           (long long)t, (long long)num_slots, (long long)slot);
+        }
+    }
+    const size_t es = dk_dtype_size(a->dtype);
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t slot = a->slot_mapping[t * a->slot_stride];
+        if (slot < 0) {
+            continue;
+        }
+        const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block
+                                + (slot % a->block_size) * a->cache_stride_token;
+        copy_token((char *)a->key_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
+                   (const char *)a->key, t * a->key_stride_token, a->key_stride_head,
+                   a->key_stride_dim, a->num_kv_heads, a->head_size, es);
+        copy_token((char *)a->value_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
+                   (const char *)a->value, t * a->value_stride_token, a->value_stride_head,
+                   a->value_stride_dim, a->num_kv_heads, a->head_size, es);
+    }
+    return DK_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Paged attention                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+dk_status
+dk_attention_check(const dk_attention_args *a, dk_error *err)
+{
+    if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): mask must be MASK_NONE (0), MASK_CAUSAL (1) or "
+                       "MASK_LIMITS (2), got %d",
+                       (int)a->mask);
+    }
+    if (a->num_rows < 0 || a->num_tokens < 0 || a->head_size < 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): num_rows, num_tokens and head_size must be >= 0, "
+                       "got %lld, %lld and %lld",
+                       (long long)a->num_rows, (long long)a->num_tokens,
+                       (long long)a->head_size);
+    }
+    if (a->block_size < 1 || a->num_blocks < 0 || a->bt_cols < 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): block_size must be >= 1 with num_blocks and "
+                       "block_table columns >= 0, got block_size=%lld num_blocks=%lld "
+                       "columns=%lld",
+                       (long long)a->block_size, (long long)a->num_blocks, (long long)a->bt_cols);
+    }
+    if (a->num_kv_heads < 1 || a->num_heads < 1 || a->num_heads % a->num_kv_heads != 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): num_heads must be a positive multiple of "
+                       "num_kv_heads >= 1, got num_heads=%lld num_kv_heads=%lld",
+                       (long long)a->num_heads, (long long)a->num_kv_heads);
+    }
+    if (a->mask == DK_MASK_LIMITS && a->key_limits == NULL) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): key_limits must be given when mask is MASK_LIMITS, "
+                       "got None");
+    }
+    const int32_t *qsl = a->query_start_loc;
+    if (qsl[0] != 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): query_start_loc[0] must be 0, got %d", (int)qsl[0]);
+    }
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        if (qsl[r + 1] < qsl[r]) {
+            return dk_fail(err, DK_ERR_VALUE,
+                           "paged_attention(): query_start_loc must be non-decreasing, got "
+                           "query_start_loc[%lld]=%d after query_start_loc[%lld]=%d",
+                           (long long)(r + 1), (int)qsl[r + 1], (long long)r, (int)qsl[r]);
+        }
+    }
+    if ((int64_t)qsl[a->num_rows] != a->num_tokens) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "paged_attention(): query_start_loc[%lld] must equal num_tokens=%lld, "
+                       "got %d",
+                       (long long)a->num_rows, (long long)a->num_tokens, (int)qsl[a->num_rows]);
+    }
+    const int64_t capacity = a->bt_cols * a->block_size;
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        const int64_t seq_len = a->seq_lens[r];
+        if (seq_len < 0 || seq_len > capacity) {
+            return dk_fail(err, DK_ERR_VALUE,
+                           "paged_attention(): seq_lens[%lld] must be in [0, %lld] (block_table "
+                           "columns * block_size), got %lld",
+                           (long long)r, (long long)capacity, (long long)seq_len);
+        }
+        const int64_t query_len = (int64_t)qsl[r + 1] - qsl[r];
+        if (a->mask != DK_MASK_NONE && query_len > seq_len) {
+            return dk_fail(err, DK_ERR_VALUE,
+                           "paged_attention(): seq_lens[%lld] must be >= the row's query length "
+                           "%lld for a causal or limits mask (bottom-right alignment), got %lld",
+                           (long long)r, (long long)query_len, (long long)seq_len);
+        }
+        const int64_t reach = (seq_len + a->block_size - 1) / a->block_size;
+        const int32_t *row = a->block_table + r * a->bt_stride_row;
+        for (int64_t b = 0; b < reach; b++) {
+            if (row[b] < 0 || (int64_t)row[b] >= a->num_blocks) {
+                return dk_fail(err, DK_ERR_VALUE,
+                               "paged_attention(): block_table[%lld][%lld] must be in [0, "
+                               "num_blocks=%lld), got %d",
+                               (long long)r, (long long)b, (long long)a->num_blocks, (int)row[b]);
+            }
+        }
+    }
+    return DK_OK;
+}
+
+/* Dot product with independent partial sums so the compiler can keep several lanes busy. */
+static float
+dot_f32(const float *x, const float *y, int64_t n)
+{
+    float s[8] = {0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        for (int u = 0; u < 8; u++) {
+            s[u] += x[k + u] * y[k + u];
+        }
+    }
+    for (; k < n; k++) {
+        s[0] += x[k] * y[k];
+    }
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* Keys [0, n) that query token t (index i within its row) sees. */
+static int64_t
+visible_keys(const dk_attention_args *a, int64_t t, int64_t i, int64_t query_len,
+             int64_t seq_len)
+{
+    int64_t n;
+    if (a->mask == DK_MASK_CAUSAL) {
+        n = i + seq_len - query_len + 1;
+    } else if (a->mask == DK_MASK_LIMITS) {
+        n = a->key_limits[t];
+    } else {
+        n = seq_len;
+    }
+    if (n > seq_len) {
+        n = seq_len;
+    }
+    return n < 0 ? 0 : n;
+}
+
+dk_status
+dk_ref_attention(const dk_attention_args *a, dk_error *err)
+{
+    if (!is_float_dtype(a->dtype)) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "paged_attention(): dtype must be float32, float16 or bfloat16, got %s",
+                       dk_dtype_name(a->dtype));
+    }
+    if (a->head_size > DK_REF_MAX_HEAD_SIZE) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "paged_attention(): head_size must be at most %d on the CPU reference, "
+                       "got %lld",
+                       DK_REF_MAX_HEAD_SIZE, (long long)a->head_size);
+    }
+    const int64_t D = a->head_size;
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int32_t *qsl = a->query_start_loc;
+
+    /* The scratch is sized from seq_lens itself, not from the caller's max_seq_len, so a stale
+     * max can never overrun it.  Rows without queries are skipped, so they need no room. */
+    int64_t max_seq = 0;
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        if (qsl[r + 1] > qsl[r] && a->seq_lens[r] > max_seq) {
+            max_seq = a->seq_lens[r];
+        }
+    }
+    /* Layout: K rows [max_seq, D], V rows [max_seq, D], scores [max_seq], q [D], acc [D]. */
+    const uint64_t nfloats = 2u * (uint64_t)max_seq * (uint64_t)D + (uint64_t)max_seq
+                             + 2u * (uint64_t)D + 1u;
+    if (nfloats > SIZE_MAX / sizeof(float)) {
+        return dk_fail(err, DK_ERR_NOMEM,
+                       "paged_attention(): could not allocate host scratch for %llu floats",
+                       (unsigned long long)nfloats);
+    }
+    float *scratch = malloc((size_t)nfloats * sizeof(float));
+    if (scratch == NULL) {
+        return dk_fail(err, DK_ERR_NOMEM,
+                       "paged_attention(): could not allocate %llu bytes of host scratch",
+                       (unsigned long long)(nfloats * sizeof(float)));
+    }
+    float *kf = scratch;
+    float *vf = kf + max_seq * D;
+    float *scores = vf + max_seq * D;
+    float *qf = scores + max_seq;
+    float *acc = qf + D;
+
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        const int64_t t0 = qsl[r];
+        const int64_t query_len = (int64_t)qsl[r + 1] - t0;
+        const int64_t seq_len = a->seq_lens[r];
+        if (query_len <= 0) {
+            continue;
+        }
+        const int32_t *row_table = a->block_table + r * a->bt_stride_row;
+        for (int64_t g = 0; g < a->num_kv_heads; g++) {
+            /* One conversion of the row's keys and values for this kv head, reused by every
+             * query head of the group and every token of the row. */
+            for (int64_t j = 0; j < seq_len; j++) {
+                const int64_t off = (int64_t)row_table[j / a->block_size] * a->cache_stride_block
+                                    + (j % a->block_size) * a->cache_stride_token
+                                    + g * a->cache_stride_head;
+                load_row(a->key_cache, off, a->cache_stride_dim, D, a->dtype, kf + j * D);
+                load_row(a->value_cache, off, a->cache_stride_dim, D, a->dtype, vf + j * D);
+            }
+            for (int64_t i = 0; i < query_len; i++) {
+                const int64_t t = t0 + i;
+                const int64_t n = visible_keys(a, t, i, query_len, seq_len);
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    for (int64_t k = 0; k < D; k++) {
+                        acc[k] = 0.0f;
+                    }
+                    if (n > 0) {
+                        load_row(a->query, t * a->q_stride_token + h * a->q_stride_head,
+                                 a->q_stride_dim, D, a->dtype, qf);
+                        float m = -INFINITY;
+                        for (int64_t j = 0; j < n; j++) {
+                            scores[j] = a->scale * dot_f32(qf, kf + j * D, D);
+                            if (scores[j] > m) {
+                                m = scores[j];
+                            }
+                        }
+                        float sum = 0.0f;
+                        for (int64_t j = 0; j < n; j++) {
+                            const float p = expf(scores[j] - m);
+                            const float *v = vf + j * D;
+                            sum += p;
+                            for (int64_t k = 0; k < D; k++) {
+                                acc[k] += p * v[k];
+                            }
+                        }
+                        const float inv = 1.0f / sum;
+                        for (int64_t k = 0; k < D; k++) {
+                            acc[k] *= inv;
+                        }
+                    }
+                    store_row(a->out, t * a->o_stride_token + h * a->o_stride_head,
+                              a->o_stride_dim, D, a->dtype, acc);
+                }
+            }
+        }
+    }
+    free(scratch);
+    return DK_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Row copies                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Shared checks of gather and scatter: a copyable dtype and every index in [0, limit). */
+static dk_status
+rows_check(const dk_rows_args *a, const char *op, int64_t limit, const char *limit_name,
+           dk_error *err)
+{
+    if (dk_dtype_size(a->dtype) == 0) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED, "%s(): dtype must be a supported dtype, got %s",
+                       op, dk_dtype_name(a->dtype));
+    }
+    if (a->num_index < 0 || a->num_heads < 0 || a->head_size < 0) {
+        return dk_fail(err, DK_ERR_VALUE,
+                       "%s(): num_index, num_heads and head_size must be >= 0, got %lld, %lld "
+                       "and %lld",
+                       op, (long long)a->num_index, (long long)a->num_heads,
+                       (long long)a->head_size);
+    }
+    for (int64_t n = 0; n < a->num_index; n++) {
+        if (a->index[n] < 0 || a->index[n] >= limit) {
+            return dk_fail(err, DK_ERR_VALUE,
+                           "%s(): index[%lld] must be in [0, %s=%lld), got %lld", op,
+                           (long long)n, limit_name, (long long)limit, (long long)a->index[n]);
+        }
+    }
+    return DK_OK;
+}
+
+dk_status
+dk_ref_rows_gather(const dk_rows_args *a, dk_error *err)
+{
+    dk_status st = rows_check(a, "rows_gather", a->src_tokens, "src tokens", err);
+    if (st != DK_OK) {
+        return st;
+    }
+    const size_t es = dk_dtype_size(a->dtype);
+    for (int64_t n = 0; n < a->num_index; n++) {
+        copy_token((char *)a->dst, n * a->dst_stride_token, a->dst_stride_head,
+                   a->dst_stride_dim, (const char *)a->src, a->index[n] * a->src_stride_token,
+                   a->src_stride_head, a->src_stride_dim, a->num_heads, a->head_size, es);
+    }
+    return DK_OK;
+}
+
+dk_status
+dk_ref_rows_scatter(const dk_rows_args *a, dk_error *err)
+{
+    dk_status st = rows_check(a, "rows_scatter", a->dst_tokens, "dst tokens", err);
+    if (st != DK_OK) {
+        return st;
+    }
+    const size_t es = dk_dtype_size(a->dtype);
+    /* Zero every dst token, then copy: tokens named by index end up with src rows (later
+     * duplicates win), every other token stays zero. */
+    for (int64_t t = 0; t < a->dst_tokens; t++) {
+        zero_token((char *)a->dst, t * a->dst_stride_token, a->dst_stride_head,
+                   a->dst_stride_dim, a->num_heads, a->head_size, es);
+    }
+    for (int64_t n = 0; n < a->num_index; n++) {
+        copy_token((char *)a->dst, a->index[n] * a->dst_stride_token, a->dst_stride_head,
+                   a->dst_stride_dim, (const char *)a->src, n * a->src_stride_token,
+                   a->src_stride_head, a->src_stride_dim, a->num_heads, a->head_size, es);
+    }
+    return DK_OK;
+}

@@ -1,0 +1,282 @@
+/*
+ * tensor.c -- torch tensor (a PyObject) -> borrowed dk_tensor view, with no libtorch link.
+ *
+ * Fast path: the DLPack 1.3 C exchange API that torch publishes on its tensor type
+ * (`__dlpack_c_exchange_api__`, a capsule named "dlpack_exchange_api"; the older spelling
+ * `__c_dlpack_exchange_api__` is an int).  It is looked up once per tensor type and cached;
+ * per call it fills a DLTensor without any Python call.  Fallback (torch without the API):
+ * torch.utils.dlpack.to_dlpack, whose capsule is read and released at once.  The current CUDA
+ * stream comes from the same API, else from torch._C._cuda_getCurrentRawStream.
+ *
+ * Entry points: dk_bridge_tensor, dk_bridge_optional_tensor, dk_bridge_stream,
+ * dk_bridge_uses_exchange, dk_bridge_clear.
+ */
+#include "bridge.h"
+
+#include <string.h>
+
+#define DLPACK_CODE_INT 0
+#define DLPACK_CODE_UINT 1
+#define DLPACK_CODE_FLOAT 2
+#define DLPACK_CODE_BFLOAT 4
+#define DLPACK_CODE_BOOL 6
+
+void
+dk_bridge_clear(dk_bridge *b)
+{
+    Py_CLEAR(b->to_dlpack);
+    Py_CLEAR(b->stream_getter);
+    for (int i = 0; i < b->num_types; i++) {
+        Py_CLEAR(b->types[i]);
+        b->apis[i] = NULL;
+    }
+    b->num_types = 0;
+}
+
+/* The exchange API published on `type`, or NULL (no API, wrong version, missing functions).
+ * Never leaves an exception set. */
+static const DLPackExchangeAPI *
+probe_exchange_api(PyObject *type)
+{
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *attr = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
+    if (attr != NULL && PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
+        api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+    }
+    Py_XDECREF(attr);
+    PyErr_Clear();
+    if (api == NULL) {
+        attr = PyObject_GetAttrString(type, "__c_dlpack_exchange_api__");
+        if (attr != NULL && PyLong_Check(attr)) {
+            api = (const DLPackExchangeAPI *)PyLong_AsVoidPtr(attr);
+        }
+        Py_XDECREF(attr);
+        PyErr_Clear();
+    }
+    if (api == NULL || api->header.version.major != 1 ||
+        api->dltensor_from_py_object_no_sync == NULL || api->current_work_stream == NULL) {
+        return NULL;
+    }
+    return api;
+}
+
+/* Index of `type` in the cache, adding it when there is room; -1 when the cache is full
+ * (then *api_out still holds the probed API). */
+static int
+lookup_type(dk_bridge *b, PyObject *type, const DLPackExchangeAPI **api_out)
+{
+    for (int i = 0; i < b->num_types; i++) {
+        if (b->types[i] == type) {
+            *api_out = b->apis[i];
+            return i;
+        }
+    }
+    const DLPackExchangeAPI *api = probe_exchange_api(type);
+    *api_out = api;
+    if (b->num_types < DK_BRIDGE_TYPE_CACHE) {
+        Py_INCREF(type);
+        b->types[b->num_types] = type;
+        b->apis[b->num_types] = api;
+        return b->num_types++;
+    }
+    return -1;
+}
+
+static int
+is_tensor_like(PyObject *obj)
+{
+    /* Everything torch exports (Tensor and its subclasses) has __dlpack__. */
+    return PyObject_HasAttrString(obj, "__dlpack__");
+}
+
+static int
+convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor *out)
+{
+    if (src->device.device_type != DK_CPU && src->device.device_type != DK_CUDA) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): %s must be a CPU or CUDA tensor, got DLPack device type %d", op, arg,
+                     (int)src->device.device_type);
+        return -1;
+    }
+    if (src->ndim < 0 || src->ndim > DK_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have at most %d dimensions, got %d", op,
+                     arg, DK_MAX_DIMS, (int)src->ndim);
+        return -1;
+    }
+    dk_dtype dtype = DK_OTHER;
+    if (src->dtype.lanes == 1) {
+        switch (src->dtype.code) {
+        case DLPACK_CODE_FLOAT:
+            dtype = src->dtype.bits == 32 ? DK_F32
+                    : src->dtype.bits == 16 ? DK_F16
+                    : src->dtype.bits == 64 ? DK_F64
+                                            : DK_OTHER;
+            break;
+        case DLPACK_CODE_BFLOAT:
+            dtype = src->dtype.bits == 16 ? DK_BF16 : DK_OTHER;
+            break;
+        case DLPACK_CODE_INT:
+            dtype = src->dtype.bits == 32 ? DK_I32
+                    : src->dtype.bits == 64 ? DK_I64
+                    : src->dtype.bits == 8  ? DK_I8
+                    : src->dtype.bits == 16 ? DK_I16
+                                            : DK_OTHER;
+            break;
+        case DLPACK_CODE_UINT:
+            dtype = src->dtype.bits == 8 ? DK_U8 : DK_OTHER;
+            break;
+        case DLPACK_CODE_BOOL:
+            dtype = DK_BOOL;
+            break;
+        default:
+            break;
+        }
+    }
+    out->dtype = dtype;
+    out->device_type = src->device.device_type;
+    out->device_id = src->device.device_type == DK_CUDA ? src->device.device_id : 0;
+    out->ndim = src->ndim;
+    out->data = src->data == NULL ? NULL : (void *)((char *)src->data + src->byte_offset);
+    int64_t running = 1;
+    for (int32_t i = src->ndim - 1; i >= 0; i--) {
+        out->shape[i] = src->shape[i];
+        out->strides[i] = src->strides != NULL ? src->strides[i] : running;
+        running *= src->shape[i];
+    }
+    return 0;
+}
+
+static int
+read_capsule(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
+{
+    if (b->to_dlpack == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s(): the DLPack fallback is not configured; import diffkv (not diffkv._C)",
+                     op);
+        return -1;
+    }
+    PyObject *capsule = PyObject_CallFunctionObjArgs(b->to_dlpack, obj, NULL);
+    if (capsule == NULL) {
+        return -1;
+    }
+    int rc = -1;
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+        rc = m == NULL ? -1 : convert_dltensor(&m->dl_tensor, op, arg, out);
+    }
+    else if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *m =
+            (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        rc = m == NULL ? -1 : convert_dltensor(&m->dl_tensor, op, arg, out);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError, "%s(): %s gave a DLPack capsule of an unknown kind", op,
+                     arg);
+    }
+    /* The capsule was not renamed "used_...", so its destructor calls the producer's deleter;
+     * obj keeps the storage alive for the rest of the call. */
+    Py_DECREF(capsule);
+    return rc;
+}
+
+int
+dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
+{
+    PyObject *type = (PyObject *)Py_TYPE(obj);
+    const DLPackExchangeAPI *api = NULL;
+    int cached = -1;
+    for (int i = 0; i < b->num_types; i++) {
+        if (b->types[i] == type) {
+            cached = i;
+            api = b->apis[i];
+            break;
+        }
+    }
+    if (cached < 0) {
+        if (!is_tensor_like(obj)) {
+            PyObject *name = PyObject_GetAttrString(type, "__name__");
+            if (name == NULL) {
+                return -1;
+            }
+            PyErr_Format(PyExc_TypeError, "%s(): %s must be a torch.Tensor, got %U", op, arg,
+                         name);
+            Py_DECREF(name);
+            return -1;
+        }
+        lookup_type(b, type, &api);
+    }
+    if (api != NULL && !b->force_capsule) {
+        DLTensor view;
+        if (api->dltensor_from_py_object_no_sync((void *)obj, &view) != 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_TypeError, "%s(): %s could not be read through DLPack", op,
+                             arg);
+            }
+            return -1;
+        }
+        return convert_dltensor(&view, op, arg, out);
+    }
+    return read_capsule(b, obj, op, arg, out);
+}
+
+int
+dk_bridge_optional_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg,
+                          dk_tensor *out)
+{
+    if (obj == Py_None) {
+        memset(out, 0, sizeof(*out));
+        out->ndim = -1;
+        return 0;
+    }
+    return dk_bridge_tensor(b, obj, op, arg, out);
+}
+
+int
+dk_bridge_stream(dk_bridge *b, PyObject *tensor_obj, int32_t device_id, void **stream)
+{
+    const DLPackExchangeAPI *api = NULL;
+    lookup_type(b, (PyObject *)Py_TYPE(tensor_obj), &api);
+    if (api != NULL && !b->force_capsule) {
+        if (api->current_work_stream(DK_CUDA, device_id, stream) != 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError, "could not get torch's current CUDA stream");
+            }
+            return -1;
+        }
+        return 0;
+    }
+    if (b->stream_getter == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "torch has neither the DLPack exchange API nor "
+                        "torch._C._cuda_getCurrentRawStream: cannot find the current CUDA stream");
+        return -1;
+    }
+    PyObject *idx = PyLong_FromLong(device_id);
+    if (idx == NULL) {
+        return -1;
+    }
+    PyObject *res = PyObject_CallFunctionObjArgs(b->stream_getter, idx, NULL);
+    Py_DECREF(idx);
+    if (res == NULL) {
+        return -1;
+    }
+    void *s = PyLong_AsVoidPtr(res);
+    Py_DECREF(res);
+    if (s == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    *stream = s;
+    return 0;
+}
+
+int
+dk_bridge_uses_exchange(dk_bridge *b, PyObject *obj)
+{
+    const DLPackExchangeAPI *api = NULL;
+    if (!is_tensor_like(obj)) {
+        PyErr_SetString(PyExc_TypeError, "bridge_path(): tensor must be a torch.Tensor");
+        return -1;
+    }
+    lookup_type(b, (PyObject *)Py_TYPE(obj), &api);
+    return api != NULL && !b->force_capsule;
+}

@@ -1,0 +1,36 @@
+/*
+ * cuda_common.cuh -- what the .cu files of cuda/ share and diffkv.h must not see (it holds no
+ * CUDA types): the post-launch error check and small launch-shape helpers.
+ *
+ * Entry points: dk_cuda_after_launch (defined in cuda/runtime.cu), dk_cdiv.
+ */
+#ifndef DIFFKV_CUDA_COMMON_CUH
+#define DIFFKV_CUDA_COMMON_CUH
+
+#include "diffkv.h"
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+
+/*
+ * Call right after every kernel launch.  Reports a launch error (cudaGetLastError) as
+ * DK_ERR_CUDA "<op>: CUDA error <string> (<code>)"; when the environment variable
+ * DIFFKV_SYNC_DEBUG=1 (read once per process), also synchronises `stream` and reports an
+ * execution error the same way.  Returns DK_OK otherwise.
+ */
+dk_status dk_cuda_after_launch(const char *op, void *stream, dk_error *err);
+
+/* Ceiling division for non-negative operands.  Cannot fail. */
+static inline int64_t
+dk_cdiv(int64_t a, int64_t b)
+{
+    return (a + b - 1) / b;
+}
+
+/* Largest grid.x a launch may use. */
+#define DK_MAX_GRID_X ((int64_t)2147483647)
+/* Largest grid.y / grid.z a launch may use. */
+#define DK_MAX_GRID_YZ ((int64_t)65535)
+
+#endif /* DIFFKV_CUDA_COMMON_CUH */

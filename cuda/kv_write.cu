@@ -1,0 +1,122 @@
+/*
+ * kv_write.cu -- the K/V scatter into the paged cache on the GPU (dk_kv_write_args in
+ * diffkv.h): cache[slot / block_size][slot % block_size][h][:] = src[t][h][:] for the key and
+ * the value of every token whose slot is >= 0.  A bit copy, so fp32/fp16/bf16 share one kernel
+ * per copy width: 16-byte units when every address is 16-byte aligned and the dim strides are
+ * 1 (checked on the host), else one element at a time with any strides.
+ *
+ * Entry point: dk_cuda_kv_write.
+ */
+#include "diffkv.h"
+
+#include "cuda_common.cuh"
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+
+#define KV_WRITE_MAX_THREADS 256
+
+/*
+ * One block per token; its threads walk the (tensor, head, unit) items of the token, where a
+ * unit is one U (16 bytes or one element) and a head holds units_per_head of them.
+ * elems_per_unit = sizeof(U) / element size; the dim stride is 1 whenever it is > 1.
+ */
+template <typename U>
+static __global__ void
+kv_write_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                int32_t elems_per_unit)
+{
+    int64_t t = blockIdx.x;
+    int64_t slot = a.slot_mapping[t * a.slot_stride];
+    if (slot < 0) {
+        return;
+    }
+    int64_t blk = slot / a.block_size;
+    int64_t off = slot % a.block_size;
+    int64_t cache_base = blk * a.cache_stride_block + off * a.cache_stride_token;
+    int32_t per_tensor = (int32_t)a.num_kv_heads * units_per_head;
+    for (int32_t i = (int32_t)threadIdx.x; i < 2 * per_tensor; i += (int32_t)blockDim.x) {
+        bool is_value = i >= per_tensor;
+        int32_t r = is_value ? i - per_tensor : i;
+        int64_t h = r / units_per_head;
+        int64_t d = (int64_t)(r % units_per_head) * elems_per_unit;
+        const char *src;
+        char *dst;
+        if (is_value) {
+            src = (const char *)a.value + (t * a.value_stride_token + h * a.value_stride_head +
+                                           d * a.value_stride_dim) * elem_size;
+            dst = (char *)a.value_cache;
+        } else {
+            src = (const char *)a.key + (t * a.key_stride_token + h * a.key_stride_head +
+                                         d * a.key_stride_dim) * elem_size;
+            dst = (char *)a.key_cache;
+        }
+        dst += (cache_base + h * a.cache_stride_head + d * a.cache_stride_dim) * elem_size;
+        *(U *)dst = *(const U *)src;
+    }
+}
+
+static bool
+aligned16(int64_t bytes)
+{
+    return bytes % 16 == 0;
+}
+
+static bool
+ptr_aligned16(const void *p)
+{
+    return (uintptr_t)p % 16 == 0;
+}
+
+extern "C" dk_status
+dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
+{
+    if (a->dtype != DK_F32 && a->dtype != DK_F16 && a->dtype != DK_BF16) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "kv_write(): dtype must be one of float32, float16, bfloat16, got %s",
+                       dk_dtype_name(a->dtype));
+    }
+    if (a->num_tokens <= 0 || a->num_kv_heads <= 0 || a->head_size <= 0) {
+        return DK_OK;
+    }
+    if (a->block_size <= 0) {
+        return dk_fail(err, DK_ERR_VALUE, "kv_write(): block_size must be positive, got %lld",
+                       (long long)a->block_size);
+    }
+    if (a->num_tokens > DK_MAX_GRID_X) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED, "kv_write(): num_tokens must be at most %lld, got %lld",
+                       (long long)DK_MAX_GRID_X, (long long)a->num_tokens);
+    }
+    if (a->num_kv_heads * a->head_size > (int64_t)INT32_MAX / 2) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "kv_write(): num_kv_heads * head_size must be at most %lld, got %lld",
+                       (long long)(INT32_MAX / 2), (long long)(a->num_kv_heads * a->head_size));
+    }
+    int64_t es = (int64_t)dk_dtype_size(a->dtype);
+    bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 && a->cache_stride_dim == 1 &&
+               aligned16(a->head_size * es) && ptr_aligned16(a->key) &&
+               ptr_aligned16(a->value) && ptr_aligned16(a->key_cache) &&
+               ptr_aligned16(a->value_cache) && aligned16(a->key_stride_token * es) &&
+               aligned16(a->key_stride_head * es) && aligned16(a->value_stride_token * es) &&
+               aligned16(a->value_stride_head * es) && aligned16(a->cache_stride_block * es) &&
+               aligned16(a->cache_stride_token * es) && aligned16(a->cache_stride_head * es);
+    int32_t elems_per_unit = vec ? (int32_t)(16 / es) : 1;
+    int32_t units_per_head = (int32_t)(a->head_size / elems_per_unit);
+    int64_t items = 2 * a->num_kv_heads * units_per_head;
+    int64_t threads = dk_cdiv(items, 32) * 32;
+    if (threads > KV_WRITE_MAX_THREADS) {
+        threads = KV_WRITE_MAX_THREADS;
+    }
+    dim3 grid((unsigned)a->num_tokens);
+    dim3 block((unsigned)threads);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (vec) {
+        kv_write_kernel<uint4><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    } else if (es == 4) {
+        kv_write_kernel<uint32_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    } else {
+        kv_write_kernel<uint16_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    }
+    return dk_cuda_after_launch("kv_write()", stream, err);
+}

@@ -1,0 +1,229 @@
+"""Type stub and contract of diffkv._C, the C extension (csrc/module.c).
+
+Every function validates its arguments before it writes anything.  Tensors are torch tensors
+read through DLPack (borrowed for the call).  Errors: TypeError for wrong types/dtypes/devices,
+ValueError for wrong shapes/values (and the seed's ValueErrors, letter for letter),
+RuntimeError for state errors and CPU-only builds, CudaError for CUDA failures.
+
+A "CPU or CUDA" function runs the C reference on CPU tensors and the CUDA launcher on CUDA
+tensors (on torch's current stream); all tensor arguments must share one device.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+class CudaError(RuntimeError): ...
+
+# --- module / bridge ------------------------------------------------------------------------
+
+def configure(to_dlpack: Any, raw_stream_getter: Any) -> None:
+    """Register torch.utils.dlpack.to_dlpack and torch._C._cuda_getCurrentRawStream (or None)
+    for the capsule fallback path.  Called once by diffkv/__init__.py."""
+
+def set_bridge_path(path: str) -> None:
+    """'auto' (exchange API when the tensor type has it, else capsule) or 'capsule' (force the
+    fallback).  Tests use it to run both paths."""
+
+def bridge_path(tensor: torch.Tensor) -> str:
+    """'exchange' or 'capsule': the path a call would take for this tensor's type now."""
+
+def tensor_info(tensor: torch.Tensor) -> dict[str, Any]:
+    """What C sees: {'data_ptr': int, 'dtype': str, 'device_type': 'cpu'|'cuda',
+    'device_id': int, 'shape': tuple, 'strides': tuple (elements), 'path': str}."""
+
+def bridge_noop4(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> None:
+    """Reads the four tensors' views (and the current stream when on CUDA), does nothing else.
+    Used by benchmarks/bench_bridge.py."""
+
+def cuda_compiled() -> bool: ...
+def build_info() -> dict[str, Any]:
+    """{'cuda_compiled': bool, 'cuda_runtime_version': int, 'device_count': int,
+    'archs': str, 'limited_api': str}"""
+
+# --- rows / metadata / layer (the seed's messages) -------------------------------------------
+
+def check_row(
+    request_id: object,
+    query_len: object,
+    seq_len: object,
+    kv_start_pos: object,
+    sequence_id: object,
+    context_id: object,
+) -> None:
+    """DiffusionPagedAttentionRow.__post_init__: rules R1..R8 in the seed's order."""
+
+def check_metadata(prefill_rows: tuple, denoise_rows: tuple) -> None:
+    """DiffusionPagedAttentionMetadata.__post_init__: M1, M2 (reads row.identity)."""
+
+def check_step(step_idx: object) -> None:
+    """rows_for_step: M3."""
+
+def check_layer_heads(ulysses_degree: object, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """L1, L2, L3; returns the rank-local (num_heads, num_kv_heads)."""
+
+def check_head_sizes(head_size: int, head_size_v: int) -> None:
+    """L5."""
+
+# --- prepare_batch ------------------------------------------------------------------------------
+
+def check_batch_rows(rows: tuple, active: bool, max_num_reqs: int) -> None:
+    """P1 (no rows), P2 (active -> RuntimeError), P3 (too many rows), P4 (duplicate identities)."""
+
+def check_batch_bindings(
+    rows: tuple,
+    bindings: Sequence[Any],
+    reorder_threshold: int | None,
+    any_causal: bool,
+    max_num_reqs: int,
+    max_num_batched_tokens: int,
+    block_sizes: Sequence[int],
+    blocks_per_kv_block: Sequence[int],
+    cp_size: int,
+    num_blocks: torch.Tensor,
+) -> int:
+    """P5..P11 in the seed's order; reads binding.row_index and binding.max_seq_len.
+    num_blocks: CPU int32/int64 tensor [num_groups, max_num_reqs] (BlockTables.num_blocks.np
+    through torch.as_tensor).  Returns num_tokens = sum(query_len)."""
+
+def build_batch(
+    rows: tuple,
+    row_indices: Sequence[int],
+    row_indices_out: torch.Tensor,
+    query_start_loc_out: torch.Tensor,
+    seq_lens_out: torch.Tensor,
+    positions_out: torch.Tensor,
+) -> None:
+    """Fills CPU tensors: row_indices_out int32 [R], query_start_loc_out int32 [R+1],
+    seq_lens_out int32 [R], positions_out int64 [N]."""
+
+def dcp_local_seq_lens(
+    seq_lens: torch.Tensor, out: torch.Tensor, cp_size: int, cp_rank: int, cp_interleave: int
+) -> None:
+    """CPU int32 [R] -> CPU int32 [R]."""
+
+# --- block tables and pool ------------------------------------------------------------------
+
+def table_append(
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    row: int,
+    block_ids: Sequence[int],
+    blocks_per_kv_block: int,
+    num_kernel_blocks: int,
+    overwrite: bool,
+) -> None:
+    """CPU int32 table [rows, cols] and CPU int32 counts [rows] of one group.  Manager block b
+    becomes kernel blocks b*k .. b*k+k-1.  num_kernel_blocks <= 0 disables the id range check."""
+
+def gather_block_tables(
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    row_indices: torch.Tensor,
+    out: torch.Tensor,
+    num_reqs_padded: int,
+) -> None:
+    """CPU int32: out[i, :counts[row]] = table[row, :counts[row]]; rows >= len(row_indices)
+    up to num_reqs_padded zeroed."""
+
+def compute_slot_mappings(
+    table: torch.Tensor,
+    row_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    num_tokens: int,
+    num_tokens_padded: int,
+    block_size: int,
+    cp_size: int,
+    cp_rank: int,
+    cp_interleave: int,
+) -> None:
+    """CPU or CUDA.  table int32 [rows, cols], row_indices int32 [R], query_start_loc int32
+    [R+1], positions int64 [>= num_tokens], out int64 1-D [>= num_tokens_padded]; entries
+    [num_tokens, num_tokens_padded) get -1."""
+
+def pool_init(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor) -> None:
+    """state int64 [1] (number free), free_stack int32 [num_blocks], in_use uint8 [num_blocks]."""
+
+def pool_allocate(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor, n: int) -> list[int]:
+    """RuntimeError 'BlockPool.allocate(): n must be at most the 3 free blocks, got 5' style
+    when exhausted; ValueError for n < 0."""
+
+def pool_free(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor, block_ids: Sequence[int]) -> None:
+    """ValueError on an id out of range, not allocated (double free) or repeated."""
+
+# --- piecewise plan ---------------------------------------------------------------------------
+
+def build_plan(
+    full_attn_spans: Sequence[Sequence[tuple[int, int]]],
+    query_offsets: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    key_limits_out: torch.Tensor | None,
+    query_indices_out: torch.Tensor | None,
+) -> tuple[tuple, tuple]:
+    """The seed's build_paged_piecewise_plan, in C.  Raises the planner's ValueErrors
+    ('Paged piecewise inputs must have one entry per row', ...).
+    Returns (spans, segments): spans = normalised tuple(tuple((start, end), ...) per row);
+    segments = tuple over segments k of tuple over rows r of (q_start, q_end, kv_end, mode)
+    with mode 'causal' or 'full'.
+    key_limits_out: CPU int32 [sum(query_lens)] or None: exclusive key bound per packed token.
+    query_indices_out: CPU int64 [sum(query_lens)] or None: segment k's packed query indices,
+    segments concatenated in order (segment k's slice starts at the sum of earlier segment
+    lengths)."""
+
+# --- tensor work -----------------------------------------------------------------------------
+
+def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """CPU or CUDA.  key/value [N, Hkv, D] (any strides), kv_cache [2, num_blocks, block_size,
+    Hkv, D] (any strides), slot_mapping int64 [>= N] (first N used, < 0 skipped)."""
+
+MASK_NONE: int  # 0
+MASK_CAUSAL: int  # 1
+MASK_LIMITS: int  # 2
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    out: torch.Tensor,
+    host_block_table: torch.Tensor,
+    host_query_start_loc: torch.Tensor,
+    host_seq_lens: torch.Tensor,
+) -> None:
+    """CPU or CUDA.  query/out [N, H, D], block_table int32 [R, cols], query_start_loc int32
+    [R+1], seq_lens int32 [R], key_limits int32 [N] (mask == MASK_LIMITS).  host_* are CPU
+    copies used for the bounds check (the same tensors when on CPU)."""
+
+def forward_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    out: torch.Tensor,
+    host_block_table: torch.Tensor,
+    host_query_start_loc: torch.Tensor,
+    host_seq_lens: torch.Tensor,
+) -> None:
+    """kv_write then paged_attention in one call; every check runs before the write."""
+
+def rows_gather(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """CPU or CUDA.  src [S, H, D], index int64 [N], dst [N, H, D]: dst[n] = src[index[n]]."""
+
+def rows_scatter(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """CPU or CUDA.  src [N, H, D], index int64 [N], dst [S, H, D]: dst[index[n]] = src[n],
+    other dst rows zeroed."""

@@ -1,0 +1,246 @@
+"""The DIFFKV attention backend: paged-KV diffusion attention in one call into diffkv._C.
+
+Entry points: ``DiffKVAttentionBackend`` (the backend class the adapter selects) and
+``DiffKVAttentionImpl`` with ``forward_paged(context)`` (KV write + attention in the layer's
+mask mode + output in the caller's layout) and ``do_kv_cache_update`` (the write alone, vLLM's
+``reshape_and_cache_flash`` contract).  Dense (non-paged) attention is not implemented yet and
+says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _C
+from ..native import PagedAttentionMetadata, PagedMetadataBuilder
+from .abstract import AttentionBackend, AttentionImpl
+
+__all__ = ["DiffKVAttentionBackend", "DiffKVAttentionImpl", "DiffKVMetadataBuilder"]
+
+_DENSE_MESSAGE = "DiffKVAttentionImpl: dense (non-paged) attention is not implemented yet; use forward_paged"
+
+# kv_cache_dtype values meaning "the cache holds the model dtype" (the paged path is unquantized).
+_UNQUANTIZED_CACHE_DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+_MODEL_TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class DiffKVMetadataBuilder(PagedMetadataBuilder):
+    """The backend's metadata builder: diffkv's kernels need no decode-first row order, so
+    ``reorder_batch_threshold`` is None."""
+
+    reorder_batch_threshold = None
+
+
+class DiffKVAttentionBackend(AttentionBackend):
+    """Paged-KV attention for diffusion layers, run by diffkv's C/CUDA kernels."""
+
+    accept_output_buffer: bool = False
+    supports_piecewise_spans: bool = True
+    supports_paged_kv: bool = True
+    # The layer write is explicit (do_kv_cache_update / inside forward_paged), as with vLLM's
+    # FLASH_ATTN: the adapter requires do_kv_cache_update when this is False.
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "DIFFKV"
+
+    @staticmethod
+    def get_impl_cls() -> type[DiffKVAttentionImpl]:
+        return DiffKVAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[PagedAttentionMetadata]:
+        return PagedAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[DiffKVMetadataBuilder]:
+        return DiffKVMetadataBuilder
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        """Head sizes the CUDA kernels are built for (the CPU reference takes any size up to 1024)."""
+        return [64, 128, 256]
+
+    @classmethod
+    def indexes_kv_by_block_stride(cls) -> bool:
+        """diffkv's kernels read K/V pages through the cache's real block stride."""
+        return True
+
+
+def _attn_type_name(attn_type: Any) -> Any:
+    return getattr(attn_type, "value", attn_type)
+
+
+class DiffKVAttentionImpl(AttentionImpl):
+    """One layer's attention implementation.
+
+    Accepts both the diffusion constructor (``softmax_scale``, ``causal``, ...) and the vLLM
+    keywords the layer adapter passes (``scale``, ``alibi_slopes``, ``sliding_window``,
+    ``kv_cache_dtype``, ``logits_soft_cap``, ``attn_type``, ``kv_sharing_target_layer_name``);
+    features diffkv does not implement are rejected with NotImplementedError naming them.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        qkv_layout: str | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        **extra_impl_args: Any,
+    ) -> None:
+        op = "DiffKVAttentionImpl()"
+        scale = extra_impl_args.pop("scale", None)
+        alibi_slopes = extra_impl_args.pop("alibi_slopes", None)
+        sliding_window = extra_impl_args.pop("sliding_window", None)
+        kv_cache_dtype = extra_impl_args.pop("kv_cache_dtype", "auto")
+        logits_soft_cap = extra_impl_args.pop("logits_soft_cap", None)
+        attn_type = extra_impl_args.pop("attn_type", None)
+        kv_sharing_target_layer_name = extra_impl_args.pop("kv_sharing_target_layer_name", None)
+        if extra_impl_args:
+            raise TypeError(f"{op}: unexpected keyword arguments {sorted(extra_impl_args)}")
+
+        for name, value in (("num_heads", num_heads), ("head_size", head_size)):
+            if type(value) is not int:
+                raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{op}: {name} must be positive, got {value}")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if type(num_kv_heads) is not int:
+            raise TypeError(f"{op}: num_kv_heads must be an int, got {num_kv_heads!r}")
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{op}: num_kv_heads must be positive and divide num_heads={num_heads}, got {num_kv_heads}"
+            )
+
+        if scale is None and softmax_scale is None:
+            raise TypeError(f"{op}: softmax_scale (or its alias scale) is required")
+        if scale is not None and softmax_scale is not None and float(scale) != float(softmax_scale):
+            raise ValueError(
+                f"{op}: scale and softmax_scale must agree, "
+                f"got scale={scale!r}, softmax_scale={softmax_scale!r}"
+            )
+        resolved_scale = float(softmax_scale if softmax_scale is not None else scale)
+
+        unsupported = (
+            ("alibi_slopes", alibi_slopes),
+            ("sliding_window", sliding_window),
+            ("logits_soft_cap", logits_soft_cap),
+            ("kv_sharing_target_layer_name", kv_sharing_target_layer_name),
+        )
+        for name, value in unsupported:
+            if value is not None:
+                raise NotImplementedError(f"{op}: {name} is not supported, got {value!r}")
+        if not (
+            kv_cache_dtype is None
+            or kv_cache_dtype in _MODEL_TORCH_DTYPES
+            or (isinstance(kv_cache_dtype, str) and kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES)
+        ):
+            raise NotImplementedError(
+                f"{op}: kv_cache_dtype must be one of {list(_UNQUANTIZED_CACHE_DTYPES)} (an unquantized "
+                f"cache), got {kv_cache_dtype!r}"
+            )
+        if attn_type is not None and _attn_type_name(attn_type) != "decoder":
+            raise NotImplementedError(f"{op}: attn_type must be 'decoder', got {attn_type!r}")
+        if backend_kwargs:
+            raise NotImplementedError(f"{op}: backend_kwargs are not supported, got {sorted(backend_kwargs)}")
+
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.softmax_scale = resolved_scale
+        self.scale = resolved_scale
+        self.causal = bool(causal)
+        self.prefix = prefix
+        self.qkv_layout = qkv_layout
+        self.kv_cache_dtype = "auto" if kv_cache_dtype is None else kv_cache_dtype
+        self.attn_type = attn_type
+
+    # --- paged path ---------------------------------------------------------------------------
+
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatters key/value ``[N, Hkv, D]`` (any strides) into ``kv_cache`` ``(2, num_blocks,
+        block_size, Hkv, D)`` at ``slot_mapping[:N]`` (int64; slots < 0 skipped)."""
+        del layer
+        _C.kv_write(key, value, kv_cache, slot_mapping)
+
+    def forward_paged(self, paged_kv_context: Any) -> torch.Tensor:
+        """Runs one layer of paged diffusion attention from a ``DiffusionPagedAttentionContext``:
+        writes ``key_write``/``value_write`` into the layer's cache, attends from ``query``
+        ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token key
+        limits; else causal or not per the native metadata) and returns the output in the
+        caller's layout (``context.restore_output``; padded rows are zeros)."""
+        layer = getattr(paged_kv_context, "layer", None)
+        if layer is None:
+            raise TypeError("paged_kv_context must expose a native diffusion attention layer")
+        layer_name = getattr(layer, "layer_name", None)
+        kv_cache = getattr(layer, "kv_cache", None)
+        if kv_cache is None:
+            raise RuntimeError(f"Native KV cache is not bound for diffusion layer {layer_name!r}")
+        if getattr(layer, "impl", None) is None:
+            raise RuntimeError(
+                f"Native attention implementation is not bound for diffusion layer {layer_name!r}"
+            )
+
+        metadata = paged_kv_context.native_metadata
+        plan = paged_kv_context.piecewise_plan
+        if plan is not None:
+            mask = _C.MASK_LIMITS
+            key_limits = plan.key_limits
+        else:
+            mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
+            key_limits = None
+        query = paged_kv_context.query
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        _C.forward_paged(
+            query,
+            paged_kv_context.key_write,
+            paged_kv_context.value_write,
+            kv_cache,
+            paged_kv_context.slot_mapping,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            key_limits,
+            mask,
+            float(layer.softmax_scale),
+            out,
+            metadata.block_table_cpu,
+            metadata.query_start_loc_cpu,
+            metadata.seq_lens_cpu,
+        )
+        return paged_kv_context.restore_output(out)
+
+    # --- dense path (not implemented: explicit, never silent) --------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)
+
+    def forward_npu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)
+
+    def forward_xpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)
+
+    def forward_hip(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)
+
+    def forward_musa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_DENSE_MESSAGE)

@@ -1,0 +1,1 @@
+"""Integrations of diffkv into other frameworks (vLLM-Omni: a later issue)."""

@@ -1,0 +1,198 @@
+"""Standalone stand-ins for the vLLM / vLLM-Omni module-level collaborators of the adapter.
+
+The seed adapter looks these names up at call time in its own module namespace, and so does
+``diffkv.adapter`` (tests monkeypatch them there).  Here they are small, self-contained
+objects that need neither vLLM nor vLLM-Omni:
+
+- ``current_omni_platform``: the platform object (``is_cuda()`` ... ``is_musa()`` answered
+  from torch; ``build_diffusion_kv_attn_metadata(**kw)`` delegates to
+  ``diffkv.native.build_attn_metadata``; no KV prewrite; the paged backend is the selected one);
+- ``set_current_vllm_config(cfg)`` / ``get_current_vllm_config()``: the current config;
+- ``override_paged_kv_adapter(adapter)`` / ``current_paged_kv_adapter()``: the forward
+  context's paged-KV adapter;
+- ``get_attn_backend(...)``: selects ``DiffKVAttentionBackend`` after checking its arguments;
+- ``AttentionBackendEnum``, ``AttentionType``, ``cdiv``, ``AttentionLayerBase``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AttentionBackendEnum",
+    "AttentionLayerBase",
+    "AttentionType",
+    "DiffKVPlatform",
+    "cdiv",
+    "current_omni_platform",
+    "current_paged_kv_adapter",
+    "get_attn_backend",
+    "get_current_vllm_config",
+    "override_paged_kv_adapter",
+    "set_current_vllm_config",
+]
+
+# Activation dtypes the DIFFKV kernels are built for (C reference and CUDA path alike).
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers (vLLM's ``vllm.utils.math_utils.cdiv``)."""
+    return -(a // -b)
+
+
+class AttentionType:
+    """Attention kinds (vLLM's ``AttentionType``); diffusion paged KV uses only ``DECODER``."""
+
+    DECODER = "decoder"
+
+
+class AttentionBackendEnum(enum.Enum):
+    """Backend names a config may request.  ``FLASH_ATTN`` is the seed's portable request,
+    which diffkv's platform resolves to its own ``DIFFKV`` backend."""
+
+    FLASH_ATTN = "FLASH_ATTN"
+    DIFFKV = "DIFFKV"
+
+
+class AttentionLayerBase(ABC):
+    """The small contract vLLM's ``init_attn_backend`` reads from an attention layer."""
+
+    @abstractmethod
+    def get_attn_backend(self) -> Any:
+        """The backend class that serves this layer."""
+
+    @abstractmethod
+    def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        """The layer's KV cache spec (an ``AttentionSpec``)."""
+
+
+class DiffKVPlatform:
+    """diffkv's ``current_omni_platform``: the host platform as torch sees it."""
+
+    def _device_type(self) -> str:
+        if torch.cuda.is_available() and torch.version.hip is None:
+            return "cuda"
+        return "none"
+
+    def is_cuda(self) -> bool:
+        return self._device_type() == "cuda"
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_npu(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def is_musa(self) -> bool:
+        return False
+
+    def build_diffusion_kv_attn_metadata(self, **kwargs: Any) -> dict[str, Any]:
+        """Native metadata per layer for one batch: ``diffkv.native.build_attn_metadata``
+        with the seed's keyword set (attn_groups, num_reqs, num_tokens, query_start_loc_gpu,
+        ...)."""
+        from . import native
+
+        return native.build_attn_metadata(**kwargs)
+
+    def requires_diffusion_paged_kv_prewrite(self) -> bool:
+        """diffkv's forward_paged writes K/V itself; no platform prewrite is needed."""
+        return False
+
+    def get_diffusion_paged_kv_attn_backend(self, backend: Any, *, ulysses_degree: int) -> Any:
+        """The paged backend for a selected backend: the same class (strict Ulysses needs no
+        specialisation on CUDA)."""
+        del ulysses_degree
+        return backend
+
+    def __repr__(self) -> str:
+        return f"DiffKVPlatform(device_type={self._device_type()!r})"
+
+
+current_omni_platform = DiffKVPlatform()
+
+_current_vllm_config: Any | None = None
+_current_paged_kv_adapter: Any | None = None
+
+
+@contextmanager
+def set_current_vllm_config(vllm_config: Any) -> Iterator[None]:
+    """Make ``vllm_config`` the current config inside the block; the previous one is restored
+    on exit (also on error)."""
+    global _current_vllm_config
+    previous = _current_vllm_config
+    _current_vllm_config = vllm_config
+    try:
+        yield
+    finally:
+        _current_vllm_config = previous
+
+
+def get_current_vllm_config() -> Any | None:
+    """The config installed by the innermost active ``set_current_vllm_config`` (or None)."""
+    return _current_vllm_config
+
+
+@contextmanager
+def override_paged_kv_adapter(adapter: Any) -> Iterator[None]:
+    """Install ``adapter`` as the forward context's paged-KV adapter inside the block; the
+    previous one is restored on exit (also on error)."""
+    global _current_paged_kv_adapter
+    previous = _current_paged_kv_adapter
+    _current_paged_kv_adapter = adapter
+    try:
+        yield
+    finally:
+        _current_paged_kv_adapter = previous
+
+
+def current_paged_kv_adapter() -> Any | None:
+    """The adapter installed by the innermost active ``override_paged_kv_adapter`` (or None)."""
+    return _current_paged_kv_adapter
+
+
+def get_attn_backend(
+    *,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | None,
+    attn_type: str,
+    num_heads: int,
+) -> type:
+    """Select the attention backend for a layer: ``DiffKVAttentionBackend``.
+
+    Raises ValueError naming the argument when the backend cannot serve the layer.
+    """
+    from .backends.diffkv import DiffKVAttentionBackend
+
+    supported_head_sizes = list(DiffKVAttentionBackend.get_supported_head_sizes())
+    if type(head_size) is not int or head_size not in supported_head_sizes:
+        raise ValueError(
+            f"get_attn_backend(): head_size must be one of {supported_head_sizes}, got {head_size!r}"
+        )
+    supported_dtypes = [_DTYPE_NAMES[d] for d in _SUPPORTED_DTYPES]
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"get_attn_backend(): dtype must be one of {supported_dtypes}, got {dtype!r}")
+    allowed_cache_dtypes = (None, "auto", _DTYPE_NAMES[dtype], dtype)
+    if kv_cache_dtype not in allowed_cache_dtypes:
+        raise ValueError(
+            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
+            f"{_DTYPE_NAMES[dtype]!r} (unquantized cache), got {kv_cache_dtype!r}"
+        )
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(
+            f"get_attn_backend(): attn_type must be {AttentionType.DECODER!r}, got {attn_type!r}"
+        )
+    if type(num_heads) is not int or num_heads <= 0:
+        raise ValueError(f"get_attn_backend(): num_heads must be a positive integer, got {num_heads!r}")
+    return DiffKVAttentionBackend

@@ -1,0 +1,254 @@
+"""Rows, row bindings and request metadata: fields, flags and the seed's messages (R1..R8, M1..M3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import diffkv
+from diffkv import (
+    DiffusionPagedAttentionContext,
+    DiffusionPagedAttentionMetadata,
+    DiffusionPagedAttentionRow,
+    DiffusionPagedAttentionRowBinding,
+    PreparedDiffusionPagedAttentionBatch,
+)
+
+Row = DiffusionPagedAttentionRow
+
+
+def _raises(exc_type, message):
+    return pytest.raises(exc_type, match=f"^{re.escape(message)}$")
+
+
+def _fields(cls):
+    return [(f.name, f.default if f.default is not dataclasses.MISSING else "<required>") for f in dataclasses.fields(cls)]
+
+
+# --- dataclass shapes ---------------------------------------------------------------------------
+
+
+def test_binding_fields_and_flags():
+    assert _fields(DiffusionPagedAttentionRowBinding) == [
+        ("row_index", "<required>"),
+        ("max_seq_len", "<required>"),
+        ("block_ids", ()),
+    ]
+    params = DiffusionPagedAttentionRowBinding.__dataclass_params__
+    assert params.frozen
+    assert not hasattr(DiffusionPagedAttentionRowBinding, "__slots__")
+    binding = DiffusionPagedAttentionRowBinding(3, 40)
+    assert binding.block_ids == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        binding.row_index = 1
+
+
+def test_row_fields_flags_and_identity():
+    assert _fields(Row) == [
+        ("request_id", "<required>"),
+        ("query_len", "<required>"),
+        ("seq_len", "<required>"),
+        ("kv_start_pos", 0),
+        ("sequence_id", None),
+        ("context_id", None),
+    ]
+    assert Row.__dataclass_params__.frozen
+    row = Row("r", 3, 5, kv_start_pos=2, sequence_id=7)
+    assert row.identity == ("r", 7, None)
+    assert Row("r", 3, 5, context_id="ctx").identity == ("r", None, "ctx")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.query_len = 2
+    assert row == Row("r", 3, 5, kv_start_pos=2, sequence_id=7)
+
+
+def test_metadata_batch_and_context_flags():
+    assert _fields(DiffusionPagedAttentionMetadata) == [
+        ("prefill_rows", "<required>"),
+        ("denoise_rows", "<required>"),
+    ]
+    assert DiffusionPagedAttentionMetadata.__dataclass_params__.frozen
+    batch_fields = {f.name: f for f in dataclasses.fields(PreparedDiffusionPagedAttentionBatch)}
+    assert list(batch_fields) == [
+        "rows",
+        "row_indices",
+        "query_start_loc",
+        "seq_lens",
+        "positions",
+        "block_tables",
+        "slot_mappings",
+        "attn_metadata",
+        "slot_mappings_by_layer",
+        "num_tokens",
+        "_owner",
+        "_generation",
+    ]
+    assert PreparedDiffusionPagedAttentionBatch.__dataclass_params__.frozen
+    for name in ("_owner", "_generation"):
+        assert batch_fields[name].repr is False and batch_fields[name].compare is False
+    assert _fields(DiffusionPagedAttentionContext) == [
+        ("layer", "<required>"),
+        ("query", "<required>"),
+        ("key_write", "<required>"),
+        ("value_write", "<required>"),
+        ("slot_mapping", "<required>"),
+        ("native_metadata", "<required>"),
+        ("piecewise_plan", "<required>"),
+        ("piecewise_native_metadata", "<required>"),
+        ("query_token_shape", "<required>"),
+        ("query_has_head_dims", "<required>"),
+        ("output_scatter_indices", None),
+    ]
+    assert DiffusionPagedAttentionContext.__dataclass_params__.frozen
+    assert hasattr(DiffusionPagedAttentionContext, "__slots__")
+
+
+def test_resolver_alias_is_exported():
+    assert diffkv.DiffusionKVRowResolver is diffkv.adapter.DiffusionKVRowResolver
+
+
+# --- R1..R8 -------------------------------------------------------------------------------------
+
+R1 = "Paged attention request_id must be a non-empty string"
+R2 = "Paged attention row requires exactly one of sequence_id or context_id"
+R3 = "Paged attention sequence_id must be a non-negative integer"
+R4 = "Paged attention context_id must be a non-empty string"
+R5 = "Paged attention query_len must be a positive integer"
+R6 = "Paged attention seq_len must be a positive integer"
+R7 = "Paged attention kv_start_pos must be a non-negative integer"
+
+
+@pytest.mark.parametrize("request_id", ["", 1, None, b"r"])
+def test_r1_request_id(request_id):
+    with _raises(ValueError, R1):
+        Row(request_id, 1, 1, sequence_id=0)
+
+
+@pytest.mark.parametrize("ids", [{}, {"sequence_id": 0, "context_id": "c"}])
+def test_r2_exactly_one_id(ids):
+    with _raises(ValueError, R2):
+        Row("r", 1, 1, **ids)
+
+
+@pytest.mark.parametrize("sequence_id", [-1, True, 1.0, "0"])
+def test_r3_sequence_id(sequence_id):
+    with _raises(ValueError, R3):
+        Row("r", 1, 1, sequence_id=sequence_id)
+
+
+@pytest.mark.parametrize("context_id", ["", 3, b"c"])
+def test_r4_context_id(context_id):
+    with _raises(ValueError, R4):
+        Row("r", 1, 1, context_id=context_id)
+
+
+@pytest.mark.parametrize("query_len", [0, -1, 1.0, True, None])
+def test_r5_query_len(query_len):
+    with _raises(ValueError, R5):
+        Row("r", query_len, 4, sequence_id=0)
+
+
+@pytest.mark.parametrize("seq_len", [0, -3, 4.0, True])
+def test_r6_seq_len(seq_len):
+    with _raises(ValueError, R6):
+        Row("r", 1, seq_len, sequence_id=0)
+
+
+@pytest.mark.parametrize("kv_start_pos", [-1, 0.0, False, None])
+def test_r7_kv_start_pos(kv_start_pos):
+    with _raises(ValueError, R7):
+        Row("r", 1, 4, kv_start_pos=kv_start_pos, sequence_id=0)
+
+
+def test_r8_write_span_exceeds_seq_len():
+    with _raises(
+        ValueError, "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4"
+    ):
+        Row("r", 2, 4, kv_start_pos=3, sequence_id=0)
+
+
+def test_row_rules_run_in_seed_order():
+    # R1 before R2 before R3/R4 before R5 before R6 before R7 before R8.
+    with _raises(ValueError, R1):
+        Row("", 0, 0, kv_start_pos=-1)
+    with _raises(ValueError, R2):
+        Row("r", 0, 0, kv_start_pos=-1)
+    with _raises(ValueError, R3):
+        Row("r", 0, 0, kv_start_pos=-1, sequence_id=-1)
+    with _raises(ValueError, R4):
+        Row("r", 0, 0, kv_start_pos=-1, context_id="")
+    with _raises(ValueError, R5):
+        Row("r", 0, 0, kv_start_pos=-1, sequence_id=0)
+    with _raises(ValueError, R6):
+        Row("r", 1, 0, kv_start_pos=-1, sequence_id=0)
+    with _raises(ValueError, R7):
+        Row("r", 9, 1, kv_start_pos=-1, sequence_id=0)
+
+
+def test_valid_edge_rows():
+    assert Row("r", 1, 1, sequence_id=0).kv_start_pos == 0
+    assert Row("r", 2, 5, kv_start_pos=3, context_id="c").seq_len == 5
+    # A non-suffix span is a valid row (non-causal layers accept it).
+    assert Row("r", 2, 9, kv_start_pos=3, sequence_id=0).query_len == 2
+
+
+# --- metadata M1..M3 ----------------------------------------------------------------------------
+
+
+def _rows(seq_ids=(0, 1), query_len=4, seq_len=4, kv_start_pos=0):
+    return tuple(Row("req", query_len, seq_len, kv_start_pos=kv_start_pos, sequence_id=s) for s in seq_ids)
+
+
+M1 = "Paged attention metadata requires both prefill and denoise rows"
+
+
+@pytest.mark.parametrize("which", ["prefill", "denoise", "both"])
+def test_m1_requires_both_row_sets(which):
+    prefill = () if which in ("prefill", "both") else _rows()
+    denoise = () if which in ("denoise", "both") else _rows()
+    with _raises(ValueError, M1):
+        DiffusionPagedAttentionMetadata(prefill, denoise)
+
+
+def test_m2_identities_must_match_in_order():
+    prefill = _rows((0, 1))
+    denoise = _rows((1, 0), query_len=2, kv_start_pos=2)
+    message = (
+        "Paged attention prefill and denoise rows must use the same ordered identities: "
+        "prefill=(('req', 0, None), ('req', 1, None)), denoise=(('req', 1, None), ('req', 0, None))"
+    )
+    with _raises(ValueError, message):
+        DiffusionPagedAttentionMetadata(prefill, denoise)
+
+
+def test_m2_row_count_differs():
+    message = (
+        "Paged attention prefill and denoise rows must use the same ordered identities: "
+        "prefill=(('req', 0, None),), denoise=(('req', 0, None), ('req', 1, None))"
+    )
+    with _raises(ValueError, message):
+        DiffusionPagedAttentionMetadata(_rows((0,)), _rows((0, 1)))
+
+
+@pytest.mark.parametrize("step", [None, -1, True, 1.0, "1"])
+def test_m3_step_index(step):
+    metadata = DiffusionPagedAttentionMetadata(_rows(), _rows(query_len=2, kv_start_pos=2))
+    with _raises(ValueError, f"Paged attention requires a non-negative denoise step index, got {step!r}"):
+        metadata.rows_for_step(step)
+
+
+def test_rows_for_step_selects_phase():
+    prefill = _rows()
+    denoise = _rows(query_len=2, kv_start_pos=2)
+    metadata = DiffusionPagedAttentionMetadata(prefill, denoise)
+    assert metadata.rows_for_step(0) is prefill
+    assert metadata.rows_for_step(1) is denoise
+    assert metadata.rows_for_step(49) is denoise
+
+
+def test_metadata_accepts_lists():
+    prefill = list(_rows())
+    denoise = list(_rows(query_len=2, kv_start_pos=2))
+    metadata = DiffusionPagedAttentionMetadata(prefill, denoise)
+    assert metadata.rows_for_step(0) is prefill
