@@ -7,7 +7,7 @@ links the static CUDA runtime, so the same .so imports on a machine without a GP
 Environment:
   DIFFKV_CUDA=0          force a CPU-only build (default: CUDA when nvcc is found)
   DIFFKV_CUDA_ARCHS      ';'-separated targets, default "80;90a" (PTX is added for the highest
-                         plain target, here compute_90)
+                         plain-number target, compute_80 by default, which newer GPUs JIT)
   DIFFKV_WERROR=1        warnings are errors (CI and development builds)
   DIFFKV_SANITIZE=1      -fsanitize=address,undefined on the C sources (CPU-only builds)
   CUDA_HOME              where to look for nvcc first
@@ -128,7 +128,14 @@ class BuildExt(build_ext):
         ]
         ext.extra_objects = [*ext.extra_objects, *objects]
         ext.library_dirs = [*ext.library_dirs, *map(str, lib_dirs)]
-        ext.extra_link_args = [*ext.extra_link_args, "-lcudart_static", "-lrt", "-lpthread", "-ldl", "-lstdc++"]
+        ext.extra_link_args = [
+            *ext.extra_link_args,
+            "-lcudart_static",
+            "-lrt",
+            "-lpthread",
+            "-ldl",
+            "-lstdc++",
+        ]
         ext.define_macros = [*ext.define_macros, ("DIFFKV_CUDA_ARCHS", '"' + ";".join(archs) + '"')]
         print(f"diffkv: CUDA build with {nvcc} for {';'.join(archs)}", file=sys.stderr)
         return super().build_extension(ext)
@@ -158,7 +165,8 @@ setup(
             "diffkv._C",
             sources=c_sources,
             include_dirs=["csrc"],
-            define_macros=[("Py_LIMITED_API", LIMITED_API)] + ([("DIFFKV_WITH_CUDA", "1")] if with_cuda else []),
+            define_macros=[("Py_LIMITED_API", LIMITED_API)]
+            + ([("DIFFKV_WITH_CUDA", "1")] if with_cuda else []),
             py_limited_api=True,
         )
     ],

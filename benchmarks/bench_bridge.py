@@ -59,7 +59,8 @@ def main():
         "path_used": _C.bridge_path(tensors[0]),
         **{k: round(v, 1) for k, v in results.items()},
     }
-    print(f"bridge_noop4 on {device} (4 tensors{' + stream' if device.type == 'cuda' else ''}), median ns per call")
+    what = "4 tensors + stream" if device.type == "cuda" else "4 tensors"
+    print(f"bridge_noop4 on {device} ({what}), median ns per call")
     print(f"  python no-op floor : {results['python_noop_ns']:8.1f}")
     print(f"  DLPack exchange API: {results['exchange_ns']:8.1f}")
     print(f"  to_dlpack capsules : {results['capsule_ns']:8.1f}")

@@ -757,6 +757,9 @@ i64_list(PyObject *seq, const char *op, const char *arg, int64_t **out, Py_ssize
             /* vLLM's block_sizes can be numpy ints: take anything with __index__. */
             PyObject *idx = PyNumber_Index(item);
             if (idx == NULL) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "%s(): %s must be a sequence of ints, got %R", op,
+                             arg, item);
                 Py_DECREF(t);
                 free(*out);
                 *out = NULL;
@@ -1282,6 +1285,13 @@ py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nar
                      op, (long long)bs, (long long)c, (long long)r, (long long)il);
         return NULL;
     }
+    if (c > 1 && bs % il != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): cp_interleave must divide block_size under context parallelism, got "
+                     "cp_interleave=%lld, block_size=%lld",
+                     op, (long long)il, (long long)bs);
+        return NULL;
+    }
     dk_slots_args a = {
         .block_table = (const int32_t *)table.data,
         .bt_stride_row = table.strides[0],
@@ -1565,21 +1575,6 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             total_q += qlens[r];
         }
     }
-    int64_t cap = dk_plan_segment_capacity(&pa);
-    segs = (dk_segment *)calloc((size_t)(cap > 0 ? cap : 1), sizeof(dk_segment));
-    limits = (int32_t *)calloc((size_t)(total_q > 0 ? total_q : 1), sizeof(int32_t));
-    if (segs == NULL || limits == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int64_t num_segments = 0;
-    dk_plan_rule rule = DK_PLAN_OK;
-    dk_error err = {{0}};
-    dk_status s = dk_plan_build(&pa, segs, cap, &num_segments, limits, &rule, &err);
-    if (s != DK_OK) {
-        raise_status(module, s, &err);
-        goto done;
-    }
     dk_tensor kl, qi;
     if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[4], op, "key_limits_out", &kl) ||
         dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "query_indices_out",
@@ -1597,6 +1592,23 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
          want_dtype(&qi, DK_I64, op, "query_indices_out") ||
          want_contiguous_1d(&qi, op, "query_indices_out") ||
          want_min_len(&qi, total_q, op, "query_indices_out"))) {
+        goto done;
+    }
+    int64_t cap = dk_plan_segment_capacity(&pa);
+    segs = (dk_segment *)calloc((size_t)(cap > 0 ? cap : 1), sizeof(dk_segment));
+    if (kl.ndim >= 0) {
+        limits = (int32_t *)calloc((size_t)(total_q > 0 ? total_q : 1), sizeof(int32_t));
+    }
+    if (segs == NULL || (kl.ndim >= 0 && limits == NULL)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t num_segments = 0;
+    dk_plan_rule rule = DK_PLAN_OK;
+    dk_error err = {{0}};
+    dk_status s = dk_plan_build(&pa, segs, cap, &num_segments, limits, &rule, &err);
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
         goto done;
     }
     if (kl.ndim >= 0 && total_q > 0) {
@@ -1740,6 +1752,65 @@ run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k, const dk_k
     return 0;
 }
 
+/*
+ * The standalone kv_write on CUDA copies the slot mapping to the host and range-checks it
+ * before launching (one synchronisation; forward_paged does not do this: its slots come from
+ * block tables whose entries were checked on the host, and the kernel skips any slot outside
+ * the cache rather than writing there).
+ */
+static int
+check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
+                   const dk_kv_write_args *a)
+{
+    if (a->num_tokens == 0) {
+        return 0;
+    }
+    if (!dk_cuda_compiled()) {
+        return run_cuda(module, key_obj, k->device_id, launch_kv_write, a);
+    }
+    int64_t *host = (int64_t *)malloc((size_t)a->num_tokens * sizeof(int64_t));
+    if (host == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *stream = NULL;
+    int32_t prev = 0;
+    dk_error err = {{0}};
+    if (dk_bridge_stream(&state_of(module)->bridge, key_obj, k->device_id, &stream) != 0) {
+        free(host);
+        return -1;
+    }
+    dk_status s = dk_cuda_device_enter(k->device_id, &prev, &err);
+    for (int64_t t = 0; s == DK_OK && t < a->num_tokens; t++) {
+        /* Strided mappings are rare; copy entry by entry only then. */
+        if (a->slot_stride == 1) {
+            s = dk_cuda_copy_to_host(host, a->slot_mapping, (size_t)a->num_tokens * sizeof(int64_t),
+                                     stream, &err);
+            break;
+        }
+        s = dk_cuda_copy_to_host(&host[t], a->slot_mapping + t * a->slot_stride, sizeof(int64_t),
+                                 stream, &err);
+    }
+    if (s == DK_OK) {
+        dk_cuda_device_exit(prev);
+    }
+    int64_t capacity = a->num_blocks * a->block_size;
+    for (int64_t t = 0; s == DK_OK && t < a->num_tokens; t++) {
+        if (host[t] >= capacity) {
+            s = dk_fail(&err, DK_ERR_VALUE,
+                        "kv_write(): slot_mapping[%lld] must be < num_blocks * block_size = %lld "
+                        "(or < 0 to skip), got %lld",
+                        (long long)t, (long long)capacity, (long long)host[t]);
+        }
+    }
+    free(host);
+    if (s != DK_OK) {
+        raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1751,9 +1822,8 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (parse_kv_write(module, args, "kv_write", &a, &k) != 0) {
         return NULL;
     }
-    if (k.device_type == DK_CUDA) {
-        /* The slot range check needs host access to the mapping; the CUDA path relies on the
-         * mapping having been built from validated block tables (compute_slot_mappings). */
+    if (k.device_type == DK_CUDA && check_device_slots(module, args[0], &k, &a) != 0) {
+        return NULL;
     }
     if (run_kv_write(module, args[0], &k, &a) != 0) {
         return NULL;

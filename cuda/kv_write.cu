@@ -44,12 +44,15 @@ kv_write_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_h
         const char *src;
         char *dst;
         if (is_value) {
-            src = (const char *)a.value + (t * a.value_stride_token + h * a.value_stride_head +
-                                           d * a.value_stride_dim) * elem_size;
+            src = (const char *)a.value +
+                  (t * a.value_stride_token + h * a.value_stride_head + d * a.value_stride_dim) *
+                      elem_size;
             dst = (char *)a.value_cache;
-        } else {
-            src = (const char *)a.key + (t * a.key_stride_token + h * a.key_stride_head +
-                                         d * a.key_stride_dim) * elem_size;
+        }
+        else {
+            src =
+                (const char *)a.key +
+                (t * a.key_stride_token + h * a.key_stride_head + d * a.key_stride_dim) * elem_size;
             dst = (char *)a.key_cache;
         }
         dst += (cache_base + h * a.cache_stride_head + d * a.cache_stride_dim) * elem_size;
@@ -85,7 +88,8 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
                        (long long)a->block_size);
     }
     if (a->num_tokens > DK_MAX_GRID_X) {
-        return dk_fail(err, DK_ERR_UNSUPPORTED, "kv_write(): num_tokens must be at most %lld, got %lld",
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "kv_write(): num_tokens must be at most %lld, got %lld",
                        (long long)DK_MAX_GRID_X, (long long)a->num_tokens);
     }
     if (a->num_kv_heads * a->head_size > (int64_t)INT32_MAX / 2) {
@@ -95,12 +99,12 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
     }
     int64_t es = (int64_t)dk_dtype_size(a->dtype);
     bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 && a->cache_stride_dim == 1 &&
-               aligned16(a->head_size * es) && ptr_aligned16(a->key) &&
-               ptr_aligned16(a->value) && ptr_aligned16(a->key_cache) &&
-               ptr_aligned16(a->value_cache) && aligned16(a->key_stride_token * es) &&
-               aligned16(a->key_stride_head * es) && aligned16(a->value_stride_token * es) &&
-               aligned16(a->value_stride_head * es) && aligned16(a->cache_stride_block * es) &&
-               aligned16(a->cache_stride_token * es) && aligned16(a->cache_stride_head * es);
+               aligned16(a->head_size * es) && ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
+               ptr_aligned16(a->key_cache) && ptr_aligned16(a->value_cache) &&
+               aligned16(a->key_stride_token * es) && aligned16(a->key_stride_head * es) &&
+               aligned16(a->value_stride_token * es) && aligned16(a->value_stride_head * es) &&
+               aligned16(a->cache_stride_block * es) && aligned16(a->cache_stride_token * es) &&
+               aligned16(a->cache_stride_head * es);
     int32_t elems_per_unit = vec ? (int32_t)(16 / es) : 1;
     int32_t units_per_head = (int32_t)(a->head_size / elems_per_unit);
     int64_t items = 2 * a->num_kv_heads * units_per_head;
@@ -113,9 +117,11 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
     cudaStream_t s = (cudaStream_t)stream;
     if (vec) {
         kv_write_kernel<uint4><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-    } else if (es == 4) {
+    }
+    else if (es == 4) {
         kv_write_kernel<uint32_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-    } else {
+    }
+    else {
         kv_write_kernel<uint16_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
     }
     return dk_cuda_after_launch("kv_write()", stream, err);

@@ -37,9 +37,9 @@ rows_copy_kernel(const dk_rows_args a, bool scatter, int64_t elem_size, int32_t 
         const char *src = (const char *)a.src + (src_tok * a.src_stride_token +
                                                  h * a.src_stride_head + d * a.src_stride_dim) *
                                                     elem_size;
-        char *dst = (char *)a.dst + (dst_tok * a.dst_stride_token + h * a.dst_stride_head +
-                                     d * a.dst_stride_dim) *
-                                        elem_size;
+        char *dst = (char *)a.dst +
+                    (dst_tok * a.dst_stride_token + h * a.dst_stride_head + d * a.dst_stride_dim) *
+                        elem_size;
         *(U *)dst = *(const U *)src;
     }
 }
@@ -55,9 +55,9 @@ rows_zero_kernel(const dk_rows_args a, int64_t elem_size, int32_t units_per_head
     for (int32_t i = (int32_t)threadIdx.x; i < items; i += (int32_t)blockDim.x) {
         int64_t h = i / units_per_head;
         int64_t d = (int64_t)(i % units_per_head) * elems_per_unit;
-        char *dst = (char *)a.dst + (tok * a.dst_stride_token + h * a.dst_stride_head +
-                                     d * a.dst_stride_dim) *
-                                        elem_size;
+        char *dst =
+            (char *)a.dst +
+            (tok * a.dst_stride_token + h * a.dst_stride_head + d * a.dst_stride_dim) * elem_size;
         *(U *)dst = U();
     }
 }
@@ -89,10 +89,10 @@ static dk_status
 row_shape(const char *op, const dk_rows_args *a, bool vec, int64_t es, int32_t *units_per_head,
           int32_t *elems_per_unit, unsigned *threads, dk_error *err)
 {
-    if (a->num_heads * a->head_size > (int64_t)INT32_MAX) {
+    if (a->num_heads * a->head_size > (int64_t)INT32_MAX / 2) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "%s: num_heads * head_size must be at most %lld, got %lld", op,
-                       (long long)INT32_MAX, (long long)(a->num_heads * a->head_size));
+                       (long long)(INT32_MAX / 2), (long long)(a->num_heads * a->head_size));
     }
     *elems_per_unit = vec ? (int32_t)(16 / es) : 1;
     *units_per_head = (int32_t)(a->head_size / *elems_per_unit);
@@ -135,20 +135,24 @@ launch_copy(const char *op, const dk_rows_args *a, bool scatter, void *stream, d
     dim3 grid((unsigned)a->num_index);
     cudaStream_t s = (cudaStream_t)stream;
     if (vec) {
-        rows_copy_kernel<uint4><<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head,
-                                                         elems_per_unit);
-    } else if (es == 8) {
-        rows_copy_kernel<uint64_t><<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head,
-                                                            elems_per_unit);
-    } else if (es == 4) {
-        rows_copy_kernel<uint32_t><<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head,
-                                                            elems_per_unit);
-    } else if (es == 2) {
-        rows_copy_kernel<uint16_t><<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head,
-                                                            elems_per_unit);
-    } else {
-        rows_copy_kernel<uint8_t><<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head,
-                                                           elems_per_unit);
+        rows_copy_kernel<uint4>
+            <<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head, elems_per_unit);
+    }
+    else if (es == 8) {
+        rows_copy_kernel<uint64_t>
+            <<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head, elems_per_unit);
+    }
+    else if (es == 4) {
+        rows_copy_kernel<uint32_t>
+            <<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head, elems_per_unit);
+    }
+    else if (es == 2) {
+        rows_copy_kernel<uint16_t>
+            <<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head, elems_per_unit);
+    }
+    else {
+        rows_copy_kernel<uint8_t>
+            <<<grid, threads, 0, s>>>(*a, scatter, es, units_per_head, elems_per_unit);
     }
     return dk_cuda_after_launch(op, stream, err);
 }
@@ -171,8 +175,8 @@ extern "C" dk_status
 dk_cuda_rows_scatter(const dk_rows_args *a, void *stream, dk_error *err)
 {
     const char *op = "rows_scatter()";
-    dk_status st = check_common(op, a, a->dst_tokens > a->num_index ? a->dst_tokens : a->num_index,
-                                err);
+    dk_status st =
+        check_common(op, a, a->dst_tokens > a->num_index ? a->dst_tokens : a->num_index, err);
     if (st != DK_OK) {
         return st;
     }
@@ -193,18 +197,18 @@ dk_cuda_rows_scatter(const dk_rows_args *a, void *stream, dk_error *err)
     cudaStream_t s = (cudaStream_t)stream;
     if (vec) {
         rows_zero_kernel<uint4><<<grid, threads, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-    } else if (es == 8) {
-        rows_zero_kernel<uint64_t><<<grid, threads, 0, s>>>(*a, es, units_per_head,
-                                                            elems_per_unit);
-    } else if (es == 4) {
-        rows_zero_kernel<uint32_t><<<grid, threads, 0, s>>>(*a, es, units_per_head,
-                                                            elems_per_unit);
-    } else if (es == 2) {
-        rows_zero_kernel<uint16_t><<<grid, threads, 0, s>>>(*a, es, units_per_head,
-                                                            elems_per_unit);
-    } else {
-        rows_zero_kernel<uint8_t><<<grid, threads, 0, s>>>(*a, es, units_per_head,
-                                                           elems_per_unit);
+    }
+    else if (es == 8) {
+        rows_zero_kernel<uint64_t><<<grid, threads, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    }
+    else if (es == 4) {
+        rows_zero_kernel<uint32_t><<<grid, threads, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    }
+    else if (es == 2) {
+        rows_zero_kernel<uint16_t><<<grid, threads, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    }
+    else {
+        rows_zero_kernel<uint8_t><<<grid, threads, 0, s>>>(*a, es, units_per_head, elems_per_unit);
     }
     st = dk_cuda_after_launch(op, stream, err);
     if (st != DK_OK || a->num_index <= 0) {

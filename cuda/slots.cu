@@ -24,7 +24,8 @@ row_of_token(const int32_t *qsl, int64_t num_rows, int64_t t)
         int64_t mid = lo + (hi - lo) / 2;
         if ((int64_t)qsl[mid] <= t) {
             lo = mid;
-        } else {
+        }
+        else {
             hi = mid;
         }
     }
@@ -49,7 +50,8 @@ slots_kernel(const dk_slots_args a)
         int64_t phys = a.block_table[row * a.bt_stride_row + blk];
         if (a.cp_size == 1) {
             slot = phys * a.block_size + off;
-        } else if ((off / a.cp_interleave) % a.cp_size == a.cp_rank) {
+        }
+        else if ((off / a.cp_interleave) % a.cp_size == a.cp_rank) {
             slot = phys * a.block_size + (off / (a.cp_interleave * a.cp_size)) * a.cp_interleave +
                    off % a.cp_interleave;
         }
@@ -80,8 +82,7 @@ dk_cuda_slots(const dk_slots_args *a, void *stream, dk_error *err)
     if (blocks > DK_MAX_GRID_X) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "compute_slot_mappings(): num_tokens_padded must be at most %lld, got %lld",
-                       (long long)(DK_MAX_GRID_X * SLOTS_THREADS),
-                       (long long)a->num_tokens_padded);
+                       (long long)(DK_MAX_GRID_X * SLOTS_THREADS), (long long)a->num_tokens_padded);
     }
     slots_kernel<<<(unsigned)blocks, SLOTS_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return dk_cuda_after_launch("compute_slot_mappings()", stream, err);

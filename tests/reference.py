@@ -23,7 +23,9 @@ def dense_kv_from_cache(
     """Keys and values ``[seq_len, Hkv, D]`` (float64, CPU) of one row read back from a paged
     cache ``(2, num_blocks, block_size, Hkv, D)`` through its block table row."""
     block_size = kv_cache.shape[2]
-    table = [int(b) for b in (block_table_row.tolist() if torch.is_tensor(block_table_row) else block_table_row)]
+    table = [
+        int(b) for b in (block_table_row.tolist() if torch.is_tensor(block_table_row) else block_table_row)
+    ]
     positions = torch.arange(seq_len)
     blocks = torch.tensor([table[p // block_size] for p in range(seq_len)], dtype=torch.long)
     offsets = positions % block_size

@@ -24,7 +24,10 @@ def _raises(exc_type, message):
 
 
 def _fields(cls):
-    return [(f.name, f.default if f.default is not dataclasses.MISSING else "<required>") for f in dataclasses.fields(cls)]
+    return [
+        (f.name, f.default if f.default is not dataclasses.MISSING else "<required>")
+        for f in dataclasses.fields(cls)
+    ]
 
 
 # --- dataclass shapes ---------------------------------------------------------------------------
@@ -162,9 +165,7 @@ def test_r7_kv_start_pos(kv_start_pos):
 
 
 def test_r8_write_span_exceeds_seq_len():
-    with _raises(
-        ValueError, "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4"
-    ):
+    with _raises(ValueError, "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4"):
         Row("r", 2, 4, kv_start_pos=3, sequence_id=0)
 
 

@@ -148,10 +148,12 @@ def pool_init(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tenso
     """state int64 [1] (number free), free_stack int32 [num_blocks], in_use uint8 [num_blocks]."""
 
 def pool_allocate(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor, n: int) -> list[int]:
-    """RuntimeError 'BlockPool.allocate(): n must be at most the 3 free blocks, got 5' style
+    """RuntimeError 'BlockPool.allocate(): n must be at most the number of free blocks (3), got 5'
     when exhausted; ValueError for n < 0."""
 
-def pool_free(state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor, block_ids: Sequence[int]) -> None:
+def pool_free(
+    state: torch.Tensor, free_stack: torch.Tensor, in_use: torch.Tensor, block_ids: Sequence[int]
+) -> None:
     """ValueError on an id out of range, not allocated (double free) or repeated."""
 
 # --- piecewise plan ---------------------------------------------------------------------------
@@ -176,7 +178,9 @@ def build_plan(
 
 # --- tensor work -----------------------------------------------------------------------------
 
-def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def kv_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """CPU or CUDA.  key/value [N, Hkv, D] (any strides), kv_cache [2, num_blocks, block_size,
     Hkv, D] (any strides), slot_mapping int64 [>= N] (first N used, < 0 skipped)."""
 

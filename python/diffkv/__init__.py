@@ -9,7 +9,6 @@ import torch as _torch
 
 from . import _C
 from ._C import CudaError
-
 from ._version import __version__
 
 
@@ -20,6 +19,17 @@ def _configure_bridge():
 
 _configure_bridge()
 
+from .adapter import (  # noqa: E402
+    DiffusionKVRowResolver,
+    DiffusionPagedAttentionAdapter,
+    DiffusionPagedAttentionContext,
+    DiffusionPagedAttentionLayerAdapter,
+    DiffusionPagedAttentionMetadata,
+    DiffusionPagedAttentionRow,
+    DiffusionPagedAttentionRowBinding,
+    DiffusionPagedAttentionRuntime,
+    PreparedDiffusionPagedAttentionBatch,
+)
 from .backends.abstract import (  # noqa: E402
     AttentionBackend,
     AttentionImpl,
@@ -29,6 +39,7 @@ from .backends.abstract import (  # noqa: E402
     VideoTokenLayout,
     VideoTokenSpan,
 )
+from .backends.diffkv import DiffKVAttentionBackend, DiffKVAttentionImpl  # noqa: E402
 from .native import (  # noqa: E402
     AttentionGroup,
     AttentionSpec,
@@ -47,18 +58,6 @@ from .piecewise import (  # noqa: E402
     PagedPiecewiseSegment,
     build_paged_piecewise_plan,
 )
-from .adapter import (  # noqa: E402
-    DiffusionKVRowResolver,
-    DiffusionPagedAttentionAdapter,
-    DiffusionPagedAttentionContext,
-    DiffusionPagedAttentionLayerAdapter,
-    DiffusionPagedAttentionMetadata,
-    DiffusionPagedAttentionRow,
-    DiffusionPagedAttentionRowBinding,
-    DiffusionPagedAttentionRuntime,
-    PreparedDiffusionPagedAttentionBatch,
-)
-from .backends.diffkv import DiffKVAttentionBackend, DiffKVAttentionImpl  # noqa: E402
 
 __all__ = [
     "AttentionBackend",

@@ -409,7 +409,10 @@ class BlockTables:
                 ids = ids.tolist()
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise TypeError(f"{op}: block_ids_per_group[{g}] must be a sequence of ints, got {ids!r}")
-            ids_per_group.append(list(ids))
+            for i, block_id in enumerate(ids):
+                if not _is_int(block_id):
+                    raise TypeError(f"{op}: block_ids_per_group[{g}][{i}] must be an int, got {block_id!r}")
+            ids_per_group.append([int(block_id) for block_id in ids])
         saved = [(t[row].clone(), int(self.num_blocks.np[g, row])) for g, t in enumerate(self._tables_cpu)]
         try:
             for g, ids in enumerate(ids_per_group):
@@ -552,11 +555,16 @@ class BlockPool:
     def free(self, block_ids: Sequence[int]) -> None:
         """Returns allocated ids.  ValueError for an id out of range, not allocated or
         repeated; on any error nothing is freed."""
+        op = "BlockPool.free()"
         if isinstance(block_ids, torch.Tensor):
             block_ids = block_ids.tolist()
-        elif not isinstance(block_ids, Sequence):
-            block_ids = list(block_ids)
-        _C.pool_free(self._state, self._free_stack, self._in_use, block_ids)
+        elif isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
+            raise TypeError(f"{op}: block_ids must be a sequence of ints, got {block_ids!r}")
+        block_ids = list(block_ids)
+        for i, block_id in enumerate(block_ids):
+            if not _is_int(block_id):
+                raise TypeError(f"{op}: block_ids[{i}] must be an int, got {block_id!r}")
+        _C.pool_free(self._state, self._free_stack, self._in_use, [int(b) for b in block_ids])
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self.num_blocks}, num_free={self.num_free})"

@@ -62,7 +62,7 @@ class DiffKVAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
         """Head sizes the CUDA kernels are built for (the CPU reference takes any size up to 1024)."""
-        return [64, 128, 256]
+        return [64, 128]
 
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:

@@ -1,0 +1,245 @@
+"""python -m diffkv demo|info
+
+demo: a HunyuanImage-3.0-shaped denoise loop built only from diffkv's public API: several
+causal layers with GQA, two CFG rows with different prefix lengths, a full-attention span over
+the image tokens, a prefill step (every token written and attended) then denoise steps (only
+the image span rewritten, the prefix pages reused).  Every layer's output is checked against a
+dense float32 reference with an explicit mask.  Full size on a GPU, scaled down on the CPU.
+
+info: versions, build flags and the devices diffkv sees.
+"""
+
+import argparse
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+import diffkv as dk
+from diffkv import _C
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _shape(args, device):
+    if device.type == "cuda" and not args.small:
+        # HunyuanImage-3.0 DiT at 1024x1024: 32 layers, 32/8 heads x 128, 4096 latent tokens
+        # + a timestep token; prompts of a few hundred to a few thousand tokens.
+        return SimpleNamespace(
+            layers=args.layers or 32,
+            heads=32,
+            kv_heads=8,
+            head_size=128,
+            prefixes=(500, 3500),
+            image_tokens=4097,
+            steps=args.steps or 8,
+            dtype=torch.bfloat16,
+        )
+    return SimpleNamespace(
+        layers=args.layers or 4,
+        heads=8,
+        kv_heads=2,
+        head_size=64,
+        prefixes=(40, 120),
+        image_tokens=257,
+        steps=args.steps or 3,
+        dtype=torch.bfloat16,
+    )
+
+
+def _reference(q, k, v, prefix, scale):
+    """Dense float32 attention of one row with the piecewise mask: causal, except the image
+    span [prefix, seq_len) which sees the whole span.  q [n, H, D] at positions
+    [seq_len - n, seq_len), k/v [seq_len, Hkv, D]."""
+    seq_len, n = k.shape[0], q.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    keys = torch.arange(seq_len, device=q.device)
+    in_span = pos >= prefix
+    limit = torch.where(in_span, torch.full_like(pos, seq_len), pos + 1)
+    mask = keys[None, :] < limit[:, None]
+    kf = k.float().repeat_interleave(groups, dim=1)
+    vf = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("nhd,shd->hns", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hns,shd->nhd", scores.softmax(-1), vf)
+
+
+def demo(args):
+    device = (
+        torch.device(args.device)
+        if args.device
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if device.type == "cuda" and not _C.cuda_compiled():
+        print("diffkv was built without CUDA; running the demo on the CPU", file=sys.stderr)
+        device = torch.device("cpu")
+    s = _shape(args, device)
+    block_size = 16
+    scale = s.head_size**-0.5
+    torch.manual_seed(0)
+
+    seq_lens = [p + s.image_tokens for p in s.prefixes]
+    blocks_per_row = [_cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_row) + 8  # a few spare blocks
+    layer_names = [f"model.layers.{i}.self_attn" for i in range(s.layers)]
+
+    spec = dk.AttentionSpec(
+        block_size=block_size, num_kv_heads=s.kv_heads, head_size=s.head_size, dtype=s.dtype
+    )
+    kv_cache_config = dk.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_groups=[dk.KVCacheGroup(layer_names, spec)]
+    )
+    config = dk.DiffusionConfig(dk.ModelConfig(s.dtype), dk.CacheConfig(block_size=block_size))
+    block_tables = dk.BlockTables(
+        block_sizes=[block_size],
+        max_num_reqs=2,
+        max_num_batched_tokens=sum(seq_lens),
+        max_num_blocks_per_group=[max(blocks_per_row)],
+        device=device,
+    )
+    attention = SimpleNamespace(num_heads=s.heads, softmax_scale=scale)
+    layers = {
+        name: dk.DiffusionPagedAttentionLayerAdapter(
+            layer_name=name, layer=attention, spec=spec, vllm_config=config, device=device
+        )
+        for name in layer_names
+    }
+    dk.allocate_kv_caches(kv_cache_config, dtype=s.dtype, device=device, layers=layers)
+
+    # The Scheduler's job: blocks from the pool, in a shuffled order, installed per row.
+    pool = dk.BlockPool(num_blocks)
+    pool.allocate(3)  # blocks other requests hold
+    bindings = {}
+    prefill_rows, denoise_rows = [], []
+    for row, (prefix, seq_len, nblk) in enumerate(zip(s.prefixes, seq_lens, blocks_per_row, strict=True)):
+        ids = pool.allocate(nblk)
+        ids = [ids[i] for i in torch.randperm(len(ids)).tolist()]
+        block_tables.append_block_ids(row, [ids], overwrite=True)
+        bindings[("image-0", row, None)] = dk.DiffusionPagedAttentionRowBinding(
+            row_index=row, max_seq_len=seq_len
+        )
+        prefill_rows.append(dk.DiffusionPagedAttentionRow("image-0", seq_len, seq_len, 0, sequence_id=row))
+        denoise_rows.append(
+            dk.DiffusionPagedAttentionRow("image-0", s.image_tokens, seq_len, prefix, sequence_id=row)
+        )
+    blocks_used = num_blocks - pool.num_free - 3
+
+    adapter = dk.DiffusionPagedAttentionAdapter(
+        vllm_config=config,
+        device=device,
+        kv_cache_config=kv_cache_config,
+        block_tables=block_tables,
+        attn_groups=[[dk.AttentionGroup(layer_names)]],
+        layers=layers,
+        resolve_row=lambda request_id, sequence_id, context_id: bindings[
+            (request_id, sequence_id, context_id)
+        ],
+    )
+    metadata = dk.DiffusionPagedAttentionMetadata(
+        prefill_rows=tuple(prefill_rows), denoise_rows=tuple(denoise_rows)
+    )
+    spans = [[(p, p + s.image_tokens)] for p in s.prefixes]
+    omni_metadata = dk.AttentionMetadata(full_attn_spans=spans)
+
+    # The dense reference keeps its own K/V per layer and row.
+    dense_k = {name: [None, None] for name in layer_names}
+    dense_v = {name: [None, None] for name in layer_names}
+    tol = 2e-2 if s.dtype != torch.float32 else 1e-4
+
+    print(
+        f"diffkv demo on {device}: {s.layers} layers, heads {s.heads}/{s.kv_heads} x {s.head_size}, "
+        f"{str(s.dtype).replace('torch.', '')}, rows with prefixes {list(s.prefixes)} + {s.image_tokens} "
+        f"image tokens, block size {block_size}"
+    )
+    print(f"{'step':>4} {'phase':>8} {'tokens':>7} {'ms/step':>9} {'max err':>9} {'KV blocks':>9}")
+    runtime = dk.DiffusionPagedAttentionRuntime(adapter, metadata)
+    worst = 0.0
+    with runtime.activate():
+        for step in range(s.steps + 1):
+            active = runtime.ensure_active(step)
+            rows = metadata.rows_for_step(step)
+            num_tokens = sum(r.query_len for r in rows)
+            elapsed = 0.0
+            step_err = 0.0
+            for name in layer_names:
+                if step == 0:
+                    # Prefill: rows of different lengths, packed [T, H, D].
+                    q = torch.randn(num_tokens, s.heads, s.head_size, device=device, dtype=s.dtype)
+                    k = torch.randn(num_tokens, s.kv_heads, s.head_size, device=device, dtype=s.dtype)
+                    v = torch.randn(num_tokens, s.kv_heads, s.head_size, device=device, dtype=s.dtype)
+                else:
+                    # Denoise: equal image spans, batched [B, T, H*D] as a model produces them.
+                    shape = (len(rows), s.image_tokens)
+                    q = torch.randn(*shape, s.heads * s.head_size, device=device, dtype=s.dtype)
+                    k = torch.randn(*shape, s.kv_heads * s.head_size, device=device, dtype=s.dtype)
+                    v = torch.randn(*shape, s.kv_heads * s.head_size, device=device, dtype=s.dtype)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                context = active.prepare_layer_context(name, q, k, v, omni_attn_metadata=omni_metadata)
+                out = layers[name].impl.forward_paged(context)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed += time.perf_counter() - start
+
+                qf = q.reshape(-1, s.heads, s.head_size)
+                kf = k.reshape(-1, s.kv_heads, s.head_size)
+                vf = v.reshape(-1, s.kv_heads, s.head_size)
+                of = out.reshape(-1, s.heads, s.head_size)
+                offset = 0
+                for r, row in enumerate(rows):
+                    sl = slice(offset, offset + row.query_len)
+                    if step == 0:
+                        dense_k[name][r], dense_v[name][r] = kf[sl].clone(), vf[sl].clone()
+                    else:
+                        dense_k[name][r][row.kv_start_pos :] = kf[sl]
+                        dense_v[name][r][row.kv_start_pos :] = vf[sl]
+                    ref = _reference(qf[sl], dense_k[name][r], dense_v[name][r], s.prefixes[r], scale)
+                    step_err = max(step_err, (of[sl].float() - ref).abs().max().item())
+                    offset += row.query_len
+            worst = max(worst, step_err)
+            phase = "prefill" if step == 0 else "denoise"
+            ms = elapsed * 1e3
+            print(f"{step:>4} {phase:>8} {num_tokens:>7} {ms:>9.2f} {step_err:>9.2e} {blocks_used:>9}")
+    ok = worst <= tol
+    print(f"max error {worst:.2e} ({'ok' if ok else 'FAILED'}: tolerance {tol:.0e} vs a float32 reference)")
+    return 0 if ok else 1
+
+
+def info(args):
+    del args
+    build = _C.build_info()
+    print(f"diffkv {dk.__version__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}")
+    print(f"C extension: {build['limited_api']}, CUDA compiled in: {build['cuda_compiled']}")
+    if build["cuda_compiled"]:
+        print(f"  CUDA runtime {build['cuda_runtime_version']}, targets {build['archs']}")
+    print(f"tensor bridge: {_C.bridge_path(torch.empty(0))} (DLPack C exchange API or to_dlpack capsules)")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            print(f"cuda:{i}: {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
+    else:
+        print("no CUDA device visible")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m diffkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="run the built-in HunyuanImage-3.0-shaped denoise loop")
+    p_demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p_demo.add_argument("--layers", type=int, default=None)
+    p_demo.add_argument("--steps", type=int, default=None, help="denoise steps after the prefill step")
+    p_demo.add_argument("--small", action="store_true", help="the CPU-sized problem even on a GPU")
+    sub.add_parser("info", help="versions, build flags, devices")
+    args = parser.parse_args(argv)
+    return {"demo": demo, "info": info}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

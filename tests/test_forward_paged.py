@@ -1,0 +1,455 @@
+"""DiffKVAttentionImpl.forward_paged end to end through a real adapter built from diffkv's
+public API: prefill rows then denoise rows over the same pages, for non-causal layers (with a
+non-suffix denoise span), causal layers and piecewise spans, in packed [T, H, D] / [T, H*D]
+and right-padded [B, T, ...] layouts.  Outputs are checked against the float64 reference and
+the KV caches bit-exact against the expected scatter."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import diffkv
+from diffkv import _C
+from reference import assert_attention_close, mask_causal, mask_none, mask_spans
+
+HEAD_SIZE = 64
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+SCALE = HEAD_SIZE**-0.5
+LAYERS = ("blocks.0.attn", "blocks.1.attn")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+class PagedSequence:
+    """One paged sequence: its request id, Worker row, seq_len and manager block ids."""
+
+    def __init__(self, request_id, row_index, seq_len, block_ids):
+        self.request_id = request_id
+        self.row_index = row_index
+        self.seq_len = seq_len
+        self.block_ids = block_ids
+
+    def slot(self, position, block_size):
+        return self.block_ids[position // block_size] * block_size + position % block_size
+
+
+class Harness:
+    """An adapter over two layers of one cache group, with the expected state kept in torch."""
+
+    def __init__(self, device, dtype, block_size, *, non_causal, seq_lens=(40, 33), layout="layer_major"):
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        config = diffkv.DiffusionConfig(diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=block_size))
+        spec = diffkv.AttentionSpec(block_size, NUM_KV_HEADS, HEAD_SIZE, dtype, non_causal=non_causal)
+        self.layers = {
+            name: diffkv.DiffusionPagedAttentionLayerAdapter(
+                layer_name=name,
+                layer=SimpleNamespace(num_heads=NUM_HEADS, softmax_scale=SCALE),
+                spec=spec,
+                vllm_config=config,
+                device=device,
+            )
+            for name in LAYERS
+        }
+        needed = [math.ceil(s / block_size) for s in seq_lens]
+        num_blocks = sum(needed) + 4
+        kv_config = diffkv.KVCacheConfig(
+            num_blocks, [diffkv.KVCacheGroup(LAYERS, self.layers[LAYERS[0]].spec)]
+        )
+        self.caches = diffkv.allocate_kv_caches(
+            kv_config, dtype=dtype, device=device, layers=self.layers, layout=layout
+        )
+        self.expected_caches = {name: cache.clone() for name, cache in self.caches.items()}
+
+        # Scatter the blocks: allocate everything, give back a shuffled subset, take from it.
+        pool = diffkv.BlockPool(num_blocks)
+        everything = pool.allocate(num_blocks)
+        shuffled = [everything[i] for i in torch.randperm(num_blocks).tolist()]
+        pool.free(shuffled[: sum(needed) + 2])
+        tables = diffkv.BlockTables([block_size], 4, 256, [max(needed) + 1], device)
+        self.sequences = []
+        for i, (seq_len, n) in enumerate(zip(seq_lens, needed, strict=True)):
+            sequence = PagedSequence(f"req-{i}", 2 - i, seq_len, pool.allocate(n))
+            tables.append_block_ids(sequence.row_index, [sequence.block_ids])
+            self.sequences.append(sequence)
+        bindings = {
+            (s.request_id, 0, None): diffkv.DiffusionPagedAttentionRowBinding(
+                row_index=s.row_index, max_seq_len=s.seq_len
+            )
+            for s in self.sequences
+        }
+        self.adapter = diffkv.DiffusionPagedAttentionAdapter(
+            vllm_config=config,
+            device=device,
+            kv_cache_config=kv_config,
+            block_tables=tables,
+            attn_groups=[[diffkv.AttentionGroup(LAYERS)]],
+            layers=self.layers,
+            resolve_row=lambda request_id, sequence_id, context_id: bindings[
+                (request_id, sequence_id, context_id)
+            ],
+        )
+        # Logical K/V of every sequence per layer, in the cache dtype.
+        self.logical = {
+            name: [
+                (
+                    torch.zeros(s.seq_len, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype),
+                    torch.zeros(s.seq_len, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype),
+                )
+                for s in self.sequences
+            ]
+            for name in LAYERS
+        }
+
+    def rows(self, spans):
+        """Row objects: spans is a list of (kv_start_pos, query_len) per sequence."""
+        return tuple(
+            diffkv.DiffusionPagedAttentionRow(
+                request_id=s.request_id, query_len=q, seq_len=s.seq_len, kv_start_pos=start, sequence_id=0
+            )
+            for s, (start, q) in zip(self.sequences, spans, strict=True)
+        )
+
+    def make_inputs(self, rows, layout):
+        """Random Q/K/V in the caller's layout (K/V strided views of one QKV projection) and the
+        packed per-row tensors the reference uses."""
+        query_lens = [row.query_len for row in rows]
+        width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_SIZE
+        k0, v0 = NUM_HEADS * HEAD_SIZE, (NUM_HEADS + NUM_KV_HEADS) * HEAD_SIZE
+        if layout.startswith("packed"):
+            qkv = torch.randn(sum(query_lens), width).to(self.dtype)
+            starts = [sum(query_lens[:r]) for r in range(len(rows))]
+            per_row = [qkv[a : a + n] for a, n in zip(starts, query_lens, strict=True)]
+        else:
+            tokens = max(query_lens) + (1 if layout.endswith("extra") else 0)
+            qkv = torch.randn(len(rows), tokens, width).to(self.dtype)
+            per_row = [qkv[r, :n] for r, n in enumerate(query_lens)]
+        qkv_dev = qkv.to(self.device)
+        q, k, v = qkv_dev[..., :k0], qkv_dev[..., k0:v0], qkv_dev[..., v0:]
+        if "heads" in layout:
+            lead = q.shape[:-1]
+            q = q.reshape(*lead, NUM_HEADS, HEAD_SIZE)
+            k = k.unflatten(-1, (NUM_KV_HEADS, HEAD_SIZE))
+            v = v.unflatten(-1, (NUM_KV_HEADS, HEAD_SIZE))
+        packed = [
+            (
+                t[:, :k0].reshape(-1, NUM_HEADS, HEAD_SIZE),
+                t[:, k0:v0].reshape(-1, NUM_KV_HEADS, HEAD_SIZE),
+                t[:, v0:].reshape(-1, NUM_KV_HEADS, HEAD_SIZE),
+            )
+            for t in per_row
+        ]
+        return q, k, v, packed
+
+    def run_layer(self, name, rows, layout, mask_kind, spans=None):
+        q, k, v, packed = self.make_inputs(rows, layout)
+        metadata = None if spans is None else diffkv.AttentionMetadata(full_attn_spans=spans)
+        context = self.adapter.prepare_layer_context(name, q, k, v, omni_attn_metadata=metadata)
+        out = self.layers[name].impl.forward_paged(context)
+
+        # The caller's layout comes back, with zeros at padding positions.
+        assert out.shape == q.shape and out.dtype == self.dtype
+        assert out.device.type == self.device.type
+        padded = not layout.startswith("packed")
+        out_rows = []
+        cursor = 0
+        flat = out.reshape(*out.shape[: 2 if padded else 1], NUM_HEADS, HEAD_SIZE)
+        for r, row in enumerate(rows):
+            if padded:
+                out_rows.append(flat[r, : row.query_len])
+                assert not flat[r, row.query_len :].any()
+            else:
+                out_rows.append(flat[cursor : cursor + row.query_len])
+                cursor += row.query_len
+
+        # Expected state: the write, then attention over the row's [0, seq_len).
+        for r, (row, sequence, (qr, kr, vr)) in enumerate(zip(rows, self.sequences, packed, strict=True)):
+            start, end = row.kv_start_pos, row.kv_start_pos + row.query_len
+            keys, values = self.logical[name][r]
+            keys[start:end] = kr
+            values[start:end] = vr
+            slots = torch.tensor([sequence.slot(p, self.block_size) for p in range(start, end)])
+            blocks, offsets = slots // self.block_size, slots % self.block_size
+            expected = self.expected_caches[name]
+            expected[0, blocks, offsets] = kr.to(self.device)
+            expected[1, blocks, offsets] = vr.to(self.device)
+            positions = list(range(start, end))
+            if mask_kind == "none":
+                visible = mask_none(positions, row.seq_len)
+            elif mask_kind == "causal":
+                visible = mask_causal(positions, row.seq_len)
+            else:
+                visible = mask_spans(positions, row.seq_len, spans[r])
+            assert_attention_close(out_rows[r], qr, keys, values, visible, SCALE)
+        assert torch.equal(self.caches[name], self.expected_caches[name])
+
+    def run_steps(self, prefill, denoise, layout, mask_kind, spans=None, steps=3):
+        metadata = diffkv.DiffusionPagedAttentionMetadata(
+            prefill_rows=self.rows(prefill), denoise_rows=self.rows(denoise)
+        )
+        runtime = diffkv.DiffusionPagedAttentionRuntime(self.adapter, metadata)
+        with runtime.activate():
+            for step in range(steps):
+                runtime.ensure_active(step)
+                rows = metadata.rows_for_step(step)
+                for name in LAYERS:
+                    self.run_layer(name, rows, layout, mask_kind, spans)
+
+
+LAYOUTS = ["packed_heads", "packed_flat", "padded_heads", "padded_flat_extra"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_causal_non_suffix_denoise(device, dtype, block_size, layout):
+    # Denoise rows rewrite a span in the middle ([10, 26) of 40, [5, 21) of 33) and attend over
+    # the whole row: the tail keeps its prefill K/V.
+    h = Harness(device, dtype, block_size, non_causal=True)
+    h.run_steps(prefill=[(0, 40), (0, 33)], denoise=[(10, 16), (5, 16)], layout=layout, mask_kind="none")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_causal(device, dtype, block_size, layout):
+    h = Harness(device, dtype, block_size, non_causal=False)
+    h.run_steps(prefill=[(0, 40), (0, 33)], denoise=[(16, 24), (9, 24)], layout=layout, mask_kind="causal")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_piecewise_spans(device, dtype, block_size, layout):
+    # Prefill: causal / full / causal per row; denoise (suffix of 24): full / causal.
+    h = Harness(device, dtype, block_size, non_causal=False)
+    spans = [[(10, 30)], [(5, 25)]]
+    h.run_steps(
+        prefill=[(0, 40), (0, 33)],
+        denoise=[(16, 24), (9, 24)],
+        layout=layout,
+        mask_kind="spans",
+        spans=spans,
+    )
+
+
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+def test_cache_layouts(device, layout):
+    h = Harness(device, torch.bfloat16, 4, non_causal=False, seq_lens=(21, 30), layout=layout)
+    spans = [[(3, 9), (12, 18)], [(13, 16), (18, 27)]]
+    h.run_steps(
+        prefill=[(0, 21), (0, 30)],
+        denoise=[(2, 19), (11, 19)],
+        layout="packed_heads",
+        mask_kind="spans",
+        spans=spans,
+    )
+
+
+def test_two_rows_share_pages_not_across_rows(device):
+    # A single row attends only to its own pages: changing the other row's cache pages must
+    # not change this row's output.
+    h = Harness(device, torch.float32, 4, non_causal=True, seq_lens=(12, 12))
+    h.run_steps(
+        prefill=[(0, 12), (0, 12)], denoise=[(4, 8), (4, 8)], layout="packed_heads", mask_kind="none", steps=2
+    )
+    rows = h.rows([(4, 8), (4, 8)])
+    batch = h.adapter.prepare_batch(rows)
+    with h.adapter.activate(batch):
+        q, k, v, _ = h.make_inputs(rows, "packed_heads")
+        name = LAYERS[0]
+        first = h.layers[name].impl.forward_paged(h.adapter.prepare_layer_context(name, q, k, v)).clone()
+        other = h.sequences[1]
+        for block in other.block_ids:
+            h.caches[name][:, block, :] = 0
+        second = h.layers[name].impl.forward_paged(h.adapter.prepare_layer_context(name, q, k, v))
+        assert torch.equal(first[:8], second[:8])
+        assert not torch.equal(first[8:], second[8:])
+
+
+# --- backend and impl surface -------------------------------------------------------------------
+
+
+def test_backend_class():
+    backend = diffkv.DiffKVAttentionBackend
+    assert backend.get_name() == "DIFFKV"
+    assert backend.supports_paged_kv is True
+    assert backend.supports_piecewise_spans is True
+    assert backend.accept_output_buffer is False
+    assert backend.forward_includes_kv_cache_update is False
+    assert backend.get_impl_cls() is diffkv.DiffKVAttentionImpl
+    assert backend.get_metadata_cls() is diffkv.PagedAttentionMetadata
+    assert backend.get_builder_cls().reorder_batch_threshold is None
+    assert backend.get_supported_head_sizes() == [64, 128]
+    assert backend.supports_head_size(128) and not backend.supports_head_size(96)
+    assert backend.indexes_kv_by_block_stride() is True
+    assert issubclass(backend, diffkv.AttentionBackend)
+    assert issubclass(diffkv.DiffKVAttentionImpl, diffkv.AttentionImpl)
+
+
+def test_impl_constructor():
+    impl = diffkv.DiffKVAttentionImpl(
+        num_heads=8,
+        head_size=64,
+        scale=0.125,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type="decoder",
+        kv_sharing_target_layer_name=None,
+    )
+    assert (impl.num_heads, impl.head_size, impl.num_kv_heads) == (8, 64, 2)
+    assert impl.softmax_scale == impl.scale == 0.125
+    impl = diffkv.DiffKVAttentionImpl(4, 128, 0.5, causal=True, prefix="x")
+    assert impl.num_kv_heads == 4 and impl.causal and impl.softmax_scale == 0.5
+    assert diffkv.DiffKVAttentionImpl(4, 64, softmax_scale=0.5, scale=0.5).scale == 0.5
+    assert diffkv.DiffKVAttentionImpl(4, 64, 0.5, kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, TypeError, r"^DiffKVAttentionImpl\(\): softmax_scale \(or its alias scale\) is required$"),
+        (
+            {"scale": 0.1, "softmax_scale": 0.2},
+            ValueError,
+            r"^DiffKVAttentionImpl\(\): scale and softmax_scale must agree, "
+            r"got scale=0.1, softmax_scale=0.2$",
+        ),
+        (
+            {"scale": 0.1, "alibi_slopes": [1.0]},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): alibi_slopes is not supported, got \[1.0\]$",
+        ),
+        (
+            {"scale": 0.1, "sliding_window": 128},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): sliding_window is not supported, got 128$",
+        ),
+        (
+            {"scale": 0.1, "logits_soft_cap": 30.0},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): logits_soft_cap is not supported, got 30.0$",
+        ),
+        (
+            {"scale": 0.1, "kv_sharing_target_layer_name": "l0"},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): kv_sharing_target_layer_name is not supported, got 'l0'$",
+        ),
+        (
+            {"scale": 0.1, "kv_cache_dtype": "fp8"},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): kv_cache_dtype must be one of \['auto', 'float32', 'float', "
+            r"'float16', 'half', 'bfloat16'\] \(an unquantized cache\), got 'fp8'$",
+        ),
+        (
+            {"scale": 0.1, "attn_type": "encoder"},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): attn_type must be 'decoder', got 'encoder'$",
+        ),
+        (
+            {"scale": 0.1, "backend_kwargs": {"x": 1}},
+            NotImplementedError,
+            r"^DiffKVAttentionImpl\(\): backend_kwargs are not supported, got \['x'\]$",
+        ),
+        (
+            {"scale": 0.1, "bogus": 1},
+            TypeError,
+            r"^DiffKVAttentionImpl\(\): unexpected keyword arguments \['bogus'\]$",
+        ),
+        (
+            {"scale": 0.1, "num_kv_heads": 3},
+            ValueError,
+            r"^DiffKVAttentionImpl\(\): num_kv_heads must be positive and divide num_heads=4, got 3$",
+        ),
+    ],
+)
+def test_impl_constructor_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        diffkv.DiffKVAttentionImpl(4, 64, **kwargs)
+
+
+def test_dense_forward_is_explicitly_unimplemented():
+    impl = diffkv.DiffKVAttentionImpl(4, 64, 0.125)
+    message = (
+        r"^DiffKVAttentionImpl: dense \(non-paged\) attention is not implemented yet; use forward_paged$"
+    )
+    x = torch.zeros(1, 4, 64)
+    for method in (
+        impl.forward,
+        impl.forward_cuda,
+        impl.forward_npu,
+        impl.forward_xpu,
+        impl.forward_hip,
+        impl.forward_musa,
+    ):
+        with pytest.raises(NotImplementedError, match=message):
+            method(x, x, x, None)
+
+
+def test_forward_paged_binding_errors(device):
+    h = Harness(device, torch.float32, 4, non_causal=True, seq_lens=(8,))
+    rows = h.rows([(0, 8)])
+    batch = h.adapter.prepare_batch(rows)
+    name = LAYERS[0]
+    layer = h.layers[name]
+    impl = layer.impl
+    with h.adapter.activate(batch):
+        q, k, v, _ = h.make_inputs(rows, "packed_heads")
+        context = h.adapter.prepare_layer_context(name, q, k, v)
+        with pytest.raises(
+            TypeError, match=r"^paged_kv_context must expose a native diffusion attention layer$"
+        ):
+            impl.forward_paged(SimpleNamespace(query=q))
+        before = h.caches[name].clone()
+        layer.kv_cache = None
+        with pytest.raises(
+            RuntimeError, match=r"^Native KV cache is not bound for diffusion layer 'blocks.0.attn'$"
+        ):
+            impl.forward_paged(context)
+        layer.kv_cache = h.caches[name]
+        layer.impl = None
+        with pytest.raises(
+            RuntimeError,
+            match=r"^Native attention implementation is not bound for diffusion layer 'blocks.0.attn'$",
+        ):
+            impl.forward_paged(context)
+        layer.impl = impl
+        assert torch.equal(h.caches[name], before)
+        out = impl.forward_paged(context)
+        assert out.shape == (8, NUM_HEADS, HEAD_SIZE)
+
+
+def test_forward_paged_one_c_call(device, monkeypatch):
+    # The whole layer (write + attention) is one _C.forward_paged call with the right mask.
+    h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
+    calls = []
+    real = _C.forward_paged
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(_C, "forward_paged", spy)
+    monkeypatch.setattr(_C, "kv_write", None)
+    monkeypatch.setattr(_C, "paged_attention", None)
+    rows = h.rows([(0, 8)])
+    with h.adapter.activate(h.adapter.prepare_batch(rows)):
+        q, k, v, _ = h.make_inputs(rows, "packed_heads")
+        h.layers[LAYERS[0]].impl.forward_paged(h.adapter.prepare_layer_context(LAYERS[0], q, k, v))
+        spans = diffkv.AttentionMetadata(full_attn_spans=[[(2, 6)]])
+        h.layers[LAYERS[1]].impl.forward_paged(
+            h.adapter.prepare_layer_context(LAYERS[1], q, k, v, omni_attn_metadata=spans)
+        )
+    assert len(calls) == 2
+    assert calls[0][9] == _C.MASK_CAUSAL and calls[0][8] is None
+    assert calls[1][9] == _C.MASK_LIMITS
+    assert calls[1][8].tolist() == [1, 2, 6, 6, 6, 6, 7, 8]
+    assert calls[0][10] == SCALE
