@@ -82,7 +82,12 @@ class BuildExt(build_ext):
         sanitize = env_flag("DIFFKV_SANITIZE")
         ext.extra_compile_args = ["-std=c11", "-O2", *C_WARNINGS] + (["-Werror"] if werror else [])
         if sanitize:
-            ext.extra_compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+            ext.extra_compile_args += [
+                "-fsanitize=address,undefined",
+                "-fno-sanitize-recover=undefined",
+                "-fno-omit-frame-pointer",
+                "-g",
+            ]
             ext.extra_link_args = [*ext.extra_link_args, "-fsanitize=address,undefined"]
         cu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda").glob("*.cu"))
         if nvcc is None or sanitize:

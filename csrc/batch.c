@@ -34,9 +34,11 @@ mul_overflows(int64_t a, int64_t b, int64_t *out)
     }
     if (!negative) {
         *out = (int64_t)m;
-    } else if (m == (uint64_t)INT64_MAX + 1u) {
+    }
+    else if (m == (uint64_t)INT64_MAX + 1u) {
         *out = INT64_MIN;
-    } else {
+    }
+    else {
         *out = -(int64_t)m;
     }
     return 0;
@@ -195,10 +197,12 @@ dk_ref_slots(const dk_slots_args *a, dk_error *err)
             int64_t slot;
             if (a->cp_size == 1) {
                 slot = phys * a->block_size + off;
-            } else if ((off / a->cp_interleave) % a->cp_size == a->cp_rank) {
+            }
+            else if ((off / a->cp_interleave) % a->cp_size == a->cp_rank) {
                 slot = phys * a->block_size + (off / group) * a->cp_interleave +
                        off % a->cp_interleave;
-            } else {
+            }
+            else {
                 slot = -1;
             }
             a->slot_mapping[t * a->slot_stride] = slot;
@@ -239,7 +243,8 @@ dk_dcp_local_seq_lens(const int32_t *seq_lens, int64_t num_rows, int64_t cp_size
         int64_t extra = rem - cp_rank * cp_interleave;
         if (extra < 0) {
             extra = 0;
-        } else if (extra > cp_interleave) {
+        }
+        else if (extra > cp_interleave) {
             extra = cp_interleave;
         }
         out[i] = (int32_t)(base + extra);
@@ -413,7 +418,8 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
         for (int64_t i = 0; i < a->num_rows; i++) {
             if (a->query_lens[i] > a->reorder_threshold) {
                 found_long_query = 1;
-            } else if (found_long_query) {
+            }
+            else if (found_long_query) {
                 dk_fail(err, DK_ERR_VALUE,
                         "Causal paged attention rows must place native decode/short-query rows "
                         "before prefill/long-query rows (decode threshold=%lld)",
@@ -438,16 +444,19 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
                 /* |divisor| > |seq_len|: the ceiling is 1 for a quotient in (0, 1), else 0. */
                 int same_sign = (a->block_sizes[g] < 0) == (a->cp_size < 0);
                 required = (a->seq_lens[i] != 0 && (a->seq_lens[i] > 0) == same_sign) ? 1 : 0;
-            } else if (divisor == 0) {
+            }
+            else if (divisor == 0) {
                 return dk_fail(err, DK_ERR_VALUE,
                                "%s: block_sizes[%lld] * cp_size must be nonzero, got %lld * %lld",
                                op, (long long)g, (long long)a->block_sizes[g],
                                (long long)a->cp_size);
-            } else if (divisor == -1 && a->seq_lens[i] == INT64_MIN) {
+            }
+            else if (divisor == -1 && a->seq_lens[i] == INT64_MIN) {
                 return dk_fail(err, DK_ERR_VALUE,
                                "%s: seq_len of row %lld must be > %lld, got %lld", op, (long long)i,
                                (long long)INT64_MIN, (long long)a->seq_lens[i]);
-            } else {
+            }
+            else {
                 required = ceil_div(a->seq_lens[i], divisor);
             }
             int64_t k = a->blocks_per_kv_block[g];

@@ -85,8 +85,8 @@ typedef struct dk_bridge {
     PyObject *stream_getter; /* torch._C._cuda_getCurrentRawStream (strong ref) or NULL */
     int force_capsule;       /* 1: ignore the exchange API (tests of the fallback) */
     int num_types;
-    PyObject *types[DK_BRIDGE_TYPE_CACHE];                  /* strong refs to tensor types seen */
-    const DLPackExchangeAPI *apis[DK_BRIDGE_TYPE_CACHE];    /* their API, NULL = capsule path */
+    PyObject *types[DK_BRIDGE_TYPE_CACHE];               /* strong refs to tensor types seen */
+    const DLPackExchangeAPI *apis[DK_BRIDGE_TYPE_CACHE]; /* their API, NULL = capsule path */
 } dk_bridge;
 
 /* Releases the references the bridge holds.  Cannot fail. */

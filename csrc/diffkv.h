@@ -77,13 +77,14 @@ typedef enum dk_device_type {
 
 /* A borrowed view of a torch tensor, valid for one call. */
 typedef struct dk_tensor {
-    void *data;                    /* first element (DLPack data + byte_offset); may be NULL if numel == 0 */
-    dk_dtype dtype;                /* element type */
-    int32_t device_type;           /* DK_CPU or DK_CUDA (other DLPack codes are rejected) */
-    int32_t device_id;             /* CUDA ordinal, 0 on CPU */
-    int32_t ndim;                  /* 0..DK_MAX_DIMS */
-    int64_t shape[DK_MAX_DIMS];    /* sizes */
-    int64_t strides[DK_MAX_DIMS];  /* element strides (compact row-major when the producer gave none) */
+    void *data;          /* first element (DLPack data + byte_offset); may be NULL if numel == 0 */
+    dk_dtype dtype;      /* element type */
+    int32_t device_type; /* DK_CPU or DK_CUDA (other DLPack codes are rejected) */
+    int32_t device_id;   /* CUDA ordinal, 0 on CPU */
+    int32_t ndim;        /* 0..DK_MAX_DIMS */
+    int64_t shape[DK_MAX_DIMS]; /* sizes */
+    int64_t
+        strides[DK_MAX_DIMS]; /* element strides (compact row-major when the producer gave none) */
 } dk_tensor;
 
 /* Bytes of one element of dtype (0 for DK_OTHER).  Cannot fail. */
@@ -117,22 +118,22 @@ uint16_t dk_f32_to_bf16(float f);
  * Tokens in [num_tokens, num_tokens_padded) get -1.
  */
 typedef struct dk_slots_args {
-    const int32_t *block_table;      /* [table_rows, table_cols] persistent table of one group */
-    int64_t bt_stride_row;           /* elements between table rows (column stride must be 1) */
-    int64_t table_rows;              /* rows in block_table */
-    int64_t table_cols;              /* kernel blocks per table row */
-    const int32_t *row_indices;      /* [num_rows] table row of each batch row */
-    const int32_t *query_start_loc;  /* [num_rows + 1] token offsets of each batch row */
-    const int64_t *positions;        /* [num_tokens] global position of each token */
-    int64_t *slot_mapping;           /* [num_tokens_padded] out; slot_stride apart */
-    int64_t slot_stride;             /* element stride of slot_mapping */
-    int64_t num_rows;                /* batch rows */
-    int64_t num_tokens;              /* query_start_loc[num_rows] */
-    int64_t num_tokens_padded;       /* >= num_tokens */
-    int64_t block_size;              /* kernel block size (tokens per page) */
-    int64_t cp_size;                 /* context-parallel world size, >= 1 */
-    int64_t cp_rank;                 /* this rank, [0, cp_size) */
-    int64_t cp_interleave;           /* tokens per interleave step, >= 1 */
+    const int32_t *block_table;     /* [table_rows, table_cols] persistent table of one group */
+    int64_t bt_stride_row;          /* elements between table rows (column stride must be 1) */
+    int64_t table_rows;             /* rows in block_table */
+    int64_t table_cols;             /* kernel blocks per table row */
+    const int32_t *row_indices;     /* [num_rows] table row of each batch row */
+    const int32_t *query_start_loc; /* [num_rows + 1] token offsets of each batch row */
+    const int64_t *positions;       /* [num_tokens] global position of each token */
+    int64_t *slot_mapping;          /* [num_tokens_padded] out; slot_stride apart */
+    int64_t slot_stride;            /* element stride of slot_mapping */
+    int64_t num_rows;               /* batch rows */
+    int64_t num_tokens;             /* query_start_loc[num_rows] */
+    int64_t num_tokens_padded;      /* >= num_tokens */
+    int64_t block_size;             /* kernel block size (tokens per page) */
+    int64_t cp_size;                /* context-parallel world size, >= 1 */
+    int64_t cp_rank;                /* this rank, [0, cp_size) */
+    int64_t cp_interleave;          /* tokens per interleave step, >= 1 */
 } dk_slots_args;
 
 /* CPU slot mapping.  All pointers are host memory.  Returns DK_ERR_VALUE when a row index or a
@@ -162,18 +163,18 @@ void dk_dcp_local_seq_lens(const int32_t *seq_lens, int64_t num_rows, int64_t cp
  * row past its count is left as it was (vLLM semantics).  Host memory.  DK_ERR_VALUE when a
  * row index or count is out of range (nothing written). */
 typedef struct dk_gather_args {
-    const int32_t *table;        /* [table_rows, table_cols] */
-    int64_t table_stride_row;    /* elements between table rows */
+    const int32_t *table;     /* [table_rows, table_cols] */
+    int64_t table_stride_row; /* elements between table rows */
     int64_t table_rows;
     int64_t table_cols;
-    const int32_t *counts;       /* installed kernel blocks per table row, counts_stride apart */
+    const int32_t *counts; /* installed kernel blocks per table row, counts_stride apart */
     int64_t counts_stride;
-    const int32_t *row_indices;  /* [num_rows] */
+    const int32_t *row_indices; /* [num_rows] */
     int64_t num_rows;
-    int32_t *out;                /* [out_rows, table_cols] */
+    int32_t *out; /* [out_rows, table_cols] */
     int64_t out_stride_row;
-    int64_t out_rows;            /* rows available in out */
-    int64_t num_reqs_padded;     /* rows to fill, >= num_rows, <= out_rows */
+    int64_t out_rows;        /* rows available in out */
+    int64_t num_reqs_padded; /* rows to fill, >= num_rows, <= out_rows */
 } dk_gather_args;
 dk_status dk_ref_gather_block_tables(const dk_gather_args *a, dk_error *err);
 
@@ -201,23 +202,23 @@ typedef enum dk_batch_rule {
 
 typedef struct dk_batch_check_args {
     int64_t num_rows;
-    const int64_t *query_lens;           /* [num_rows] */
-    const int64_t *seq_lens;             /* [num_rows] */
-    const int64_t *row_indices;          /* [num_rows] value when row_index_is_int[i] */
-    const uint8_t *row_index_is_int;     /* [num_rows] 1 when type(row_index) is int and fits int64 */
-    const int64_t *capacities;           /* [num_rows] binding.max_seq_len */
-    const uint8_t *capacity_is_int;      /* [num_rows] 1 when type(max_seq_len) is int and fits int64 */
-    int64_t reorder_threshold;           /* < 0: no threshold */
-    int any_causal;                      /* some cache group is causal */
+    const int64_t *query_lens;       /* [num_rows] */
+    const int64_t *seq_lens;         /* [num_rows] */
+    const int64_t *row_indices;      /* [num_rows] value when row_index_is_int[i] */
+    const uint8_t *row_index_is_int; /* [num_rows] 1 when type(row_index) is int and fits int64 */
+    const int64_t *capacities;       /* [num_rows] binding.max_seq_len */
+    const uint8_t *capacity_is_int;  /* [num_rows] 1 when type(max_seq_len) is int and fits int64 */
+    int64_t reorder_threshold;       /* < 0: no threshold */
+    int any_causal;                  /* some cache group is causal */
     int64_t max_num_reqs;
     int64_t max_num_batched_tokens;
     int64_t num_groups;
-    const int64_t *block_sizes;          /* [num_groups] manager block sizes */
-    const int64_t *blocks_per_kv_block;  /* [num_groups] kernel blocks per manager block */
+    const int64_t *block_sizes;         /* [num_groups] manager block sizes */
+    const int64_t *blocks_per_kv_block; /* [num_groups] kernel blocks per manager block */
     int64_t cp_size;
-    const void *num_blocks;              /* [num_groups, max_num_reqs] installed kernel blocks */
-    dk_dtype num_blocks_dtype;           /* DK_I32 or DK_I64 */
-    int64_t num_blocks_stride_group;     /* element strides of num_blocks */
+    const void *num_blocks;          /* [num_groups, max_num_reqs] installed kernel blocks */
+    dk_dtype num_blocks_dtype;       /* DK_I32 or DK_I64 */
+    int64_t num_blocks_stride_group; /* element strides of num_blocks */
     int64_t num_blocks_stride_row;
 } dk_batch_check_args;
 
@@ -251,19 +252,21 @@ typedef struct dk_segment {
 
 typedef enum dk_plan_rule {
     DK_PLAN_OK = 0,
-    DK_PLAN_BAD_SPANS,        /* "Paged piecewise spans must be sorted, non-overlapping, and within the sequence" */
-    DK_PLAN_BAD_QUERY_RANGE,  /* "Paged piecewise query range must be within the sequence" */
-    DK_PLAN_UNALIGNED,        /* "Paged piecewise rows must produce aligned segments" */
-    DK_PLAN_MODE_MISMATCH     /* "Paged piecewise rows must use the same attention mode per segment" */
+    DK_PLAN_BAD_SPANS, /* "Paged piecewise spans must be sorted, non-overlapping, and within the
+                          sequence" */
+    DK_PLAN_BAD_QUERY_RANGE, /* "Paged piecewise query range must be within the sequence" */
+    DK_PLAN_UNALIGNED,       /* "Paged piecewise rows must produce aligned segments" */
+    DK_PLAN_MODE_MISMATCH /* "Paged piecewise rows must use the same attention mode per segment" */
 } dk_plan_rule;
 
 typedef struct dk_plan_args {
     int64_t num_rows;
-    const int64_t *span_offsets;   /* [num_rows + 1] row r owns spans[span_offsets[r] .. span_offsets[r+1]) */
-    const int64_t *spans;          /* [total_spans, 2] (start, end) pairs, global coordinates */
-    const int64_t *query_offsets;  /* [num_rows] kv_start_pos of each row */
-    const int64_t *query_lens;     /* [num_rows] */
-    const int64_t *seq_lens;       /* [num_rows] */
+    const int64_t
+        *span_offsets; /* [num_rows + 1] row r owns spans[span_offsets[r] .. span_offsets[r+1]) */
+    const int64_t *spans;         /* [total_spans, 2] (start, end) pairs, global coordinates */
+    const int64_t *query_offsets; /* [num_rows] kv_start_pos of each row */
+    const int64_t *query_lens;    /* [num_rows] */
+    const int64_t *seq_lens;      /* [num_rows] */
 } dk_plan_args;
 
 /* Capacity of `segments` that dk_plan_build needs: num_rows * (2 * max spans of a row + 1).
@@ -309,18 +312,18 @@ dk_status dk_pool_free(dk_pool *pool, const int64_t *ids, int64_t n, dk_error *e
 
 /* Block table row writes for diffkv's BlockTables (append_block_ids / clear_row). */
 typedef struct dk_table_append_args {
-    int32_t *table;             /* [table_rows, table_cols] kernel block ids of one group */
+    int32_t *table; /* [table_rows, table_cols] kernel block ids of one group */
     int64_t table_stride_row;
     int64_t table_rows;
     int64_t table_cols;
-    int32_t *counts;            /* [table_rows] installed kernel blocks per row */
+    int32_t *counts; /* [table_rows] installed kernel blocks per row */
     int64_t counts_stride;
     int64_t row;
-    const int64_t *block_ids;   /* [n] manager block ids */
+    const int64_t *block_ids; /* [n] manager block ids */
     int64_t n;
-    int64_t blocks_per_kv_block;/* each manager block b becomes kernel blocks b*k .. b*k+k-1 */
-    int64_t num_kernel_blocks;  /* ids must satisfy b*k + k - 1 < num_kernel_blocks (when > 0) */
-    int overwrite;              /* 1: replace the row, 0: append */
+    int64_t blocks_per_kv_block; /* each manager block b becomes kernel blocks b*k .. b*k+k-1 */
+    int64_t num_kernel_blocks;   /* ids must satisfy b*k + k - 1 < num_kernel_blocks (when > 0) */
+    int overwrite;               /* 1: replace the row, 0: append */
 } dk_table_append_args;
 /* Validates (row range, ids >= 0 and in range, capacity) before writing anything.
  * DK_ERR_VALUE on failure. */
@@ -336,21 +339,21 @@ dk_status dk_table_append(const dk_table_append_args *a, dk_error *err);
  * Later tokens with the same slot win (a pure scatter).
  */
 typedef struct dk_kv_write_args {
-    const void *key;            /* [num_tokens, num_kv_heads, head_size] */
-    const void *value;          /* [num_tokens, num_kv_heads, head_size] */
+    const void *key;   /* [num_tokens, num_kv_heads, head_size] */
+    const void *value; /* [num_tokens, num_kv_heads, head_size] */
     int64_t key_stride_token, key_stride_head, key_stride_dim;
     int64_t value_stride_token, value_stride_head, value_stride_dim;
-    void *key_cache;            /* [num_blocks, block_size, num_kv_heads, head_size] */
-    void *value_cache;          /* same shape and strides as key_cache */
+    void *key_cache;   /* [num_blocks, block_size, num_kv_heads, head_size] */
+    void *value_cache; /* same shape and strides as key_cache */
     int64_t cache_stride_block, cache_stride_token, cache_stride_head, cache_stride_dim;
-    const int64_t *slot_mapping;/* [num_tokens] */
+    const int64_t *slot_mapping; /* [num_tokens] */
     int64_t slot_stride;
     int64_t num_tokens;
     int64_t num_kv_heads;
     int64_t head_size;
     int64_t block_size;
     int64_t num_blocks;
-    dk_dtype dtype;             /* DK_F32, DK_F16 or DK_BF16, shared by inputs and cache */
+    dk_dtype dtype; /* DK_F32, DK_F16 or DK_BF16, shared by inputs and cache */
 } dk_kv_write_args;
 
 /* Checks every slot first (slot < num_blocks * block_size), then writes.  Host memory.
@@ -376,20 +379,20 @@ typedef enum dk_mask {
  * A token whose row sees no key gets zeros.  Accumulation in fp32 (fp64 never needed).
  */
 typedef struct dk_attention_args {
-    const void *query;          /* [num_tokens, num_heads, head_size] */
+    const void *query; /* [num_tokens, num_heads, head_size] */
     int64_t q_stride_token, q_stride_head, q_stride_dim;
-    const void *key_cache;      /* [num_blocks, block_size, num_kv_heads, head_size] */
+    const void *key_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
     const void *value_cache;
     int64_t cache_stride_block, cache_stride_token, cache_stride_head, cache_stride_dim;
-    void *out;                  /* [num_tokens, num_heads, head_size] */
+    void *out; /* [num_tokens, num_heads, head_size] */
     int64_t o_stride_token, o_stride_head, o_stride_dim;
     const int32_t *block_table; /* [num_rows, bt_cols] gathered tables, batch row order */
     int64_t bt_stride_row;
     int64_t bt_cols;
     const int32_t *query_start_loc; /* [num_rows + 1] */
-    const int32_t *seq_lens;    /* [num_rows] */
-    const int32_t *key_limits;  /* [num_tokens] for DK_MASK_LIMITS, else NULL */
-    int32_t mask;               /* dk_mask */
+    const int32_t *seq_lens;        /* [num_rows] */
+    const int32_t *key_limits;      /* [num_tokens] for DK_MASK_LIMITS, else NULL */
+    int32_t mask;                   /* dk_mask */
     int64_t num_rows;
     int64_t num_tokens;
     int64_t num_heads;
@@ -397,10 +400,10 @@ typedef struct dk_attention_args {
     int64_t head_size;
     int64_t block_size;
     int64_t num_blocks;
-    int64_t max_query_len;      /* max over rows of the query length (launch shapes) */
-    int64_t max_seq_len;        /* max over rows of seq_lens */
-    float scale;                /* softmax scale */
-    dk_dtype dtype;             /* DK_F32, DK_F16 or DK_BF16: query, cache and out */
+    int64_t max_query_len; /* max over rows of the query length (launch shapes) */
+    int64_t max_seq_len;   /* max over rows of seq_lens */
+    float scale;           /* softmax scale */
+    dk_dtype dtype;        /* DK_F32, DK_F16 or DK_BF16: query, cache and out */
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,
@@ -429,10 +432,10 @@ typedef struct dk_rows_args {
     int64_t src_stride_token, src_stride_head, src_stride_dim;
     void *dst;
     int64_t dst_stride_token, dst_stride_head, dst_stride_dim;
-    const int64_t *index;   /* [num_index] token indices into src (gather) or dst (scatter) */
+    const int64_t *index; /* [num_index] token indices into src (gather) or dst (scatter) */
     int64_t num_index;
-    int64_t src_tokens;     /* tokens in src */
-    int64_t dst_tokens;     /* tokens in dst */
+    int64_t src_tokens; /* tokens in src */
+    int64_t dst_tokens; /* tokens in dst */
     int64_t num_heads;
     int64_t head_size;
     dk_dtype dtype;

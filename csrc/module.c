@@ -170,8 +170,8 @@ static int
 want_dtype(const dk_tensor *t, dk_dtype dtype, const char *op, const char *arg)
 {
     if (t->dtype != dtype) {
-        PyErr_Format(PyExc_TypeError, "%s(): %s must be %s, got %s", op, arg,
-                     dk_dtype_name(dtype), dk_dtype_name(t->dtype));
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be %s, got %s", op, arg, dk_dtype_name(dtype),
+                     dk_dtype_name(t->dtype));
         return -1;
     }
     return 0;
@@ -337,8 +337,8 @@ py_set_bridge_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const char *path = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
     if (path == NULL || (strcmp(path, "auto") != 0 && strcmp(path, "capsule") != 0)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "set_bridge_path(): path must be 'auto' or 'capsule', got %R",
-                     args[0]);
+        PyErr_Format(PyExc_ValueError,
+                     "set_bridge_path(): path must be 'auto' or 'capsule', got %R", args[0]);
         return NULL;
     }
     state_of(module)->bridge.force_capsule = strcmp(path, "capsule") == 0;
@@ -586,8 +586,7 @@ py_check_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!is_exact_int(args[0]) || int_sign(args[0]) < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "Paged attention requires a non-negative denoise step index, got %R",
-                     args[0]);
+                     "Paged attention requires a non-negative denoise step index, got %R", args[0]);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -619,7 +618,8 @@ py_check_layer_heads(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!PyLong_Check(h) || !PyLong_Check(hkv)) {
-        PyErr_SetString(PyExc_TypeError, "check_layer_heads(): num_heads and num_kv_heads must be ints");
+        PyErr_SetString(PyExc_TypeError,
+                        "check_layer_heads(): num_heads and num_kv_heads must be ints");
         return NULL;
     }
     int bad = int_sign(h) <= 0 || int_sign(hkv) <= 0;
@@ -985,7 +985,8 @@ py_check_batch_bindings(PyObject *module, PyObject *const *args, Py_ssize_t narg
                      (long long)seq_lens[fault.row], (long long)fault.installed_blocks);
         break;
     case DK_BATCH_P11_TOO_MANY_TOKENS:
-        PyErr_Format(PyExc_ValueError, "Paged attention batch has %lld tokens; Worker capacity is %S",
+        PyErr_Format(PyExc_ValueError,
+                     "Paged attention batch has %lld tokens; Worker capacity is %S",
                      (long long)fault.num_tokens, args[5]);
         break;
     default:
@@ -1040,7 +1041,8 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (nri != n) {
-        PyErr_Format(PyExc_ValueError, "%s(): row_indices must have %zd entries, got %zd", op, n, nri);
+        PyErr_Format(PyExc_ValueError, "%s(): row_indices must have %zd entries, got %zd", op, n,
+                     nri);
         goto done;
     }
     dk_tensor t_ri, t_qsl, t_sl, t_pos;
@@ -1148,10 +1150,11 @@ py_table_append(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor table, counts;
     int64_t row = 0, k = 0, nk = 0;
     if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
-        tensor_arg(module, args[1], op, "counts", &counts) != 0 || want_cpu(&counts, op, "counts") ||
-        want_dtype(&counts, DK_I32, op, "counts") || want_ndim(&counts, 1, op, "counts") ||
-        want_min_len(&counts, table.shape[0], op, "counts") ||
-        get_i64(args[2], op, "row", &row) || get_i64(args[4], op, "blocks_per_kv_block", &k) ||
+        tensor_arg(module, args[1], op, "counts", &counts) != 0 ||
+        want_cpu(&counts, op, "counts") || want_dtype(&counts, DK_I32, op, "counts") ||
+        want_ndim(&counts, 1, op, "counts") ||
+        want_min_len(&counts, table.shape[0], op, "counts") || get_i64(args[2], op, "row", &row) ||
+        get_i64(args[4], op, "blocks_per_kv_block", &k) ||
         get_i64(args[5], op, "num_kernel_blocks", &nk)) {
         return NULL;
     }
@@ -1197,8 +1200,9 @@ py_gather_block_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     dk_tensor table, counts, ri, out;
     int64_t padded = 0;
     if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
-        tensor_arg(module, args[1], op, "counts", &counts) != 0 || want_cpu(&counts, op, "counts") ||
-        want_dtype(&counts, DK_I32, op, "counts") || want_ndim(&counts, 1, op, "counts") ||
+        tensor_arg(module, args[1], op, "counts", &counts) != 0 ||
+        want_cpu(&counts, op, "counts") || want_dtype(&counts, DK_I32, op, "counts") ||
+        want_ndim(&counts, 1, op, "counts") ||
         want_min_len(&counts, table.shape[0], op, "counts") ||
         tensor_arg(module, args[2], op, "row_indices", &ri) != 0 ||
         want_cpu(&ri, op, "row_indices") || want_dtype(&ri, DK_I32, op, "row_indices") ||
@@ -1318,8 +1322,9 @@ py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     const int32_t *q = (const int32_t *)qsl.data;
     if (q[ri.shape[0]] != num_tokens) {
-        PyErr_Format(PyExc_ValueError, "%s(): query_start_loc must end at num_tokens (%lld), got %d",
-                     op, (long long)num_tokens, (int)q[ri.shape[0]]);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): query_start_loc must end at num_tokens (%lld), got %d", op,
+                     (long long)num_tokens, (int)q[ri.shape[0]]);
         return NULL;
     }
     dk_error err = {{0}};
@@ -1408,7 +1413,8 @@ py_pool_allocate(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     else if (overflow < 0) {
         n = -1;
     }
-    int32_t *ids = (int32_t *)malloc((size_t)(n > 0 && n <= pool.num_free ? n : 1) * sizeof(int32_t));
+    int32_t *ids =
+        (int32_t *)malloc((size_t)(n > 0 && n <= pool.num_free ? n : 1) * sizeof(int32_t));
     if (ids == NULL) {
         return PyErr_NoMemory();
     }
@@ -1520,8 +1526,8 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
             if (PyTuple_Size(pair) != 2) {
-                PyErr_Format(PyExc_ValueError, "%s(): each span must be a (start, end) pair, got %R",
-                             op, pair);
+                PyErr_Format(PyExc_ValueError,
+                             "%s(): each span must be a (start, end) pair, got %R", op, pair);
                 Py_DECREF(pair);
                 Py_DECREF(row);
                 goto done;
@@ -1587,11 +1593,10 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
          want_min_len(&kl, total_q, op, "key_limits_out"))) {
         goto done;
     }
-    if (qi.ndim >= 0 &&
-        (want_cpu(&qi, op, "query_indices_out") ||
-         want_dtype(&qi, DK_I64, op, "query_indices_out") ||
-         want_contiguous_1d(&qi, op, "query_indices_out") ||
-         want_min_len(&qi, total_q, op, "query_indices_out"))) {
+    if (qi.ndim >= 0 && (want_cpu(&qi, op, "query_indices_out") ||
+                         want_dtype(&qi, DK_I64, op, "query_indices_out") ||
+                         want_contiguous_1d(&qi, op, "query_indices_out") ||
+                         want_min_len(&qi, total_q, op, "query_indices_out"))) {
         goto done;
     }
     int64_t cap = dk_plan_segment_capacity(&pa);
@@ -1639,9 +1644,9 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyTuple_SetItem(segs_py, (Py_ssize_t)k, rowsegs);
         for (Py_ssize_t r = 0; r < n; r++) {
             const dk_segment *sg = &segs[k * n + r];
-            PyObject *t = Py_BuildValue("(LLLs)", (long long)sg->q_start, (long long)sg->q_end,
-                                        (long long)sg->kv_end,
-                                        sg->mode == DK_MODE_FULL ? "full" : "causal");
+            PyObject *t =
+                Py_BuildValue("(LLLs)", (long long)sg->q_start, (long long)sg->q_end,
+                              (long long)sg->kv_end, sg->mode == DK_MODE_FULL ? "full" : "causal");
             if (t == NULL) {
                 goto done;
             }
@@ -1685,10 +1690,11 @@ parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_wr
         return -1;
     }
     if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
-        PyErr_Format(PyExc_ValueError, "%s(): value must have the shape of key [%lld, %lld, %lld], "
-                     "got [%lld, %lld, %lld]", op, (long long)k.shape[0], (long long)k.shape[1],
-                     (long long)k.shape[2], (long long)v.shape[0], (long long)v.shape[1],
-                     (long long)v.shape[2]);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): value must have the shape of key [%lld, %lld, %lld], "
+                     "got [%lld, %lld, %lld]",
+                     op, (long long)k.shape[0], (long long)k.shape[1], (long long)k.shape[2],
+                     (long long)v.shape[0], (long long)v.shape[1], (long long)v.shape[2]);
         return -1;
     }
     if (c.shape[0] != 2 || c.shape[3] != k.shape[1] || c.shape[4] != k.shape[2]) {
@@ -1742,10 +1748,9 @@ run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k, const dk_k
     }
     dk_error err = {{0}};
     dk_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = dk_ref_kv_write(a, &err);
-    Py_END_ALLOW_THREADS
-    if (s != DK_OK) {
+    Py_BEGIN_ALLOW_THREADS s = dk_ref_kv_write(a, &err);
+    Py_END_ALLOW_THREADS if (s != DK_OK)
+    {
         raise_status(module, s, &err);
         return -1;
     }
@@ -1858,9 +1863,9 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         want_dtype(&sl, DK_I32, op, "seq_lens") || want_contiguous_1d(&sl, op, "seq_lens") ||
         same_device(&q, &sl, op, "seq_lens") ||
         dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl) ||
-        get_i64(args[6], op, "mask", &mask) ||
-        tensor_arg(module, args[8], op, "out", &o) != 0 || want_dtype(&o, q.dtype, op, "out") ||
-        want_ndim(&o, 3, op, "out") || same_device(&q, &o, op, "out") ||
+        get_i64(args[6], op, "mask", &mask) || tensor_arg(module, args[8], op, "out", &o) != 0 ||
+        want_dtype(&o, q.dtype, op, "out") || want_ndim(&o, 3, op, "out") ||
+        same_device(&q, &o, op, "out") ||
         tensor_arg(module, args[9], op, "host_block_table", &hbt) != 0 ||
         want_cpu(&hbt, op, "host_block_table") ||
         want_dtype(&hbt, DK_I32, op, "host_block_table") ||
@@ -1884,24 +1889,28 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         return -1;
     }
     if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
-        PyErr_Format(PyExc_ValueError, "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld",
-                     op, (long long)mask);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
+                     (long long)mask);
         return -1;
     }
     int64_t n = q.shape[0], h = q.shape[1], d = q.shape[2], r = sl.shape[0];
     if (c.shape[0] != 2 || c.shape[4] != d || c.shape[3] <= 0 || h % c.shape[3] != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, %lld] "
-                     "with num_heads (%lld) divisible by num_kv_heads, got [%lld, %lld, %lld, %lld, "
-                     "%lld]",
-                     op, (long long)d, (long long)h, (long long)c.shape[0], (long long)c.shape[1],
-                     (long long)c.shape[2], (long long)c.shape[3], (long long)c.shape[4]);
+        PyErr_Format(
+            PyExc_ValueError,
+            "%s(): kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, %lld] "
+            "with num_heads (%lld) divisible by num_kv_heads, got [%lld, %lld, %lld, %lld, "
+            "%lld]",
+            op, (long long)d, (long long)h, (long long)c.shape[0], (long long)c.shape[1],
+            (long long)c.shape[2], (long long)c.shape[3], (long long)c.shape[4]);
         return -1;
     }
     if (o.shape[0] != n || o.shape[1] != h || o.shape[2] != d) {
-        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld, %lld], got [%lld, "
-                     "%lld, %lld]", op, (long long)n, (long long)h, (long long)d,
-                     (long long)o.shape[0], (long long)o.shape[1], (long long)o.shape[2]);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): out must have shape [%lld, %lld, %lld], got [%lld, "
+                     "%lld, %lld]",
+                     op, (long long)n, (long long)h, (long long)d, (long long)o.shape[0],
+                     (long long)o.shape[1], (long long)o.shape[2]);
         return -1;
     }
     if (qsl.shape[0] != r + 1 || bt.shape[0] < r || hqsl.shape[0] != r + 1 || hsl.shape[0] != r ||
@@ -1919,8 +1928,8 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     }
     if (mask == DK_MASK_LIMITS) {
         if (kl.ndim < 0) {
-            PyErr_Format(PyExc_ValueError, "%s(): key_limits must be a tensor when mask is 2 (limits)",
-                         op);
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): key_limits must be a tensor when mask is 2 (limits)", op);
             return -1;
         }
         if (want_dtype(&kl, DK_I32, op, "key_limits") ||
@@ -1936,7 +1945,8 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->q_stride_head = q.strides[1];
     a->q_stride_dim = q.strides[2];
     a->key_cache = c.data;
-    a->value_cache = c.data == NULL ? NULL : (const void *)((const char *)c.data + (size_t)c.strides[0] * es);
+    a->value_cache =
+        c.data == NULL ? NULL : (const void *)((const char *)c.data + (size_t)c.strides[0] * es);
     a->cache_stride_block = c.strides[1];
     a->cache_stride_token = c.strides[2];
     a->cache_stride_head = c.strides[3];
@@ -2005,10 +2015,9 @@ run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q, const d
     }
     dk_error err = {{0}};
     dk_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = dk_ref_attention(a, &err);
-    Py_END_ALLOW_THREADS
-    if (s != DK_OK) {
+    Py_BEGIN_ALLOW_THREADS s = dk_ref_attention(a, &err);
+    Py_END_ALLOW_THREADS if (s != DK_OK)
+    {
         raise_status(module, s, &err);
         return -1;
     }
@@ -2054,14 +2063,18 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (w.num_kv_heads != a.num_kv_heads || w.head_size != a.head_size) {
-        PyErr_Format(PyExc_ValueError, "%s(): key must have [%lld, %lld] heads x head_size, got "
-                     "[%lld, %lld]", op, (long long)a.num_kv_heads, (long long)a.head_size,
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key must have [%lld, %lld] heads x head_size, got "
+                     "[%lld, %lld]",
+                     op, (long long)a.num_kv_heads, (long long)a.head_size,
                      (long long)w.num_kv_heads, (long long)w.head_size);
         return NULL;
     }
     if (w.num_tokens != a.num_tokens) {
-        PyErr_Format(PyExc_ValueError, "%s(): key must have one token per query token (%lld), got "
-                     "%lld", op, (long long)a.num_tokens, (long long)w.num_tokens);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key must have one token per query token (%lld), got "
+                     "%lld",
+                     op, (long long)a.num_tokens, (long long)w.num_tokens);
         return NULL;
     }
     if (run_kv_write(module, args[1], &k, &w) != 0 || run_attention(module, args[0], &q, &a) != 0) {
@@ -2084,8 +2097,9 @@ parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args
         return -1;
     }
     if (d.shape[1] != s.shape[1] || d.shape[2] != s.shape[2]) {
-        PyErr_Format(PyExc_ValueError, "%s(): dst must have [%lld, %lld] trailing dims, got [%lld, %lld]",
-                     op, (long long)s.shape[1], (long long)s.shape[2], (long long)d.shape[1],
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): dst must have [%lld, %lld] trailing dims, got [%lld, %lld]", op,
+                     (long long)s.shape[1], (long long)s.shape[2], (long long)d.shape[1],
                      (long long)d.shape[2]);
         return -1;
     }
@@ -2128,18 +2142,18 @@ rows_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int scatter)
         return NULL;
     }
     if (s.device_type == DK_CUDA) {
-        if (run_cuda(module, args[0], s.device_id, scatter ? launch_rows_scatter : launch_rows_gather,
-                     &a) != 0) {
+        if (run_cuda(module, args[0], s.device_id,
+                     scatter ? launch_rows_scatter : launch_rows_gather, &a) != 0) {
             return NULL;
         }
         Py_RETURN_NONE;
     }
     dk_error err = {{0}};
     dk_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = scatter ? dk_ref_rows_scatter(&a, &err) : dk_ref_rows_gather(&a, &err);
-    Py_END_ALLOW_THREADS
-    if (st != DK_OK) {
+    Py_BEGIN_ALLOW_THREADS st =
+        scatter ? dk_ref_rows_scatter(&a, &err) : dk_ref_rows_gather(&a, &err);
+    Py_END_ALLOW_THREADS if (st != DK_OK)
+    {
         return raise_status(module, st, &err);
     }
     Py_RETURN_NONE;
@@ -2161,7 +2175,10 @@ py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* Module definition                                                                           */
 /* ------------------------------------------------------------------------------------------ */
 
-#define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
+#define FAST(name, doc)                                                                            \
+    {                                                                                              \
+#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc                          \
+    }
 
 static PyMethodDef module_methods[] = {
     FAST(configure, "configure(to_dlpack, raw_stream_getter): the DLPack fallback path."),
@@ -2201,7 +2218,8 @@ module_exec(PyObject *module)
     module_state *st = state_of(module);
     memset(&st->bridge, 0, sizeof(st->bridge));
     st->cuda_error = PyErr_NewExceptionWithDoc(
-        "diffkv.CudaError", "A CUDA runtime failure inside diffkv; the message names the operation.",
+        "diffkv.CudaError",
+        "A CUDA runtime failure inside diffkv; the message names the operation.",
         PyExc_RuntimeError, NULL);
     if (st->cuda_error == NULL || PyModule_AddObjectRef(module, "CudaError", st->cuda_error) < 0) {
         return -1;

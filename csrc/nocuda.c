@@ -12,8 +12,8 @@
 
 #include "diffkv.h"
 
-#define NO_CUDA_MSG                                                                              \
-    "diffkv was built without CUDA support (no nvcc at build time or DIFFKV_CUDA=0); reinstall " \
+#define NO_CUDA_MSG                                                                                \
+    "diffkv was built without CUDA support (no nvcc at build time or DIFFKV_CUDA=0); reinstall "   \
     "with nvcc on PATH: pip install --no-build-isolation --force-reinstall --no-deps ."
 
 static dk_status

@@ -49,8 +49,8 @@ copy_token(char *dst, int64_t dst_off, int64_t dst_stride_head, int64_t dst_stri
 
 /* Zeroes one [num_heads, head_size] token (all-zero bits are +0 in every float dtype). */
 static void
-zero_token(char *dst, int64_t dst_off, int64_t stride_head, int64_t stride_dim,
-           int64_t num_heads, int64_t head_size, size_t es)
+zero_token(char *dst, int64_t dst_off, int64_t stride_head, int64_t stride_dim, int64_t num_heads,
+           int64_t head_size, size_t es)
 {
     for (int64_t h = 0; h < num_heads; h++) {
         char *d = dst + (dst_off + h * stride_head) * (int64_t)es;
@@ -138,15 +138,14 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
                        "kv_write(): dtype must be float32, float16 or bfloat16, got %s",
                        dk_dtype_name(a->dtype));
     }
-    if (a->num_tokens < 0 || a->num_kv_heads < 0 || a->head_size < 0 || a->block_size < 1
-        || a->num_blocks < 0) {
+    if (a->num_tokens < 0 || a->num_kv_heads < 0 || a->head_size < 0 || a->block_size < 1 ||
+        a->num_blocks < 0) {
         return dk_fail(err, DK_ERR_VALUE,
                        "kv_write(): sizes must be non-negative with block_size >= 1, got "
                        "num_tokens=%lld num_kv_heads=%lld head_size=%lld block_size=%lld "
                        "num_blocks=%lld",
                        (long long)a->num_tokens, (long long)a->num_kv_heads,
-                       (long long)a->head_size, (long long)a->block_size,
-                       (long long)a->num_blocks);
+                       (long long)a->head_size, (long long)a->block_size, (long long)a->num_blocks);
     }
     const int64_t num_slots = a->num_blocks * a->block_size;
     /* Every slot is checked before the first byte moves: a bad slot leaves the cache as it was. */
@@ -165,8 +164,8 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
         if (slot < 0) {
             continue;
         }
-        const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block
-                                + (slot % a->block_size) * a->cache_stride_token;
+        const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block +
+                                (slot % a->block_size) * a->cache_stride_token;
         copy_token((char *)a->key_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
                    (const char *)a->key, t * a->key_stride_token, a->key_stride_head,
                    a->key_stride_dim, a->num_kv_heads, a->head_size, es);
@@ -194,8 +193,7 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
         return dk_fail(err, DK_ERR_VALUE,
                        "paged_attention(): num_rows, num_tokens and head_size must be >= 0, "
                        "got %lld, %lld and %lld",
-                       (long long)a->num_rows, (long long)a->num_tokens,
-                       (long long)a->head_size);
+                       (long long)a->num_rows, (long long)a->num_tokens, (long long)a->head_size);
     }
     if (a->block_size < 1 || a->num_blocks < 0 || a->bt_cols < 0) {
         return dk_fail(err, DK_ERR_VALUE,
@@ -217,8 +215,8 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
     }
     const int32_t *qsl = a->query_start_loc;
     if (qsl[0] != 0) {
-        return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): query_start_loc[0] must be 0, got %d", (int)qsl[0]);
+        return dk_fail(err, DK_ERR_VALUE, "paged_attention(): query_start_loc[0] must be 0, got %d",
+                       (int)qsl[0]);
     }
     for (int64_t r = 0; r < a->num_rows; r++) {
         if (qsl[r + 1] < qsl[r]) {
@@ -283,15 +281,16 @@ dot_f32(const float *x, const float *y, int64_t n)
 
 /* Keys [0, n) that query token t (index i within its row) sees. */
 static int64_t
-visible_keys(const dk_attention_args *a, int64_t t, int64_t i, int64_t query_len,
-             int64_t seq_len)
+visible_keys(const dk_attention_args *a, int64_t t, int64_t i, int64_t query_len, int64_t seq_len)
 {
     int64_t n;
     if (a->mask == DK_MASK_CAUSAL) {
         n = i + seq_len - query_len + 1;
-    } else if (a->mask == DK_MASK_LIMITS) {
+    }
+    else if (a->mask == DK_MASK_LIMITS) {
         n = a->key_limits[t];
-    } else {
+    }
+    else {
         n = seq_len;
     }
     if (n > seq_len) {
@@ -327,8 +326,8 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
         }
     }
     /* Layout: K rows [max_seq, D], V rows [max_seq, D], scores [max_seq], q [D], acc [D]. */
-    const uint64_t nfloats = 2u * (uint64_t)max_seq * (uint64_t)D + (uint64_t)max_seq
-                             + 2u * (uint64_t)D + 1u;
+    const uint64_t nfloats =
+        2u * (uint64_t)max_seq * (uint64_t)D + (uint64_t)max_seq + 2u * (uint64_t)D + 1u;
     if (nfloats > SIZE_MAX / sizeof(float)) {
         return dk_fail(err, DK_ERR_NOMEM,
                        "paged_attention(): could not allocate host scratch for %llu floats",
@@ -358,9 +357,9 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
             /* One conversion of the row's keys and values for this kv head, reused by every
              * query head of the group and every token of the row. */
             for (int64_t j = 0; j < seq_len; j++) {
-                const int64_t off = (int64_t)row_table[j / a->block_size] * a->cache_stride_block
-                                    + (j % a->block_size) * a->cache_stride_token
-                                    + g * a->cache_stride_head;
+                const int64_t off = (int64_t)row_table[j / a->block_size] * a->cache_stride_block +
+                                    (j % a->block_size) * a->cache_stride_token +
+                                    g * a->cache_stride_head;
                 load_row(a->key_cache, off, a->cache_stride_dim, D, a->dtype, kf + j * D);
                 load_row(a->value_cache, off, a->cache_stride_dim, D, a->dtype, vf + j * D);
             }
@@ -395,8 +394,8 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                             acc[k] *= inv;
                         }
                     }
-                    store_row(a->out, t * a->o_stride_token + h * a->o_stride_head,
-                              a->o_stride_dim, D, a->dtype, acc);
+                    store_row(a->out, t * a->o_stride_token + h * a->o_stride_head, a->o_stride_dim,
+                              D, a->dtype, acc);
                 }
             }
         }
@@ -415,8 +414,8 @@ rows_check(const dk_rows_args *a, const char *op, int64_t limit, const char *lim
            dk_error *err)
 {
     if (dk_dtype_size(a->dtype) == 0) {
-        return dk_fail(err, DK_ERR_UNSUPPORTED, "%s(): dtype must be a supported dtype, got %s",
-                       op, dk_dtype_name(a->dtype));
+        return dk_fail(err, DK_ERR_UNSUPPORTED, "%s(): dtype must be a supported dtype, got %s", op,
+                       dk_dtype_name(a->dtype));
     }
     if (a->num_index < 0 || a->num_heads < 0 || a->head_size < 0) {
         return dk_fail(err, DK_ERR_VALUE,
@@ -427,9 +426,8 @@ rows_check(const dk_rows_args *a, const char *op, int64_t limit, const char *lim
     }
     for (int64_t n = 0; n < a->num_index; n++) {
         if (a->index[n] < 0 || a->index[n] >= limit) {
-            return dk_fail(err, DK_ERR_VALUE,
-                           "%s(): index[%lld] must be in [0, %s=%lld), got %lld", op,
-                           (long long)n, limit_name, (long long)limit, (long long)a->index[n]);
+            return dk_fail(err, DK_ERR_VALUE, "%s(): index[%lld] must be in [0, %s=%lld), got %lld",
+                           op, (long long)n, limit_name, (long long)limit, (long long)a->index[n]);
         }
     }
     return DK_OK;
@@ -444,9 +442,9 @@ dk_ref_rows_gather(const dk_rows_args *a, dk_error *err)
     }
     const size_t es = dk_dtype_size(a->dtype);
     for (int64_t n = 0; n < a->num_index; n++) {
-        copy_token((char *)a->dst, n * a->dst_stride_token, a->dst_stride_head,
-                   a->dst_stride_dim, (const char *)a->src, a->index[n] * a->src_stride_token,
-                   a->src_stride_head, a->src_stride_dim, a->num_heads, a->head_size, es);
+        copy_token((char *)a->dst, n * a->dst_stride_token, a->dst_stride_head, a->dst_stride_dim,
+                   (const char *)a->src, a->index[n] * a->src_stride_token, a->src_stride_head,
+                   a->src_stride_dim, a->num_heads, a->head_size, es);
     }
     return DK_OK;
 }
@@ -462,8 +460,8 @@ dk_ref_rows_scatter(const dk_rows_args *a, dk_error *err)
     /* Zero every dst token, then copy: tokens named by index end up with src rows (later
      * duplicates win), every other token stays zero. */
     for (int64_t t = 0; t < a->dst_tokens; t++) {
-        zero_token((char *)a->dst, t * a->dst_stride_token, a->dst_stride_head,
-                   a->dst_stride_dim, a->num_heads, a->head_size, es);
+        zero_token((char *)a->dst, t * a->dst_stride_token, a->dst_stride_head, a->dst_stride_dim,
+                   a->num_heads, a->head_size, es);
     }
     for (int64_t n = 0; n < a->num_index; n++) {
         copy_token((char *)a->dst, a->index[n] * a->dst_stride_token, a->dst_stride_head,

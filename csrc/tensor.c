@@ -99,15 +99,15 @@ convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor
         return -1;
     }
     if (src->ndim < 0 || src->ndim > DK_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "%s(): %s must have at most %d dimensions, got %d", op,
-                     arg, DK_MAX_DIMS, (int)src->ndim);
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have at most %d dimensions, got %d", op, arg,
+                     DK_MAX_DIMS, (int)src->ndim);
         return -1;
     }
     dk_dtype dtype = DK_OTHER;
     if (src->dtype.lanes == 1) {
         switch (src->dtype.code) {
         case DLPACK_CODE_FLOAT:
-            dtype = src->dtype.bits == 32 ? DK_F32
+            dtype = src->dtype.bits == 32   ? DK_F32
                     : src->dtype.bits == 16 ? DK_F16
                     : src->dtype.bits == 64 ? DK_F64
                                             : DK_OTHER;
@@ -116,7 +116,7 @@ convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor
             dtype = src->dtype.bits == 16 ? DK_BF16 : DK_OTHER;
             break;
         case DLPACK_CODE_INT:
-            dtype = src->dtype.bits == 32 ? DK_I32
+            dtype = src->dtype.bits == 32   ? DK_I32
                     : src->dtype.bits == 64 ? DK_I64
                     : src->dtype.bits == 8  ? DK_I8
                     : src->dtype.bits == 16 ? DK_I16
@@ -170,8 +170,7 @@ read_capsule(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_te
         rc = m == NULL ? -1 : convert_dltensor(&m->dl_tensor, op, arg, out);
     }
     else {
-        PyErr_Format(PyExc_TypeError, "%s(): %s gave a DLPack capsule of an unknown kind", op,
-                     arg);
+        PyErr_Format(PyExc_TypeError, "%s(): %s gave a DLPack capsule of an unknown kind", op, arg);
     }
     /* The capsule was not renamed "used_...", so its destructor calls the producer's deleter;
      * obj keeps the storage alive for the rest of the call. */
@@ -198,8 +197,7 @@ dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, d
             if (name == NULL) {
                 return -1;
             }
-            PyErr_Format(PyExc_TypeError, "%s(): %s must be a torch.Tensor, got %U", op, arg,
-                         name);
+            PyErr_Format(PyExc_TypeError, "%s(): %s must be a torch.Tensor, got %U", op, arg, name);
             Py_DECREF(name);
             return -1;
         }
@@ -209,8 +207,7 @@ dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, d
         DLTensor view;
         if (api->dltensor_from_py_object_no_sync((void *)obj, &view) != 0) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_TypeError, "%s(): %s could not be read through DLPack", op,
-                             arg);
+                PyErr_Format(PyExc_TypeError, "%s(): %s could not be read through DLPack", op, arg);
             }
             return -1;
         }

@@ -489,24 +489,6 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
 /* fp32 kernel                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Batch row of token t: the i with qsl[i] <= t < qsl[i + 1] (empty rows stepped over). */
-static __device__ int64_t
-row_of_token(const int32_t *qsl, int64_t num_rows, int64_t t)
-{
-    int64_t lo = 0;        /* qsl[lo] <= t */
-    int64_t hi = num_rows; /* t < qsl[hi] */
-    while (hi - lo > 1) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if ((int64_t)qsl[mid] <= t) {
-            lo = mid;
-        }
-        else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
-
 /*
  * One warp per (token, head): w = t * num_heads + h.  Lane l owns dims l + 32k (k < 8).  For
  * each visible key in order: the dot product is reduced over the warp, then the online
@@ -525,7 +507,7 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     }
     const int64_t t = w / a.num_heads;
     const int64_t h = w % a.num_heads;
-    const int64_t row = row_of_token(a.query_start_loc, a.num_rows, t);
+    const int64_t row = dk_row_of_token(a.query_start_loc, a.num_rows, t);
     const int64_t q_start = a.query_start_loc[row];
     const int64_t query_len = a.query_start_loc[row + 1] - q_start;
     const int64_t seq_len = a.seq_lens[row];

@@ -2,7 +2,7 @@
  * cuda_common.cuh -- what the .cu files of cuda/ share and diffkv.h must not see (it holds no
  * CUDA types): the post-launch error check and small launch-shape helpers.
  *
- * Entry points: dk_cuda_after_launch (defined in cuda/runtime.cu), dk_cdiv.
+ * Entry points: dk_cuda_after_launch (defined in cuda/runtime.cu), dk_cdiv, dk_row_of_token.
  */
 #ifndef DIFFKV_CUDA_COMMON_CUH
 #define DIFFKV_CUDA_COMMON_CUH
@@ -26,6 +26,25 @@ static inline int64_t
 dk_cdiv(int64_t a, int64_t b)
 {
     return (a + b - 1) / b;
+}
+
+/* Batch row of token t: the i in [0, num_rows) with qsl[i] <= t < qsl[i + 1].  Needs
+ * qsl[0] <= t < qsl[num_rows]; empty rows are stepped over.  Cannot fail. */
+static __device__ __forceinline__ int64_t
+dk_row_of_token(const int32_t *qsl, int64_t num_rows, int64_t t)
+{
+    int64_t lo = 0;        /* qsl[lo] <= t */
+    int64_t hi = num_rows; /* t < qsl[hi] */
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)qsl[mid] <= t) {
+            lo = mid;
+        }
+        else {
+            hi = mid;
+        }
+    }
+    return lo;
 }
 
 /* Largest grid.x a launch may use. */

@@ -13,25 +13,6 @@
 
 #define SLOTS_THREADS 256
 
-/* Batch row of token t: the i in [0, num_rows) with qsl[i] <= t < qsl[i + 1].  Needs
- * qsl[0] <= t < qsl[num_rows]; empty rows are stepped over. */
-static __device__ int64_t
-row_of_token(const int32_t *qsl, int64_t num_rows, int64_t t)
-{
-    int64_t lo = 0;        /* qsl[lo] <= t */
-    int64_t hi = num_rows; /* t < qsl[hi] */
-    while (hi - lo > 1) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if ((int64_t)qsl[mid] <= t) {
-            lo = mid;
-        }
-        else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
-
 static __global__ void
 slots_kernel(const dk_slots_args a)
 {
@@ -41,7 +22,7 @@ slots_kernel(const dk_slots_args a)
     }
     int64_t slot = -1;
     if (t < a.num_tokens) {
-        int64_t i = row_of_token(a.query_start_loc, a.num_rows, t);
+        int64_t i = dk_row_of_token(a.query_start_loc, a.num_rows, t);
         int64_t row = a.row_indices[i];
         int64_t p = a.positions[t];
         int64_t span = a.block_size * a.cp_size;
