@@ -69,6 +69,14 @@ def _normalized_device(device: torch.device) -> torch.device:
     return device
 
 
+_DTYPE_CODES = {
+    torch.float32: _C.DTYPE_FLOAT32,
+    torch.float16: _C.DTYPE_FLOAT16,
+    torch.bfloat16: _C.DTYPE_BFLOAT16,
+    torch.float64: _C.DTYPE_FLOAT64,
+}
+
+
 def _same_device(actual: torch.device, expected: torch.device) -> bool:
     if actual == expected:
         return True
@@ -412,6 +420,8 @@ class DiffusionPagedAttentionAdapter:
         self._active_piecewise_native_metadata: tuple[dict[str, Any], ...] | None = None
         # Per activation: [B, T] packing indices by (token shape, device).
         self._active_packing_indices: dict[tuple, torch.Tensor | None] = {}
+        self._active_query_lens: tuple[int, ...] = ()
+        self._active_non_suffix_rows: list[tuple] = []
         self._causal_by_group = self._resolve_group_causality()
         self._reorder_batch_threshold = self._resolve_reorder_batch_threshold()
 
@@ -573,6 +583,17 @@ class DiffusionPagedAttentionAdapter:
         self._active_piecewise_plan = None
         self._active_piecewise_native_metadata = None
         self._active_packing_indices = {}
+        self._active_query_lens = ()
+        self._active_non_suffix_rows = []
+
+    def _device_key(self) -> tuple[int, int]:
+        """(DLPack device type, index) of the adapter's device, "cuda" meaning the current one."""
+        device = self.device
+        if device.type == "cpu":
+            return 1, 0
+        if device.type == "cuda":
+            return 2, device.index if device.index is not None else torch.cuda.current_device()
+        return 0, -1
 
     @contextmanager
     def activate(
@@ -587,6 +608,10 @@ class DiffusionPagedAttentionAdapter:
             raise RuntimeError("Paged attention adapter already has an active forward")
         self._active_batch = batch
         self._clear_activation_caches()
+        self._active_query_lens = tuple(row.query_len for row in batch.rows)
+        self._active_non_suffix_rows = [
+            row.identity for row in batch.rows if row.kv_start_pos + row.query_len != row.seq_len
+        ]
         try:
             with override_paged_kv_adapter(self), set_current_vllm_config(self.vllm_config):
                 yield self
@@ -782,64 +807,37 @@ class DiffusionPagedAttentionAdapter:
             raise KeyError(f"Unknown diffusion paged attention layer {layer_name!r}") from exc
         full_attn_spans = self._validate_omni_attn_metadata(omni_attn_metadata)
 
-        query_flat, query_token_shape, query_has_head_dims = self._flatten_tensor(
-            query, num_heads=layer.num_heads, head_size=layer.head_size, name="query"
+        # C4..C14 in the seed's order, in one C call (the K/V gather of padded rows has no
+        # visible effect, so the device/dtype checks may precede it).
+        device_type, device_index = self._device_key()
+        expected_dtype = self.vllm_config.model_config.dtype
+        query_token_shape, query_has_head_dims, needs_packing = _C.check_layer_qkv(
+            query,
+            key,
+            value,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.head_size_v,
+            device_type,
+            device_index,
+            self.device,
+            _DTYPE_CODES.get(expected_dtype, -1),
+            expected_dtype,
+            batch.num_tokens,
+            self._active_query_lens,
         )
-        key_flat, key_token_shape, _ = self._flatten_tensor(
-            key, num_heads=layer.num_kv_heads, head_size=layer.head_size, name="key"
-        )
-        value_flat, value_token_shape, _ = self._flatten_tensor(
-            value, num_heads=layer.num_kv_heads, head_size=layer.head_size_v, name="value"
-        )
-        if key_token_shape != query_token_shape:
-            if len(key_token_shape) == 1:
-                raise ValueError(
-                    "Paged attention key token count must match the query layout: "
-                    f"query={query_token_shape}, key={key_token_shape}"
-                )
-            raise ValueError(
-                "Paged attention batched key layout must match prepared rows and the query layout: "
-                f"query={query_token_shape}, key={key_token_shape}"
-            )
-        if value_token_shape != query_token_shape:
-            if len(value_token_shape) == 1:
-                raise ValueError(
-                    "Paged attention value token count must match the query layout: "
-                    f"query={query_token_shape}, value={value_token_shape}"
-                )
-            raise ValueError(
-                "Paged attention batched value layout must match prepared rows and the query layout: "
-                f"query={query_token_shape}, value={value_token_shape}"
-            )
-        output_scatter_indices = self._packing_indices(query_token_shape, batch, query.device)
-        if output_scatter_indices is not None:
+        query_flat = query.reshape(-1, layer.num_heads, layer.head_size)
+        key_flat = key.reshape(-1, layer.num_kv_heads, layer.head_size)
+        value_flat = value.reshape(-1, layer.num_kv_heads, layer.head_size_v)
+        output_scatter_indices = None
+        if needs_packing:
+            output_scatter_indices = self._packing_indices(query_token_shape, batch, query.device)
             query_flat = self._pack_rows(query_flat, output_scatter_indices)
             key_flat = self._pack_rows(key_flat, output_scatter_indices)
             value_flat = self._pack_rows(value_flat, output_scatter_indices)
-        device = self.device
-        if not (
-            _same_device(query.device, device)
-            and _same_device(key.device, device)
-            and _same_device(value.device, device)
-        ):
-            raise ValueError(
-                f"Paged attention Q/K/V must be on {device}; "
-                f"got query={query.device}, key={key.device}, value={value.device}"
-            )
-        if query.dtype != key.dtype or query.dtype != value.dtype:
-            raise ValueError(
-                f"Paged attention Q/K/V dtypes must match; got {query.dtype}, {key.dtype}, {value.dtype}"
-            )
-        expected_dtype = self.vllm_config.model_config.dtype
-        if query.dtype != expected_dtype:
-            raise ValueError(
-                f"Paged attention Q/K/V dtype must match model activation dtype {expected_dtype}; "
-                f"got {query.dtype}"
-            )
         if not bool(getattr(layer.spec, "non_causal", False)):
-            non_suffix_rows = [
-                row.identity for row in batch.rows if row.kv_start_pos + row.query_len != row.seq_len
-            ]
+            non_suffix_rows = self._active_non_suffix_rows
             if non_suffix_rows:
                 raise ValueError(
                     "Causal paged attention requires each query/write span to end at seq_len; "
