@@ -1,0 +1,173 @@
+"""Large GPU cases: HunyuanImage-3.0 geometry (32/8/128, two CFG rows with prefixes 500 and
+3500, 4097 image tokens, block 16), thousands of tokens in every mask mode, and the CUDA path
+against the CPU path on the same inputs.  References run on the GPU in float64."""
+
+import pytest
+import torch
+
+from diffkv import _C
+
+pytestmark = pytest.mark.gpu
+
+
+def _paged_problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed=0):
+    """Random K/V for every position of every row, written into a cache whose blocks are a
+    random permutation with spare blocks; returns what _C.paged_attention needs plus the dense
+    K/V per row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = len(seq_lens)
+    blocks = [-(-s // block) for s in seq_lens]
+    num_blocks = sum(blocks) + 5
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    cols = max(blocks)
+    table = torch.full((rows, cols), -1, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = torch.tensor(perm[at : at + n], dtype=torch.int32)
+        at += n
+    cache = torch.randn(2, num_blocks, block, kv_heads, head, device="cuda", dtype=dtype, generator=g)
+    dense_k, dense_v = [], []
+    for r, s in enumerate(seq_lens):
+        k = torch.randn(s, kv_heads, head, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(s, kv_heads, head, device="cuda", dtype=dtype, generator=g)
+        pos = torch.arange(s)
+        slots = (table[r, pos // block].long() * block + pos % block).cuda()
+        _C.kv_write(k, v, cache, slots)
+        dense_k.append(k)
+        dense_v.append(v)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, head, device="cuda", dtype=dtype, generator=g)
+    return {
+        "q": q,
+        "cache": cache,
+        "table": table,
+        "qsl": qsl,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "dense_k": dense_k,
+        "dense_v": dense_v,
+    }
+
+
+def _run(p, mask, key_limits=None, scale=None, device="cuda"):
+    q = p["q"].to(device)
+    out = torch.empty_like(q)
+    scale = scale or q.shape[-1] ** -0.5
+    _C.paged_attention(
+        q,
+        p["cache"].to(device),
+        p["table"].to(device),
+        p["qsl"].to(device),
+        p["seq_lens"].to(device),
+        None if key_limits is None else key_limits.to(device),
+        mask,
+        scale,
+        out,
+        p["table"],
+        p["qsl"],
+        p["seq_lens"],
+    )
+    return out
+
+
+def _reference(q, k, v, limits, scale, low_precision):
+    """Attention of q [n, H, D] over k/v [S, Hkv, D] where token i sees keys j < limits[i].
+    float64 throughout, or the "same-precision" variant: fp32 scores/softmax from the inputs'
+    dtype, P rounded to that dtype, fp32 P@V (what a flash kernel computes)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    keys = torch.arange(k.shape[0], device=q.device)
+    visible = keys[None, :] < limits[:, None]
+    work = torch.float32 if low_precision else torch.float64
+    scores = torch.einsum("nhd,shd->hns", q.to(work), k.to(work)) * scale
+    probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    if low_precision:
+        probs = probs.to(q.dtype).to(work)
+    return torch.einsum("hns,shd->nhd", probs, v.to(work)).double()
+
+
+def _check(out, p, limits_per_row, scale):
+    q = p["q"]
+    qsl = p["qsl"].tolist()
+    for r in range(len(p["dense_k"])):
+        sl = slice(qsl[r], qsl[r + 1])
+        lim = limits_per_row[r].cuda()
+        exact = _reference(q[sl], p["dense_k"][r], p["dense_v"][r], lim, scale, False)
+        low = _reference(q[sl], p["dense_k"][r], p["dense_v"][r], lim, scale, True)
+        bound = 2 * (low - exact).abs().max().item() + (8e-3 if q.dtype == torch.bfloat16 else 1e-3)
+        err = (out[sl].double() - exact).abs().max().item()
+        assert err <= bound, f"row {r}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def test_hunyuan_image3_denoise_geometry():
+    prefixes, image = (500, 3500), 4097
+    seq_lens = [p + image for p in prefixes]
+    p = _paged_problem(seq_lens, [image, image], 32, 8, 128, 16, torch.bfloat16)
+    # Every image token is in the full span [prefix, prefix + image): it sees all keys.
+    limits = [torch.full((image,), s, dtype=torch.int32) for s in seq_lens]
+    scale = 128**-0.5
+    out = _run(p, _C.MASK_LIMITS, torch.cat(limits), scale)
+    _check(out, p, limits, scale)
+    out_none = _run(p, _C.MASK_NONE, None, scale)
+    assert torch.equal(out, out_none), "a span covering the whole query equals the unmasked call"
+
+
+def test_hunyuan_image3_prefill_piecewise():
+    prefixes, image, tail = (500, 3500), 4097, 3
+    seq_lens = [p + image + tail for p in prefixes]
+    p = _paged_problem(seq_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=1)
+    limits = []
+    for pre, s in zip(prefixes, seq_lens, strict=True):
+        pos = torch.arange(s, dtype=torch.int32)
+        in_span = (pos >= pre) & (pos < pre + image)
+        limits.append(torch.where(in_span, torch.tensor(pre + image, dtype=torch.int32), pos + 1))
+    scale = 128**-0.5
+    out = _run(p, _C.MASK_LIMITS, torch.cat(limits), scale)
+    _check(out, p, limits, scale)
+
+
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_thousands_of_tokens(head, dtype, mask):
+    seq_lens, query_lens = [2300, 5111], [1800, 5111]
+    p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=head)
+    limits = []
+    for s, n in zip(seq_lens, query_lens, strict=True):
+        if mask == "none":
+            limits.append(torch.full((n,), s, dtype=torch.int32))
+        else:
+            limits.append(torch.arange(s - n, s, dtype=torch.int32) + 1)
+    code = _C.MASK_NONE if mask == "none" else _C.MASK_CAUSAL
+    out = _run(p, code, None, head**-0.5)
+    _check(out, p, limits, head**-0.5)
+
+
+@pytest.mark.parametrize("block", [1, 16, 64])
+def test_cuda_matches_cpu(block):
+    seq_lens, query_lens = [300, 771], [120, 771]
+    p = _paged_problem(seq_lens, query_lens, 8, 2, 64, block, torch.bfloat16, seed=block)
+    limits = []
+    for s, n in zip(seq_lens, query_lens, strict=True):
+        pos = torch.arange(s - n, s, dtype=torch.int32)
+        limits.append(torch.where(pos % 97 < 50, pos + 1, torch.clamp(pos + 40, max=s)))
+    key_limits = torch.cat(limits)
+    for code, kl in ((_C.MASK_NONE, None), (_C.MASK_CAUSAL, None), (_C.MASK_LIMITS, key_limits)):
+        gpu = _run(p, code, kl).cpu().double()
+        cpu = _run(p, code, kl, device="cpu").double()
+        assert (gpu - cpu).abs().max().item() <= 2e-2
+
+
+def test_kv_write_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(3)
+    tokens, kv_heads, head, block, nb = 3000, 8, 128, 16, 260
+    qkv = torch.randn(tokens, 3, kv_heads * 2, head, generator=g).to(torch.bfloat16)
+    key, value = qkv[:, 1, :kv_heads], qkv[:, 2, :kv_heads]  # strided views of a projection
+    slots = torch.randperm(nb * block, generator=g)[:tokens]
+    slots[::17] = -1
+    caches = []
+    for device in ("cpu", "cuda"):
+        cache = torch.zeros(2, nb, block, kv_heads, head, dtype=torch.bfloat16, device=device)
+        _C.kv_write(key.to(device), value.to(device), cache, slots.to(device))
+        caches.append(cache.cpu())
+    assert torch.equal(caches[0], caches[1])
