@@ -36,7 +36,11 @@ test-gpu: install
 	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
 
 bench: install
-	$(PYTHON) benchmarks/bench_bridge.py
+	mkdir -p out
+	$(PYTHON) benchmarks/bench_bridge.py --json out/bridge.json
+	$(PYTHON) benchmarks/bench_host.py --json out/host.json
+	$(PYTHON) benchmarks/bench_kv_write.py --json out/kv_write.json
+	$(PYTHON) benchmarks/bench_attention.py --json out/attention.json
 
 lint:
 	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff

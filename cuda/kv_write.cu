@@ -1,9 +1,13 @@
 /*
  * kv_write.cu -- the K/V scatter into the paged cache on the GPU (dk_kv_write_args in
  * diffkv.h): cache[slot / block_size][slot % block_size][h][:] = src[t][h][:] for the key and
- * the value of every token whose slot is >= 0.  A bit copy, so fp32/fp16/bf16 share one kernel
- * per copy width: 16-byte units when every address is 16-byte aligned and the dim strides are
- * 1 (checked on the host), else one element at a time with any strides.
+ * the value of every token whose slot is >= 0 (a slot at or past num_blocks * block_size is
+ * skipped too: the caller range-checks slots, the kernel never writes outside the cache).
+ * A bit copy, so fp32/fp16/bf16 share the kernels:
+ *   - kv_write_vec_kernel when every address is 16-byte aligned and the dim strides are 1
+ *     (checked on the host): 16-byte units, several tokens per thread with all loads issued
+ *     before the stores, K and V of a unit in the same thread;
+ *   - kv_write_kernel otherwise: one element at a time with any strides.
  *
  * Entry point: dk_cuda_kv_write.
  */
@@ -16,10 +20,74 @@
 #include <stdint.h>
 
 #define KV_WRITE_MAX_THREADS 256
+/* Tokens one thread of the fast path moves per unit: its 2 * KV_WRITE_TOKENS 16-byte loads
+ * (K and V) are all in flight before the first store, 128 bytes per thread, enough to cover
+ * HBM latency at a modest occupancy (the one-unit-per-thread version left the H200 at
+ * ~2.6-3.0 TB/s). */
+#define KV_WRITE_TOKENS 4
 
 /*
- * One block per token; its threads walk the (tensor, head, unit) items of the token, where a
- * unit is one U (16 bytes or one element) and a head holds units_per_head of them.
+ * Fast path: 16-byte units (elems_per_unit elements), dim strides 1, all addresses 16-byte
+ * aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and owns the tile of
+ * blockDim.y * KV_WRITE_TOKENS consecutive tokens starting at blockIdx.x * tile; lane y moves
+ * tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads * units_per_head
+ * units of a token row in steps of blockDim.x (a single step whenever the row fits the CTA)
+ * and moves the same unit of K and of V.  It loads every one of its tokens' units first
+ * (key/value are read-only here, hence the non-coherent path), then stores those whose slot is
+ * in the cache.  Rows of skipped tokens are loaded too: they lie inside key/value, and the
+ * loads need not wait for the slots.
+ */
+static __global__ void
+kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                    int32_t elems_per_unit)
+{
+    const int32_t units = (int32_t)a.num_kv_heads * units_per_head;
+    const int64_t capacity = a.num_blocks * a.block_size;
+    const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * KV_WRITE_TOKENS + threadIdx.y;
+    const char *key = (const char *)a.key;
+    const char *value = (const char *)a.value;
+    char *key_cache = (char *)a.key_cache;
+    char *value_cache = (char *)a.value_cache;
+    int64_t slot[KV_WRITE_TOKENS];
+#pragma unroll
+    for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+        int64_t t = t0 + (int64_t)i * blockDim.y;
+        slot[i] = t < a.num_tokens ? __ldg(a.slot_mapping + t * a.slot_stride) : -1;
+    }
+    for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
+        const int64_t h = u / units_per_head;
+        const int64_t d = (int64_t)(u % units_per_head) * elems_per_unit;
+        const int64_t key_off = h * a.key_stride_head + d;
+        const int64_t value_off = h * a.value_stride_head + d;
+        const int64_t cache_off = h * a.cache_stride_head + d;
+        uint4 k[KV_WRITE_TOKENS];
+        uint4 v[KV_WRITE_TOKENS];
+#pragma unroll
+        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+            int64_t t = t0 + (int64_t)i * blockDim.y;
+            k[i] = make_uint4(0, 0, 0, 0);
+            v[i] = make_uint4(0, 0, 0, 0);
+            if (t < a.num_tokens) {
+                k[i] = __ldg((const uint4 *)(key + (t * a.key_stride_token + key_off) * elem_size));
+                v[i] = __ldg(
+                    (const uint4 *)(value + (t * a.value_stride_token + value_off) * elem_size));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+            if (slot[i] >= 0 && slot[i] < capacity) {
+                int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
+                              (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
+                *(uint4 *)(key_cache + off * elem_size) = k[i];
+                *(uint4 *)(value_cache + off * elem_size) = v[i];
+            }
+        }
+    }
+}
+
+/*
+ * Strided fallback.  One block per token; its threads walk the (tensor, head, unit) items of
+ * the token, where a unit is one U (one element) and a head holds units_per_head of them.
  * elems_per_unit = sizeof(U) / element size; the dim stride is 1 whenever it is > 1.
  */
 template <typename U>
@@ -29,7 +97,7 @@ kv_write_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_h
 {
     int64_t t = blockIdx.x;
     int64_t slot = a.slot_mapping[t * a.slot_stride];
-    if (slot < 0) {
+    if (slot < 0 || slot >= a.num_blocks * a.block_size) {
         return;
     }
     int64_t blk = slot / a.block_size;
@@ -107,6 +175,23 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
                aligned16(a->cache_stride_head * es);
     int32_t elems_per_unit = vec ? (int32_t)(16 / es) : 1;
     int32_t units_per_head = (int32_t)(a->head_size / elems_per_unit);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (vec) {
+        /* Rows up to 256 units wide: one unit column per thread and 256 / units token lanes.
+         * Wider rows: one lane, blockDim.x the row split into even passes (rounded to warps). */
+        int64_t units = a->num_kv_heads * units_per_head;
+        int64_t bx = units;
+        int64_t by = KV_WRITE_MAX_THREADS / units;
+        if (units >= KV_WRITE_MAX_THREADS) {
+            int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
+            bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
+            by = 1;
+        }
+        dim3 grid((unsigned)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS));
+        dim3 block((unsigned)bx, (unsigned)by);
+        kv_write_vec_kernel<<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+        return dk_cuda_after_launch("kv_write()", stream, err);
+    }
     int64_t items = 2 * a->num_kv_heads * units_per_head;
     int64_t threads = dk_cdiv(items, 32) * 32;
     if (threads > KV_WRITE_MAX_THREADS) {
@@ -114,11 +199,7 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
     }
     dim3 grid((unsigned)a->num_tokens);
     dim3 block((unsigned)threads);
-    cudaStream_t s = (cudaStream_t)stream;
-    if (vec) {
-        kv_write_kernel<uint4><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-    }
-    else if (es == 4) {
+    if (es == 4) {
         kv_write_kernel<uint32_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
     }
     else {
