@@ -2,12 +2,30 @@
  * attention_sm80.cu -- paged attention on the GPU for the masks of dk_mask (diffkv.h), for
  * Ampere and later.
  *
- * fp16/bf16, head_size 64 or 128: FlashAttention-2 style.  One CTA of 8 warps per (query tile
- * of 128 tokens of one batch row, head); each warp owns 16 query rows.  K/V tiles of 64 keys
- * are read through the block table into shared memory (cp.async when every address is 16-byte
- * aligned, element loads with any strides otherwise), S = Q K^T and O += P V run on
- * mma.sync.m16n8k16 with fp32 accumulation, the softmax is online in fp32 with exp2f and
- * scale * log2(e) folded into the scores.
+ * fp16/bf16, head_size 64 or 128: FlashAttention-2 style on mma.sync.m16n8k16 (fp32
+ * accumulation).  One CTA of 4 warps per (query tile of 128 tokens of one batch row, head);
+ * each warp owns 32 query rows (two 16-row m-tiles, so every K/V fragment read from shared
+ * memory feeds two MMAs).  Key tiles are 64 keys (head 128) or 128 keys (head 64).
+ *   - Shared memory: the Q tile, one K tile and one V tile, rows of head_size elements whose
+ *     16-byte chunks are XOR-swizzled (chunk c of row r sits at c ^ (r % 8)), so the 8 row
+ *     addresses of every ldmatrix and every 16-byte cp.async hit distinct bank groups.
+ *   - Paging: before a key tile is loaded, one thread per key resolves its byte offset in
+ *     the cache through the block table into a small double-buffered shared array (any
+ *     block_size, done while the previous tile computes); the K and V loads of the tile then
+ *     only add that offset to the thread's chunk.  Loads are 16-byte cp.async when the
+ *     cache's dim stride is 1 and every address is 16-byte aligned (rows past the last
+ *     visible key are zero-filled by cp.async itself), element loads with any strides
+ *     otherwise.
+ *   - Pipeline per key tile n: wait for K(n); issue V(n) and resolve the offsets of tile
+ *     n + 1; S = Q K^T (Q and K fragments by ldmatrix); online softmax in fp32 (p =
+ *     2^(s * scale * log2(e) - max), one FFMA + one ex2 each; O is rescaled only when a
+ *     row's max grew); P packed to fp16/bf16 in registers as the A operand of P V; wait for
+ *     V(n); issue K(n + 1) (lands during P V); O += P V (V fragments by ldmatrix.trans).
+ *     Two barriers per tile; two CTAs per SM (255 registers) overlap each other.
+ *   - Masking only on tiles that straddle a limit of the warp's rows; a warp skips the tiles
+ *     past all of its rows' limits (the causal diagonal).  CTAs are numbered head-fastest
+ *     and last query tile first, so the tiles with the most keys start first.
+ *   - A negative scale negates the Q tile in shared memory (the kernel works with |scale|).
  *
  * fp32: one warp per (token, head), plain fp32 math over the visible keys, any head_size up to
  * 256 -- so every dtype the CPU reference takes also runs on CUDA.
@@ -32,18 +50,24 @@
 #include <math.h>
 #include <stdint.h>
 
-#define ATTN_BM 128  /* query rows per CTA (measured on H200: 25 % faster than 64) */
-#define ATTN_BN 64   /* keys per K/V tile */
-#define ATTN_WARPS 8 /* warps per CTA, 16 query rows each */
+#define ATTN_BM 128  /* query rows per CTA */
+#define ATTN_WARPS 4 /* warps per CTA */
+#define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
 #define ATTN_THREADS (ATTN_WARPS * 32)
-/* smem row padding in elements: rows 16 bytes apart mod 128, so ldmatrix's 8 row addresses
- * hit 8 distinct bank groups */
-#define ATTN_PAD 8
+#define ATTN_CTAS_PER_SM 2
 
 #define F32_WARPS 4 /* warps per CTA of the fp32 kernel */
 #define F32_MAX_HEAD 256
 
 #define LOG2E 1.4426950408889634f
+
+/* Keys per K/V tile: 64 for head 128 (S, P and O of two m-tiles per warp fit the register
+ * file), 128 for head 64 (measured on H200: 14 % faster than 64). */
+template <int D> struct attn_tile {
+    static constexpr int BN = D == 128 ? 64 : 128;
+    /* bytes of dynamic shared memory: Q, K, V tiles, then 2 x BN key offsets */
+    static constexpr size_t SMEM = (size_t)(ATTN_BM + 2 * BN) * D * 2 + 2 * BN * sizeof(int64_t);
+};
 
 /* ------------------------------------------------------------------------------------------ */
 /* Masks                                                                                       */
@@ -112,6 +136,15 @@ template <> struct half_ops<__nv_bfloat16> {
     }
 };
 
+/* 2^x on the special-function unit (2^-inf = 0). */
+static __device__ __forceinline__ float
+fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 static __device__ uint32_t
 smem_addr(const void *p)
 {
@@ -119,69 +152,62 @@ smem_addr(const void *p)
 }
 
 /*
- * ldmatrix x4: lanes 8m..8m+7 give the 8 row addresses (16 contiguous bytes each) of 8x8
- * matrix m; r[m] receives, in lane l, elements (row l/4, cols 2(l%4), 2(l%4)+1) of matrix m
- * (lower column in the low half).  With .trans it receives (rows 2(l%4), 2(l%4)+1, col l/4).
+ * ldmatrix x4 at shared address `addr` (this lane's row address): lanes 8m..8m+7 give the 8
+ * row addresses (16 contiguous bytes each) of 8x8 matrix m; r[m] receives, in lane l, elements
+ * (row l/4, cols 2(l%4), 2(l%4)+1) of matrix m (lower column in the low half).  With .trans
+ * it receives (rows 2(l%4), 2(l%4)+1, col l/4).
  */
-static __device__ void
-ldsm_x4(uint32_t r[4], const void *p)
+static __device__ __forceinline__ void
+ldsm_x4(uint32_t r[4], uint32_t addr)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
+                 : "r"(addr)
                  : "memory");
 }
 
-static __device__ void
-ldsm_x4_trans(uint32_t r[4], const void *p)
+static __device__ __forceinline__ void
+ldsm_x4_trans(uint32_t r[4], uint32_t addr)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
+                 : "r"(addr)
                  : "memory");
 }
 
-static __device__ void
-cp_async16(void *smem, const void *gmem)
+/* 16-byte cp.async to shared address dst; src_bytes 0 fills the 16 bytes with zeros. */
+static __device__ __forceinline__ void
+cp_async16(uint32_t dst, const void *src, uint32_t src_bytes)
 {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
                  : "memory");
 }
 
-static __device__ void
+static __device__ __forceinline__ void
 cp_async_commit(void)
 {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-/* Waits until at most `n` of this thread's most recent cp.async groups are pending. */
-template <int n>
-static __device__ void
-cp_async_wait(void)
+/* Waits until every cp.async group of this thread has landed. */
+static __device__ __forceinline__ void
+cp_async_wait_all(void)
 {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-/*
- * One 16-byte chunk (8 elements) of a smem tile row from global memory: `src` is the chunk's
- * first element, `stride` the element stride along the dim (1 whenever vec is true).
- * vec: asynchronous cp.async (completes at the next cp_async_wait); otherwise loaded now.
- */
+/* One 16-byte chunk (8 elements, element stride `stride`) loaded now, with plain loads. */
 static __device__ void
-load_chunk(uint16_t *dst, const uint16_t *src, int64_t stride, bool vec)
+load_chunk_sync(uint16_t *dst, const uint16_t *src, int64_t stride)
 {
-    if (vec) {
-        cp_async16(dst, src);
-    }
-    else {
-        uint32_t w[4];
+    uint32_t w[4];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            /* element 2e in the low half, as in memory (little endian) */
-            w[e] = (uint32_t)src[2 * e * stride] | ((uint32_t)src[(2 * e + 1) * stride] << 16);
-        }
-        *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int e = 0; e < 4; e++) {
+        /* element 2e in the low half, as in memory (little endian) */
+        w[e] = (uint32_t)src[2 * e * stride] | ((uint32_t)src[(2 * e + 1) * stride] << 16);
     }
+    *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 static __device__ void
@@ -194,68 +220,113 @@ zero_chunk(uint16_t *dst)
 /* fp16 / bf16 tensor-core kernel                                                              */
 /* ------------------------------------------------------------------------------------------ */
 
+/* Byte offset in the cache of key j of the row (head kv_head), or 0 (a harmless address,
+ * never read) when j >= kv_end. */
+static __device__ int64_t
+kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, int32_t j,
+              int32_t kv_end)
+{
+    if (j >= kv_end) {
+        return 0;
+    }
+    const uint32_t bs = (uint32_t)a.block_size;
+    const uint32_t uj = (uint32_t)j;
+    return ((int64_t)bt[uj / bs] * a.cache_stride_block +
+            (int64_t)(uj % bs) * a.cache_stride_token + kv_head * a.cache_stride_head) *
+           2;
+}
+
 /*
- * Loads keys [j0, j0 + 64) of one K or V tile (base = key_cache or value_cache) into s (row
- * stride D + ATTN_PAD); keys at or past kv_end become zeros, so masked probabilities (0)
- * never meet garbage (0 * inf = nan).  Thread tid owns chunk tid % (D / 8) of rows
- * tid / (D / 8) + k * (ATTN_THREADS / (D / 8)).
+ * Loads one K or V tile (cache = key_cache or value_cache) of BN keys whose byte offsets are
+ * offs[0 .. BN) into the swizzled tile s; rows >= valid_rows become zeros, so masked
+ * probabilities (0) never meet garbage (0 * inf = nan).  Thread tid owns chunk
+ * c = tid % (D/8) of rows tid / (D/8) + k * (ATTN_THREADS / (D/8)); all its rows have the
+ * same r % 8, hence the same swizzled chunk.
  */
-template <int D>
-static __device__ void
-load_kv_tile(uint16_t *s, const uint16_t *base, const dk_attention_args &a, const int32_t *bt,
-             int32_t block_size, int64_t kv_head, int32_t j0, int32_t kv_end, bool vec)
+template <int D, int BN>
+static __device__ __forceinline__ void
+load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_rows,
+             int64_t stride_dim, bool vec)
 {
     constexpr int CHUNKS = D / 8;
     constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
-    constexpr int LD = D + ATTN_PAD;
-    const int c = (int)threadIdx.x % CHUNKS;
+    constexpr int PASSES = BN / ROWS_PER_PASS;
+    static_assert(ROWS_PER_PASS % 8 == 0, "a thread's rows share one swizzle");
+    const int tid = (int)threadIdx.x;
+    const int c = tid % CHUNKS;
+    const int r0 = tid / CHUNKS;
+    const int pc = c ^ (r0 & 7);
+    if (vec) {
+        const uint32_t dst = smem_addr(s) + (uint32_t)((r0 * D + pc * 8) * 2);
+        const char *src = cache + c * 16;
+        if (valid_rows >= BN) {
 #pragma unroll
-    for (int r = (int)threadIdx.x / CHUNKS; r < ATTN_BN; r += ROWS_PER_PASS) {
-        int32_t j = j0 + r;
-        uint16_t *dst = s + r * LD + c * 8;
-        if (j < kv_end) {
-            int64_t blk = bt[j / block_size];
-            int64_t off = j % block_size;
-            const uint16_t *src = base + blk * a.cache_stride_block + off * a.cache_stride_token +
-                                  kv_head * a.cache_stride_head +
-                                  (int64_t)c * 8 * a.cache_stride_dim;
-            load_chunk(dst, src, a.cache_stride_dim, vec);
+            for (int pass = 0; pass < PASSES; pass++) {
+                cp_async16(dst + pass * ROWS_PER_PASS * D * 2,
+                           src + offs[r0 + pass * ROWS_PER_PASS], 16u);
+            }
         }
         else {
-            zero_chunk(dst);
+#pragma unroll
+            for (int pass = 0; pass < PASSES; pass++) {
+                const int r = r0 + pass * ROWS_PER_PASS;
+                cp_async16(dst + pass * ROWS_PER_PASS * D * 2, src + offs[r],
+                           r < valid_rows ? 16u : 0u);
+            }
+        }
+    }
+    else {
+        /* Kept rolled: unrolled, this cold path's registers made the hot loop spill. */
+#pragma unroll 1
+        for (int pass = 0; pass < PASSES; pass++) {
+            const int r = r0 + pass * ROWS_PER_PASS;
+            uint16_t *d = s + r * D + pc * 8;
+            if (r < valid_rows) {
+                const uint16_t *src = (const uint16_t *)(cache + offs[r]);
+                load_chunk_sync(d, src + (int64_t)c * 8 * stride_dim, stride_dim);
+            }
+            else {
+                zero_chunk(d);
+            }
         }
     }
 }
 
 /*
- * grid.x = num_rows * tiles_per_row (tile qt of row r is r * tiles_per_row + qt; tiles past
- * the row's end exit at once), grid.y = num_heads, ATTN_THREADS threads.
+ * grid.x = num_heads * num_rows * tiles_per_row, numbered head-fastest, then batch row, then
+ * query tile from the last (most keys) to the first; tiles past a row's end exit at once.
+ * ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
+ * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
  */
 template <typename T, int D>
 /* clang-format does not know __launch_bounds__ is an attribute. */
 /* clang-format off */
-static __global__ void __launch_bounds__(ATTN_THREADS)
+static __global__ void __launch_bounds__(ATTN_THREADS, ATTN_CTAS_PER_SM)
 attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float scale_log2,
-                     bool q_vec, bool kv_vec)
+                     bool neg_q, bool q_vec, bool kv_vec, bool o_vec)
 /* clang-format on */
 {
-    constexpr int LD = D + ATTN_PAD;
+    constexpr int BN = attn_tile<D>::BN;
     constexpr int CHUNKS = D / 8;
     constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
     constexpr int KSTEPS = D / 16; /* k-steps of S = Q K^T */
+    constexpr int NTILES = BN / 8; /* n-tiles of S */
     constexpr int DTILES = D / 8;  /* n-tiles of O */
+    static_assert(ATTN_BM == ATTN_WARPS * ATTN_MT * 16, "warps x m-tiles cover the Q tile");
+    static_assert(ATTN_BM == ATTN_THREADS, "one thread per query row for the limits");
 
-    static_assert(ATTN_BM == ATTN_WARPS * 16, "one warp per 16 query rows");
-    static_assert(ATTN_BM <= 2 * ATTN_BN, "the Q tile must fit where the K and V tiles go");
-    /* K tile then V tile; before the loop the Q tile spans both. */
-    __shared__ __align__(16) uint16_t s_kv[2 * ATTN_BN * LD];
-    uint16_t *const s_k = s_kv;
-    uint16_t *const s_v = s_kv + ATTN_BN * LD;
-    __shared__ int32_t s_lim[ATTN_BM];
+    extern __shared__ uint4 attn_smem[];
+    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem);    /* [ATTN_BM][D] */
+    uint16_t *const s_k = s_q + ATTN_BM * D;                          /* [BN][D] */
+    uint16_t *const s_v = s_k + BN * D;                               /* [BN][D] */
+    int64_t *const s_off = reinterpret_cast<int64_t *>(s_v + BN * D); /* [2][BN] */
+    __shared__ int32_t s_wmax[ATTN_WARPS];
+    __shared__ int32_t s_lim[ATTN_BM]; /* key limit of each query row */
 
-    const int64_t row = blockIdx.x / tiles_per_row;
-    const int64_t q0 = (blockIdx.x % tiles_per_row) * ATTN_BM;
-    const int64_t h = blockIdx.y;
+    const int64_t h = blockIdx.x % a.num_heads;
+    const int64_t rest = blockIdx.x / a.num_heads;
+    const int64_t row = rest % a.num_rows;
+    const int64_t q0 = (tiles_per_row - 1 - rest / a.num_rows) * ATTN_BM;
     const int64_t q_start = a.query_start_loc[row];
     const int64_t query_len = a.query_start_loc[row + 1] - q_start;
     if (q0 >= query_len) {
@@ -264,223 +335,318 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
     const int64_t seq_len = a.seq_lens[row];
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
-    const int32_t block_size = (int32_t)a.block_size;
     const int tid = (int)threadIdx.x;
     const int warp = tid / 32;
     const int lane = tid % 32;
+    const int g = lane >> 2; /* accumulator row within an 8-row half */
+    const int tq = lane & 3; /* accumulator column pair */
 
-    /* Per-row key limits (0 for rows past the row's end), and the tile's largest. */
-    if (tid < ATTN_BM) {
-        int64_t i = q0 + tid;
-        s_lim[tid] = i < query_len ? key_limit(a, q_start + i, i, query_len, seq_len) : 0;
-    }
-    /* Q tile -> s_kv (rows past the row's end are zeros). */
+    /* Q tile -> s_q, swizzled (rows past the row's end are zeros); negated for a negative
+     * scale once this thread's chunks have landed. */
     {
         const int c = tid % CHUNKS;
-        for (int r = tid / CHUNKS; r < ATTN_BM; r += ROWS_PER_PASS) {
-            uint16_t *dst = s_kv + r * LD + c * 8;
+        const int r0 = tid / CHUNKS;
+        const int pc = c ^ (r0 & 7);
+#pragma unroll
+        for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
+            const int r = r0 + pass * ROWS_PER_PASS;
+            uint16_t *dst = s_q + r * D + pc * 8;
             if (q0 + r < query_len) {
                 const uint16_t *src = (const uint16_t *)a.query +
                                       (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
                                       (int64_t)c * 8 * a.q_stride_dim;
-                load_chunk(dst, src, a.q_stride_dim, q_vec);
+                if (q_vec) {
+                    cp_async16(smem_addr(dst), src, 16u);
+                }
+                else {
+                    load_chunk_sync(dst, src, a.q_stride_dim);
+                }
             }
             else {
                 zero_chunk(dst);
             }
         }
         cp_async_commit();
+        if (neg_q) {
+            cp_async_wait_all();
+#pragma unroll
+            for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
+                uint4 *p =
+                    reinterpret_cast<uint4 *>(s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+                uint4 v = *p;
+                v.x ^= 0x80008000u;
+                v.y ^= 0x80008000u;
+                v.z ^= 0x80008000u;
+                v.w ^= 0x80008000u;
+                *p = v;
+            }
+        }
     }
-    cp_async_wait<0>();
+
+    /* Key limit of query row tid (0 past the row's end).  Warp w's threads hold exactly the
+     * rows warp w computes, so the warp's extremes need only shuffles. */
+    const int64_t my_i = q0 + tid;
+    const int32_t my_lim =
+        my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
+    int32_t wmax = my_lim, wmin = my_lim;
+#pragma unroll
+    for (int sh = 16; sh > 0; sh >>= 1) {
+        wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
+        wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
+    }
+    s_lim[tid] = my_lim;
+    if (lane == 0) {
+        s_wmax[warp] = wmax;
+    }
+    __syncthreads();
+    int32_t kv_end = 0;
+#pragma unroll
+    for (int w = 0; w < ATTN_WARPS; w++) {
+        kv_end = max(kv_end, s_wmax[w]);
+    }
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
+    for (int r = tid; r < BN; r += ATTN_THREADS) {
+        s_off[r] = kv_key_offset(a, bt, kv_head, r, kv_end);
+    }
     __syncthreads();
 
-    int32_t kv_end = 0;
-    for (int r = 0; r < ATTN_BM; r++) {
-        kv_end = s_lim[r] > kv_end ? s_lim[r] : kv_end;
-    }
-    const int32_t n_tiles = (int32_t)(((int64_t)kv_end + ATTN_BN - 1) / ATTN_BN);
-
-    /* A fragments of this warp's 16 query rows: matrices (rows +0/+8) x (cols +0/+8), in the
-     * order a0 (r0-7, c0-7), a1 (r8-15, c0-7), a2 (r0-7, c8-15), a3 (r8-15, c8-15). */
-    uint32_t qf[KSTEPS][4];
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; kk++) {
-        int r = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-        int col = kk * 16 + (lane >> 4) * 8;
-        ldsm_x4(qf[kk], s_kv + r * LD + col);
-    }
-    __syncthreads(); /* every warp has its Q before s_kv is overwritten by K and V */
-
-    const uint16_t *kc = (const uint16_t *)a.key_cache;
-    const uint16_t *vc = (const uint16_t *)a.value_cache;
+    const char *kc = (const char *)a.key_cache;
+    const char *vc = (const char *)a.value_cache;
     if (n_tiles > 0) {
-        load_kv_tile<D>(s_k, kc, a, bt, block_size, kv_head, 0, kv_end, kv_vec);
-        cp_async_commit();
-        load_kv_tile<D>(s_v, vc, a, bt, block_size, kv_head, 0, kv_end, kv_vec);
+        load_kv_tile<D, BN>(s_k, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
         cp_async_commit();
     }
 
-    /* This thread's two query rows (accumulator rows g and g + 8 of the warp's 16). */
-    const int g = lane >> 2;
-    const int tq = lane & 3;
-    const int r0 = warp * 16 + g;
-    const int r1 = r0 + 8;
-    const int32_t lim0 = s_lim[r0];
-    const int32_t lim1 = s_lim[r1];
-    const int32_t lim_min = lim0 < lim1 ? lim0 : lim1;
-
-    float o[DTILES][4];
+    /* Per-lane ldmatrix addresses (bytes).  Rows advance by multiples of 8, so a lane's row
+     * % 8 is lane & 7 and its swizzle is fixed: 16-byte chunk 2s + b (b = 0, 1) of its row
+     * sits at chunk 2s ^ sw with sw = b ^ (lane & 7) < 8, i.e. at byte
+     * (sw * 16 ^ (s % 4) * 32) + (s / 4) * 128: addr[s % 4] below plus an immediate.
+     * Q (A operand): matrices (rows +0/+8) x (chunk +0/+1), lane row (lane >> 3 & 1) * 8.
+     * K (B operand): matrices (keys +0, chunk +0), (keys +0, chunk +1), (keys +8, +0),
+     * (keys +8, +1).  V (B operand, transposed): (keys +0, chunk +0), (keys +8, +0),
+     * (keys +0, +1), (keys +8, +1). */
+    const int l7 = lane & 7;
+    const uint32_t q_row =
+        smem_addr(s_q) + (uint32_t)((warp * ATTN_MT * 16 + ((lane >> 3) & 1) * 8 + l7) * D * 2);
+    const uint32_t k_row = smem_addr(s_k) + (uint32_t)(((lane >> 4) * 8 + l7) * D * 2);
+    const uint32_t v_row = smem_addr(s_v) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * D * 2);
+    const uint32_t q_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
+    const uint32_t k_sw = (uint32_t)((((lane >> 3) & 1) ^ l7) * 16);
+    const uint32_t v_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
+    uint32_t q_addr[4], k_addr[4], v_addr[4];
 #pragma unroll
-    for (int dt = 0; dt < DTILES; dt++) {
-        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    for (int x = 0; x < 4; x++) {
+        q_addr[x] = q_row + (q_sw ^ (uint32_t)(x * 32));
+        k_addr[x] = k_row + (k_sw ^ (uint32_t)(x * 32));
+        v_addr[x] = v_row + (v_sw ^ (uint32_t)(x * 32));
     }
-    float m0 = -INFINITY, m1 = -INFINITY; /* running max, log2 domain */
-    float l0 = 0.0f, l1 = 0.0f;           /* running sum, this thread's columns only */
+    float o[ATTN_MT][DTILES][4];
+#pragma unroll
+    for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+        for (int dt = 0; dt < DTILES; dt++) {
+            o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+        }
+    }
+    float m[ATTN_MT][2]; /* running max of the raw scores */
+    float l[ATTN_MT][2]; /* running sum, this thread's columns only */
+#pragma unroll
+    for (int mt = 0; mt < ATTN_MT; mt++) {
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
 
     for (int32_t kt = 0; kt < n_tiles; kt++) {
-        const int32_t j0 = kt * ATTN_BN;
-        cp_async_wait<1>(); /* K tile kt has landed (V tile kt may be pending) */
-        __syncthreads();
-
-        /* S = Q K^T: s[nt] is the 16x8 block of keys j0 + nt*8 .. +7; c0,c1 row g, c2,c3 row
-         * g + 8, columns 2*tq, 2*tq + 1. */
-        float s[ATTN_BN / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < ATTN_BN / 8; nt++) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        }
-#pragma unroll
-        for (int kk = 0; kk < KSTEPS; kk++) {
-#pragma unroll
-            for (int np = 0; np < ATTN_BN / 16; np++) {
-                /* matrices: (keys +0-7, dims +0-7) b0 of n-tile 2np, (keys +0-7, dims +8-15)
-                 * b1 of 2np, (keys +8-15, dims +0-7) b0 of 2np+1, (keys +8-15, +8-15) b1. */
-                uint32_t b[4];
-                int key = np * 16 + (lane >> 4) * 8 + (lane & 7);
-                int col = kk * 16 + ((lane >> 3) & 1) * 8;
-                ldsm_x4(b, s_k + key * LD + col);
-                half_ops<T>::mma(s[2 * np], qf[kk], b[0], b[1]);
-                half_ops<T>::mma(s[2 * np + 1], qf[kk], b[2], b[3]);
+        const int32_t j0 = kt * BN;
+        cp_async_wait_all(); /* K tile kt (and Q) landed */
+        __syncthreads();     /* ... for every thread; every warp is done with V tile kt - 1 */
+        load_kv_tile<D, BN>(s_v, vc, s_off + (kt & 1) * BN, kv_end - j0, a.cache_stride_dim,
+                            kv_vec);
+        cp_async_commit();
+        if (kt + 1 < n_tiles) {
+            int64_t *next = s_off + ((kt + 1) & 1) * BN;
+            for (int r = tid; r < BN; r += ATTN_THREADS) {
+                next[r] = kv_key_offset(a, bt, kv_head, j0 + BN + r, kv_end);
             }
         }
+        /* A warp whose rows all end before this tile has nothing left to add. */
+        const bool active = j0 < wmax;
 
-        /* Scale into the log2 domain and mask keys at or past each row's limit. */
-        const bool need_mask = j0 + ATTN_BN > lim_min;
-        float mx0 = -INFINITY, mx1 = -INFINITY;
+        /* P of this tile as A fragments of P V: pa[mt][kk] covers keys 16kk .. 16kk + 15 in
+         * the accumulator layout of S (a0 = s[2kk] row g, a1 = s[2kk] row g+8,
+         * a2 = s[2kk+1] row g, a3 = s[2kk+1] row g+8). */
+        uint32_t pa[ATTN_MT][BN / 16][4];
+        if (active) {
+            /* S = Q K^T: s[mt][nt] is the 16x8 block (rows mt*16.., keys j0 + nt*8 ..);
+             * c0,c1 row g, c2,c3 row g + 8, columns 2*tq, 2*tq + 1. */
+            float s[ATTN_MT][NTILES][4];
 #pragma unroll
-        for (int nt = 0; nt < ATTN_BN / 8; nt++) {
+            for (int mt = 0; mt < ATTN_MT; mt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[nt][e] * scale_log2;
-                if (need_mask) {
-                    int32_t j = j0 + nt * 8 + 2 * tq + (e & 1);
-                    if (j >= (e < 2 ? lim0 : lim1)) {
-                        x = -INFINITY;
+                for (int nt = 0; nt < NTILES; nt++) {
+                    s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++) {
+                uint32_t qa[ATTN_MT][4];
+#pragma unroll
+                for (int mt = 0; mt < ATTN_MT; mt++) {
+                    ldsm_x4(qa[mt], q_addr[kk & 3] + (kk >> 2) * 128 + mt * 16 * D * 2);
+                }
+#pragma unroll
+                for (int np = 0; np < NTILES / 2; np++) {
+                    uint32_t b[4];
+                    ldsm_x4(b, k_addr[kk & 3] + (kk >> 2) * 128 + np * 16 * D * 2);
+#pragma unroll
+                    for (int mt = 0; mt < ATTN_MT; mt++) {
+                        half_ops<T>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
+                        half_ops<T>::mma(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
                     }
                 }
-                s[nt][e] = x;
-                if (e < 2) {
-                    mx0 = fmaxf(mx0, x);
+            }
+
+            /* Mask keys at or past each row's limit, only on tiles that reach past the
+             * smallest limit of the warp's rows. */
+            if (j0 + BN > wmin) {
+                /* limits of this thread's rows warp*32 + mt*16 + hf*8 + g (re-read here
+                 * rather than held in registers across the loop) */
+                int32_t lim[ATTN_MT][2];
+#pragma unroll
+                for (int mt = 0; mt < ATTN_MT; mt++) {
+                    lim[mt][0] = s_lim[warp * ATTN_MT * 16 + mt * 16 + g];
+                    lim[mt][1] = s_lim[warp * ATTN_MT * 16 + mt * 16 + 8 + g];
                 }
-                else {
-                    mx1 = fmaxf(mx1, x);
+#pragma unroll
+                for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+                    for (int nt = 0; nt < NTILES; nt++) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            if (j0 + nt * 8 + 2 * tq + (e & 1) >= lim[mt][e >> 1]) {
+                                s[mt][nt][e] = -INFINITY;
+                            }
+                        }
+                    }
+                }
+            }
+
+            /* Online softmax: p = 2^(s * scale_log2 - m * scale_log2) with m the running max
+             * of the raw scores (scale_log2 > 0); O and l are rescaled only when some row's
+             * max grew. */
+            float alpha[ATTN_MT][2];
+            bool grew = false;
+#pragma unroll
+            for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float mx = fmaxf(s[mt][0][2 * hf], s[mt][0][2 * hf + 1]);
+#pragma unroll
+                    for (int nt = 1; nt < NTILES; nt++) {
+                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                    }
+                    /* The 4 threads of a quad (same g) hold one row's BN columns. */
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float mn = fmaxf(m[mt][hf], mx);
+                    grew |= mn != m[mt][hf];
+                    /* A row with no visible key so far keeps max -inf; subtract 0 then, so
+                     * that 2^(-inf - base) = 0 instead of nan. */
+                    const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, scale_log2);
+                    alpha[mt][hf] = fast_exp2(__fmul_rn(m[mt][hf], scale_log2) - base);
+                    m[mt][hf] = mn;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nt = 0; nt < NTILES; nt++) {
+                        const float p0 = fast_exp2(fmaf(s[mt][nt][2 * hf], scale_log2, -base));
+                        const float p1 = fast_exp2(fmaf(s[mt][nt][2 * hf + 1], scale_log2, -base));
+                        s[mt][nt][2 * hf] = p0;
+                        s[mt][nt][2 * hf + 1] = p1;
+                        sum += p0 + p1;
+                    }
+                    l[mt][hf] = l[mt][hf] * alpha[mt][hf] + sum;
+                }
+            }
+            if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+                    for (int dt = 0; dt < DTILES; dt++) {
+                        o[mt][dt][0] *= alpha[mt][0];
+                        o[mt][dt][1] *= alpha[mt][0];
+                        o[mt][dt][2] *= alpha[mt][1];
+                        o[mt][dt][3] *= alpha[mt][1];
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; kk++) {
+                    pa[mt][kk][0] = half_ops<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][kk][1] = half_ops<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][kk][2] = half_ops<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][kk][3] = half_ops<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
             }
         }
-        /* The 4 threads of a quad (same g) hold one row's 64 columns between them. */
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0);
-        const float mn1 = fmaxf(m1, mx1);
-        /* A row with no visible key so far keeps max -inf; subtract 0 then, so that
-         * exp2(-inf - base) = 0 instead of nan. */
-        const float base0 = mn0 == -INFINITY ? 0.0f : mn0;
-        const float base1 = mn1 == -INFINITY ? 0.0f : mn1;
-        const float alpha0 = exp2f(m0 - base0);
-        const float alpha1 = exp2f(m1 - base1);
-        m0 = mn0;
-        m1 = mn1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < ATTN_BN / 8; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - base0);
-            s[nt][1] = exp2f(s[nt][1] - base0);
-            s[nt][2] = exp2f(s[nt][2] - base1);
-            s[nt][3] = exp2f(s[nt][3] - base1);
-            sum0 += s[nt][0] + s[nt][1];
-            sum1 += s[nt][2] + s[nt][3];
-        }
-        l0 = l0 * alpha0 + sum0;
-        l1 = l1 * alpha1 + sum1;
-#pragma unroll
-        for (int dt = 0; dt < DTILES; dt++) {
-            o[dt][0] *= alpha0;
-            o[dt][1] *= alpha0;
-            o[dt][2] *= alpha1;
-            o[dt][3] *= alpha1;
-        }
 
-        __syncthreads(); /* every warp is done with K tile kt */
+        cp_async_wait_all(); /* V tile kt landed */
+        __syncthreads();     /* ... for every thread; every warp is done with K tile kt */
         if (kt + 1 < n_tiles) {
-            load_kv_tile<D>(s_k, kc, a, bt, block_size, kv_head, j0 + ATTN_BN, kv_end, kv_vec);
+            load_kv_tile<D, BN>(s_k, kc, s_off + ((kt + 1) & 1) * BN, kv_end - j0 - BN,
+                                a.cache_stride_dim, kv_vec);
+            cp_async_commit();
         }
-        cp_async_commit();  /* possibly empty: keeps the group count of the waits fixed */
-        cp_async_wait<1>(); /* V tile kt has landed (K tile kt + 1 may be pending) */
-        __syncthreads();
-
-        /* O += P V.  P's accumulator layout is the A fragment layout of k-step kk (keys
-         * 16kk .. 16kk + 15): a0 = s[2kk] row g, a1 = s[2kk] row g+8, a2 = s[2kk+1] row g,
-         * a3 = s[2kk+1] row g+8. */
-#pragma unroll
-        for (int kk = 0; kk < ATTN_BN / 16; kk++) {
-            uint32_t pa[4];
-            pa[0] = half_ops<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = half_ops<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = half_ops<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = half_ops<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                /* transposed matrices: (keys +0-7, dims +0-7) b0 of d-tile 2dp, (keys +8-15,
-                 * dims +0-7) b1 of 2dp, (keys +0-7, dims +8-15) b0 of 2dp+1, (+8-15, +8-15) b1. */
-                uint32_t b[4];
-                int key = kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                int col = dp * 16 + (lane >> 4) * 8;
-                ldsm_x4_trans(b, s_v + key * LD + col);
-                half_ops<T>::mma(o[2 * dp], pa, b[0], b[1]);
-                half_ops<T>::mma(o[2 * dp + 1], pa, b[2], b[3]);
-            }
-        }
-
-        __syncthreads(); /* every warp is done with V tile kt */
-        if (kt + 1 < n_tiles) {
-            load_kv_tile<D>(s_v, vc, a, bt, block_size, kv_head, j0 + ATTN_BN, kv_end, kv_vec);
-        }
-        cp_async_commit();
-    }
-
-    /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
-    const float inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    uint16_t *out = (uint16_t *)a.out;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int r = half == 0 ? r0 : r1;
-        const float inv = half == 0 ? inv0 : inv1;
-        if (q0 + r >= query_len) {
+        if (!active) {
             continue;
         }
-        uint16_t *orow = out + (q_start + q0 + r) * a.o_stride_token + h * a.o_stride_head;
+
+        /* O += P V. */
 #pragma unroll
-        for (int dt = 0; dt < DTILES; dt++) {
-            const int64_t d = dt * 8 + 2 * tq;
-            orow[d * a.o_stride_dim] = half_ops<T>::bits(o[dt][2 * half] * inv);
-            orow[(d + 1) * a.o_stride_dim] = half_ops<T>::bits(o[dt][2 * half + 1] * inv);
+        for (int kk = 0; kk < BN / 16; kk++) {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                uint32_t b[4];
+                ldsm_x4_trans(b, v_addr[dp & 3] + (dp >> 2) * 128 + kk * 16 * D * 2);
+#pragma unroll
+                for (int mt = 0; mt < ATTN_MT; mt++) {
+                    half_ops<T>::mma(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+                    half_ops<T>::mma(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait_all(); /* nothing may land after the CTA exits (Q when there is no tile) */
+
+    /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
+    uint16_t *out = (uint16_t *)a.out;
+#pragma unroll
+    for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float sum = l[mt][hf];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int64_t r = q0 + warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
+            if (r >= query_len) {
+                continue;
+            }
+            uint16_t *orow = out + (q_start + r) * a.o_stride_token + h * a.o_stride_head;
+#pragma unroll
+            for (int dt = 0; dt < DTILES; dt++) {
+                const int64_t d = dt * 8 + 2 * tq;
+                const float v0 = o[mt][dt][2 * hf] * inv;
+                const float v1 = o[mt][dt][2 * hf + 1] * inv;
+                if (o_vec) {
+                    *reinterpret_cast<uint32_t *>(orow + d) = half_ops<T>::pack(v0, v1);
+                }
+                else {
+                    orow[d * a.o_stride_dim] = half_ops<T>::bits(v0);
+                    orow[(d + 1) * a.o_stride_dim] = half_ops<T>::bits(v1);
+                }
+            }
         }
     }
 }
@@ -584,14 +750,29 @@ ptr_aligned16(const void *p)
     return (uintptr_t)p % 16 == 0;
 }
 
-template <typename T, int D>
-static void
-launch_mma(const dk_attention_args *a, int64_t tiles_per_row, float scale_log2, bool q_vec,
-           bool kv_vec, cudaStream_t s)
+static bool
+aligned4(int64_t bytes)
 {
-    dim3 grid((unsigned)(tiles_per_row * a->num_rows), (unsigned)a->num_heads);
-    attention_mma_kernel<T, D>
-        <<<grid, ATTN_THREADS, 0, s>>>(*a, tiles_per_row, scale_log2, q_vec, kv_vec);
+    return bytes % 4 == 0;
+}
+
+/* Launches the tensor-core kernel; returns the cudaFuncSetAttribute error (the launch's own is
+ * read by dk_cuda_after_launch). */
+template <typename T, int D>
+static cudaError_t
+launch_mma(const dk_attention_args *a, int64_t tiles_per_row, float scale_log2, bool neg_q,
+           bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+{
+    const size_t smem = attn_tile<D>::SMEM;
+    cudaError_t e = cudaFuncSetAttribute(attention_mma_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
+    attention_mma_kernel<T, D><<<blocks, ATTN_THREADS, smem, s>>>(*a, tiles_per_row, scale_log2,
+                                                                  neg_q, q_vec, kv_vec, o_vec);
+    return cudaSuccess;
 }
 
 extern "C" dk_status
@@ -648,6 +829,13 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                        (long long)a->max_query_len);
     }
     const float scale_log2 = a->scale * LOG2E;
+    /* The tensor-core kernel wants a positive scale: a negative one negates q instead, and 0
+     * becomes a scale so small that every score rounds to the same probability. */
+    const bool neg_q = a->scale < 0.0f;
+    float mma_scale_log2 = fabsf(scale_log2);
+    if (mma_scale_log2 < 1e-30f) {
+        mma_scale_log2 = 1e-30f;
+    }
     cudaStream_t s = (cudaStream_t)stream;
 
     if (a->dtype == DK_F32) {
@@ -664,12 +852,12 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     }
 
     const int64_t tiles_per_row = dk_cdiv(a->max_query_len, ATTN_BM);
-    if (tiles_per_row * a->num_rows > DK_MAX_GRID_X || a->num_heads > DK_MAX_GRID_YZ) {
+    if (tiles_per_row * a->num_rows > DK_MAX_GRID_X / a->num_heads) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): num_rows * cdiv(max_query_len, %d) must be at most "
-                       "%lld and num_heads at most %lld, got %lld and %lld",
-                       ATTN_BM, (long long)DK_MAX_GRID_X, (long long)DK_MAX_GRID_YZ,
-                       (long long)(tiles_per_row * a->num_rows), (long long)a->num_heads);
+                       "paged_attention(): num_heads * num_rows * cdiv(max_query_len, %d) must "
+                       "be at most %lld, got %lld * %lld * %lld",
+                       ATTN_BM, (long long)DK_MAX_GRID_X, (long long)a->num_heads,
+                       (long long)a->num_rows, (long long)tiles_per_row);
     }
     const int64_t es = 2;
     const bool q_vec = a->q_stride_dim == 1 && ptr_aligned16(a->query) &&
@@ -678,22 +866,24 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                         ptr_aligned16(a->value_cache) && aligned16(a->cache_stride_block * es) &&
                         aligned16(a->cache_stride_token * es) &&
                         aligned16(a->cache_stride_head * es);
+    const bool o_vec = a->o_stride_dim == 1 && (uintptr_t)a->out % 4 == 0 &&
+                       aligned4(a->o_stride_token * es) && aligned4(a->o_stride_head * es);
     const bool bf16 = a->dtype == DK_BF16;
+    const float sl = mma_scale_log2;
+    cudaError_t e;
     if (a->head_size == 64) {
-        if (bf16) {
-            launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, scale_log2, q_vec, kv_vec, s);
-        }
-        else {
-            launch_mma<__half, 64>(a, tiles_per_row, scale_log2, q_vec, kv_vec, s);
-        }
+        e = bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec,
+                                                 s)
+                 : launch_mma<__half, 64>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec, s);
     }
     else {
-        if (bf16) {
-            launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, scale_log2, q_vec, kv_vec, s);
-        }
-        else {
-            launch_mma<__half, 128>(a, tiles_per_row, scale_log2, q_vec, kv_vec, s);
-        }
+        e = bf16 ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec,
+                                                  s)
+                 : launch_mma<__half, 128>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec, s);
+    }
+    if (e != cudaSuccess) {
+        return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
+                       (int)e);
     }
     return dk_cuda_after_launch(op, stream, err);
 }
