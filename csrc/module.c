@@ -836,6 +836,25 @@ layer_tensor(PyObject *module, PyObject *obj, const char *arg, dk_tensor *t)
     return describe_unexported(obj, t);
 }
 
+/* The seed's K/V normalisation rule on the flattened [N, heads, size] view: dims dense and
+ * heads `size` apart (one head: any head stride).  A tensor DLPack could not export counts as
+ * not dense.  Cannot fail. */
+static int
+dense_heads(const dk_tensor *t, int has_heads, int64_t heads, int64_t size)
+{
+    if (t->device_type == 0 || t->ndim < 1) {
+        return 0;
+    }
+    int nd = t->ndim;
+    if (t->shape[nd - 1] > 1 && t->strides[nd - 1] != 1) {
+        return 0;
+    }
+    if (has_heads && heads > 1 && t->strides[nd - 2] != size) {
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -987,8 +1006,18 @@ py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (tok == NULL) {
         return NULL;
     }
-    return Py_BuildValue("(NOO)", tok, q_heads ? Py_True : Py_False,
-                         needs_packing ? Py_True : Py_False);
+    /* Layout facts the caller would otherwise read back from torch, one bit each:
+     * 1 rows need packing; 2/4/8 query/key/value already [N, heads, size] (no reshape);
+     * 16/32 key/value need .contiguous() (the writer reads heads and dims densely). */
+    long flags = needs_packing ? 1 : 0;
+    flags |= (q.ndim == 3 && q_heads) ? 2 : 0;
+    flags |= (k.ndim == 3 && k_heads) ? 4 : 0;
+    flags |= (v.ndim == 3 && v_heads) ? 8 : 0;
+    if (!needs_packing) {
+        flags |= dense_heads(&k, k_heads, hkv, d) ? 0 : 16;
+        flags |= dense_heads(&v, v_heads, hkv, dv) ? 0 : 32;
+    }
+    return Py_BuildValue("(NOl)", tok, q_heads ? Py_True : Py_False, flags);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -2507,7 +2536,7 @@ static PyMethodDef module_methods[] = {
     FAST(check_layer_heads, "Layer rules L1..L3; returns rank-local heads."),
     FAST(check_head_sizes, "Layer rule L5."),
     FAST(check_layer_qkv, "prepare_layer_context rules C4..C14; returns (token shape, has head "
-                          "dims, needs packing)."),
+                          "dims, layout flags)."),
     FAST(check_batch_rows, "prepare_batch rules P1..P4."),
     FAST(check_batch_bindings, "prepare_batch rules P5..P11; returns num_tokens."),
     FAST(build_batch, "Fills row_indices, query_start_loc, seq_lens, positions (CPU)."),

@@ -330,7 +330,16 @@ class DiffusionPagedAttentionContext:
             _C.rows_scatter(flat_output, self.output_scatter_indices, restored)
             output = restored
         if self.query_has_head_dims:
-            return output.reshape(*self.query_token_shape, num_heads, head_size_v)
+            token_shape = self.query_token_shape
+            if (
+                len(token_shape) == 1
+                and output.dim() == 3
+                and output.shape[0] == token_shape[0]
+                and output.shape[1] == num_heads
+                and output.shape[2] == head_size_v
+            ):
+                return output  # already [N, H, Dv]: the reshape would be the identity
+            return output.reshape(*token_shape, num_heads, head_size_v)
         return output.reshape(*self.query_token_shape, num_heads * head_size_v)
 
 
@@ -422,6 +431,10 @@ class DiffusionPagedAttentionAdapter:
         self._active_packing_indices: dict[tuple, torch.Tensor | None] = {}
         self._active_query_lens: tuple[int, ...] = ()
         self._active_non_suffix_rows: list[tuple] = []
+        # Per activation and layer: the flattened slot-mapping view (keyed by its source
+        # tensor) and the per-segment metadata tuple (keyed by the segment dicts).
+        self._active_slot_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._active_segment_metadata: dict[str, tuple[Any, tuple]] = {}
         self._causal_by_group = self._resolve_group_causality()
         self._reorder_batch_threshold = self._resolve_reorder_batch_threshold()
 
@@ -585,6 +598,8 @@ class DiffusionPagedAttentionAdapter:
         self._active_packing_indices = {}
         self._active_query_lens = ()
         self._active_non_suffix_rows = []
+        self._active_slot_views = {}
+        self._active_segment_metadata = {}
 
     def _device_key(self) -> tuple[int, int]:
         """(DLPack device type, index) of the adapter's device, "cuda" meaning the current one."""
@@ -811,7 +826,7 @@ class DiffusionPagedAttentionAdapter:
         # visible effect, so the device/dtype checks may precede it).
         device_type, device_index = self._device_key()
         expected_dtype = self.vllm_config.model_config.dtype
-        query_token_shape, query_has_head_dims, needs_packing = _C.check_layer_qkv(
+        query_token_shape, query_has_head_dims, layout = _C.check_layer_qkv(
             query,
             key,
             value,
@@ -827,15 +842,23 @@ class DiffusionPagedAttentionAdapter:
             batch.num_tokens,
             self._active_query_lens,
         )
-        query_flat = query.reshape(-1, layer.num_heads, layer.head_size)
-        key_flat = key.reshape(-1, layer.num_kv_heads, layer.head_size)
-        value_flat = value.reshape(-1, layer.num_kv_heads, layer.head_size_v)
+        # layout bits (from C): 1 rows need packing; 2/4/8 Q/K/V already [N, heads, size];
+        # 16/32 K/V need .contiguous() (the writer reads heads and dims densely; it honours the
+        # token stride, so QKV-projection views stay views).
+        query_flat = query if layout & 2 else query.reshape(-1, layer.num_heads, layer.head_size)
+        key_flat = key if layout & 4 else key.reshape(-1, layer.num_kv_heads, layer.head_size)
+        value_flat = value if layout & 8 else value.reshape(-1, layer.num_kv_heads, layer.head_size_v)
         output_scatter_indices = None
-        if needs_packing:
+        if layout & 1:
             output_scatter_indices = self._packing_indices(query_token_shape, batch, query.device)
             query_flat = self._pack_rows(query_flat, output_scatter_indices)
             key_flat = self._pack_rows(key_flat, output_scatter_indices)
             value_flat = self._pack_rows(value_flat, output_scatter_indices)
+        else:
+            if layout & 16:
+                key_flat = key_flat.contiguous()
+            if layout & 32:
+                value_flat = value_flat.contiguous()
         if not bool(getattr(layer.spec, "non_causal", False)):
             non_suffix_rows = self._active_non_suffix_rows
             if non_suffix_rows:
@@ -844,24 +867,21 @@ class DiffusionPagedAttentionAdapter:
                     f"invalid rows={non_suffix_rows!r}"
                 )
 
-        slot_mapping = batch.slot_mappings_by_layer.get(layer_name)
-        if slot_mapping is None:
+        source = batch.slot_mappings_by_layer.get(layer_name)
+        if source is None:
             raise KeyError(f"No native slot mapping was built for diffusion layer {layer_name!r}")
-        slot_mapping = slot_mapping.reshape(-1)[: batch.num_tokens]
-        if slot_mapping.numel() != batch.num_tokens:
-            raise ValueError(
-                f"Paged attention slot mapping for {layer_name!r} has {slot_mapping.numel()} entries; "
-                f"expected {batch.num_tokens}"
-            )
+        cached = self._active_slot_views.get(layer_name)
+        if cached is not None and cached[0] is source:
+            slot_mapping = cached[1]
+        else:
+            slot_mapping = source.reshape(-1)[: batch.num_tokens]
+            if slot_mapping.numel() != batch.num_tokens:
+                raise ValueError(
+                    f"Paged attention slot mapping for {layer_name!r} has {slot_mapping.numel()} entries; "
+                    f"expected {batch.num_tokens}"
+                )
+            self._active_slot_views[layer_name] = (source, slot_mapping)
 
-        # The writer honours the token stride of K/V (QKV-projection views stay views) but
-        # reads heads and head dims densely: only unusual inner layouts are materialised.
-        if key_flat.stride(-1) != 1 or (key_flat.shape[-2] > 1 and key_flat.stride(-2) != key_flat.shape[-1]):
-            key_flat = key_flat.contiguous()
-        if value_flat.stride(-1) != 1 or (
-            value_flat.shape[-2] > 1 and value_flat.stride(-2) != value_flat.shape[-1]
-        ):
-            value_flat = value_flat.contiguous()
         try:
             native_metadata = batch.attn_metadata[layer_name]
         except KeyError as exc:
@@ -873,14 +893,22 @@ class DiffusionPagedAttentionAdapter:
         if full_attn_spans is not None:
             piecewise_plan = self._get_piecewise_plan(full_attn_spans)
             native_metadata_by_segment = self._get_piecewise_native_metadata(piecewise_plan)
-            try:
-                piecewise_native_metadata = tuple(
-                    segment_metadata[layer_name] for segment_metadata in native_metadata_by_segment
+            cached = self._active_segment_metadata.get(layer_name)
+            if cached is not None and cached[0] is native_metadata_by_segment:
+                piecewise_native_metadata = cached[1]
+            else:
+                try:
+                    piecewise_native_metadata = tuple(
+                        segment_metadata[layer_name] for segment_metadata in native_metadata_by_segment
+                    )
+                except KeyError as exc:
+                    raise KeyError(
+                        f"No piecewise native attention metadata was built for diffusion layer {layer_name!r}"
+                    ) from exc
+                self._active_segment_metadata[layer_name] = (
+                    native_metadata_by_segment,
+                    piecewise_native_metadata,
                 )
-            except KeyError as exc:
-                raise KeyError(
-                    f"No piecewise native attention metadata was built for diffusion layer {layer_name!r}"
-                ) from exc
         return DiffusionPagedAttentionContext(
             layer=layer,
             query=query_flat.contiguous(),
