@@ -911,7 +911,7 @@ class DiffusionPagedAttentionAdapter:
                 )
         return DiffusionPagedAttentionContext(
             layer=layer,
-            query=query_flat.contiguous(),
+            query=query_flat,
             key_write=key_flat,
             value_write=value_flat,
             slot_mapping=slot_mapping,

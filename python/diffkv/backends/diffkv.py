@@ -205,7 +205,7 @@ class DiffKVAttentionImpl(AttentionImpl):
             mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
             key_limits = None
         query = paged_kv_context.query
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        out = torch.empty_like(query)  # query is the packed contiguous [N, H, D] of the context
         _C.forward_paged(
             query,
             paged_kv_context.key_write,
