@@ -6,25 +6,29 @@
  * accumulation).  One CTA of 4 warps per (query tile of 128 tokens of one batch row, head);
  * each warp owns 32 query rows (two 16-row m-tiles, so every K/V fragment read from shared
  * memory feeds two MMAs).  Key tiles are 64 keys (head 128) or 128 keys (head 64).
- *   - Shared memory: the Q tile, one K tile and one V tile, rows of head_size elements whose
- *     16-byte chunks are XOR-swizzled (chunk c of row r sits at c ^ (r % 8)), so the 8 row
- *     addresses of every ldmatrix and every 16-byte cp.async hit distinct bank groups.
+ *   - Shared memory: the Q tile and two stages of (K tile, V tile), rows of head_size
+ *     elements whose 16-byte chunks are XOR-swizzled (chunk c of row r sits at c ^ (r % 8)),
+ *     so the 8 row addresses of every ldmatrix and every 16-byte cp.async hit distinct bank
+ *     groups.
  *   - Paging: before a key tile is loaded, one thread per key resolves its byte offset in
  *     the cache through the block table into a small double-buffered shared array (any
- *     block_size, done while the previous tile computes); the K and V loads of the tile then
- *     only add that offset to the thread's chunk.  Loads are 16-byte cp.async when the
- *     cache's dim stride is 1 and every address is 16-byte aligned (rows past the last
- *     visible key are zero-filled by cp.async itself), element loads with any strides
- *     otherwise.
- *   - Pipeline per key tile n: wait for K(n); issue V(n) and resolve the offsets of tile
- *     n + 1; S = Q K^T (Q and K fragments by ldmatrix); online softmax in fp32 (p =
- *     2^(s * scale * log2(e) - max), one FFMA + one ex2 each; O is rescaled only when a
- *     row's max grew); P packed to fp16/bf16 in registers as the A operand of P V; wait for
- *     V(n); issue K(n + 1) (lands during P V); O += P V (V fragments by ldmatrix.trans).
- *     Two barriers per tile; two CTAs per SM (255 registers) overlap each other.
+ *     block_size; the block-table entry is read two tiles ahead, at the start of an
+ *     iteration, and the offset stored at its end); the K and V loads of the tile then only
+ *     add that offset to the thread's chunk.  Loads are 16-byte cp.async when the cache's dim
+ *     stride is 1 and every address is 16-byte aligned (rows past the last visible key are
+ *     zero-filled by cp.async itself), element loads with any strides otherwise.
+ *   - Pipeline per key tile n: wait for K(n), V(n) (one barrier); issue K(n + 1), V(n + 1)
+ *     into the other stage (they land during all of tile n's math); S = Q K^T (Q and K
+ *     fragments by ldmatrix); online softmax in fp32 (p = 2^(s * scale * log2(e) - max), one
+ *     FFMA + one ex2 each; O is rescaled only when a row's max grew); P packed to fp16/bf16
+ *     in registers as the A operand of P V; O += P V (V fragments by ldmatrix.trans).  One
+ *     barrier per tile; two CTAs per SM (255 registers) overlap each other.
  *   - Masking only on tiles that straddle a limit of the warp's rows; a warp skips the tiles
- *     past all of its rows' limits (the causal diagonal).  CTAs are numbered head-fastest
- *     and last query tile first, so the tiles with the most keys start first.
+ *     past all of its rows' limits (the causal diagonal).  CTA order (attn_cta_place): head
+ *     within a small group of heads fastest, then query tile from the last (most keys), then
+ *     head group, then batch row, so the CTAs in flight share a few kv heads' K/V (L2) and
+ *     the tiles with the most keys start first; batches of 2 to ATTN_SORT_ROWS rows are taken
+ *     in order of decreasing seq_len (ranked in the kernel from the device seq_lens).
  *   - A negative scale negates the Q tile in shared memory (the kernel works with |scale|).
  *
  * fp32: one warp per (token, head), plain fp32 math over the visible keys, any head_size up to
@@ -55,6 +59,9 @@
 #define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_CTAS_PER_SM 2
+#define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
+#define ATTN_MAX_DEVICES 64 /* devices whose shared-memory attribute is cached */
+#define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
 
 #define F32_WARPS 4 /* warps per CTA of the fp32 kernel */
 #define F32_MAX_HEAD 256
@@ -65,8 +72,9 @@
  * file), 128 for head 64 (measured on H200: 14 % faster than 64). */
 template <int D> struct attn_tile {
     static constexpr int BN = D == 128 ? 64 : 128;
-    /* bytes of dynamic shared memory: Q, K, V tiles, then 2 x BN key offsets */
-    static constexpr size_t SMEM = (size_t)(ATTN_BM + 2 * BN) * D * 2 + 2 * BN * sizeof(int64_t);
+    /* bytes of dynamic shared memory: the Q tile, 2 stages of K and V tiles, then 2 x BN key
+     * offsets (97 KiB for head 128, 82 KiB for head 64: two CTAs per SM) */
+    static constexpr size_t SMEM = (size_t)(ATTN_BM + 4 * BN) * D * 2 + 2 * BN * sizeof(int64_t);
 };
 
 /* ------------------------------------------------------------------------------------------ */
@@ -293,44 +301,90 @@ load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_
 }
 
 /*
- * grid.x = num_heads * num_rows * tiles_per_row, numbered head-fastest, then batch row, then
- * query tile from the last (most keys) to the first; tiles past a row's end exit at once.
- * ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
+ * Head, batch row and reversed query tile of CTA `bid`.  grid.x is numbered, fastest first:
+ * head within a group of head_group heads (a multiple of the GQA group, dividing num_heads),
+ * query tile from the last (most keys) to the first, head group, batch row.  So the CTAs that
+ * run together share the K/V of a few kv heads (they stay in L2), and within a group the
+ * tiles with the most keys start first.  With sort_rows (2 to ATTN_SORT_ROWS rows) the rows
+ * are taken in order of decreasing seq_len (ties by index), so the rows with the most keys
+ * are scheduled first and the grid ends on the short rows' tiles.  Called by every thread
+ * (it has a barrier when sorting).
+ */
+static __device__ void
+attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, int64_t head_group,
+               bool sort_rows, int32_t *s_row, int64_t *h, int64_t *row, int64_t *tile_rev)
+{
+    const uint32_t hg = (uint32_t)head_group;
+    const uint32_t tpr = (uint32_t)tiles_per_row;
+    const uint32_t groups = (uint32_t)a.num_heads / hg;
+    const uint32_t ub = (uint32_t)bid;
+    const uint32_t h_in = ub % hg;
+    uint32_t rest = ub / hg;
+    *tile_rev = rest % tpr;
+    rest /= tpr;
+    *h = (rest % groups) * hg + h_in;
+    const int64_t rank = rest / groups;
+    if (!sort_rows) {
+        *row = rank;
+        return;
+    }
+    const int tid = (int)threadIdx.x;
+    if (tid < a.num_rows) {
+        const int32_t mine = a.seq_lens[tid];
+        int64_t before = 0;
+        for (int r = 0; r < (int)a.num_rows; r++) {
+            const int32_t other = a.seq_lens[r];
+            before += other > mine || (other == mine && r < tid);
+        }
+        if (before == rank) {
+            *s_row = tid;
+        }
+    }
+    __syncthreads();
+    *row = *s_row;
+}
+
+/*
+ * grid.x = num_heads * num_rows * tiles_per_row (order: attn_cta_place); tiles past a row's
+ * end exit at once.  ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
  * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
  */
 template <typename T, int D>
 /* clang-format does not know __launch_bounds__ is an attribute. */
 /* clang-format off */
 static __global__ void __launch_bounds__(ATTN_THREADS, ATTN_CTAS_PER_SM)
-attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float scale_log2,
-                     bool neg_q, bool q_vec, bool kv_vec, bool o_vec)
+attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t head_group,
+                     float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
+                     bool sort_rows)
 /* clang-format on */
 {
     constexpr int BN = attn_tile<D>::BN;
     constexpr int CHUNKS = D / 8;
     constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
-    constexpr int KSTEPS = D / 16; /* k-steps of S = Q K^T */
-    constexpr int NTILES = BN / 8; /* n-tiles of S */
-    constexpr int DTILES = D / 8;  /* n-tiles of O */
+    constexpr int KSTEPS = D / 16;                    /* k-steps of S = Q K^T */
+    constexpr int NTILES = BN / 8;                    /* n-tiles of S */
+    constexpr int DTILES = D / 8;                     /* n-tiles of O */
+    constexpr uint32_t STAGE_BYTES = 2u * BN * D * 2; /* one K and one V tile */
     static_assert(ATTN_BM == ATTN_WARPS * ATTN_MT * 16, "warps x m-tiles cover the Q tile");
     static_assert(ATTN_BM == ATTN_THREADS, "one thread per query row for the limits");
+    static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
 
     extern __shared__ uint4 attn_smem[];
-    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem);    /* [ATTN_BM][D] */
-    uint16_t *const s_k = s_q + ATTN_BM * D;                          /* [BN][D] */
-    uint16_t *const s_v = s_k + BN * D;                               /* [BN][D] */
-    int64_t *const s_off = reinterpret_cast<int64_t *>(s_v + BN * D); /* [2][BN] */
+    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [ATTN_BM][D] */
+    uint16_t *const s_kv = s_q + ATTN_BM * D; /* [2 stages][K [BN][D], V [BN][D]] */
+    int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * D); /* [2][BN] */
     __shared__ int32_t s_wmax[ATTN_WARPS];
     __shared__ int32_t s_lim[ATTN_BM]; /* key limit of each query row */
+    __shared__ int32_t s_row;
 
-    const int64_t h = blockIdx.x % a.num_heads;
-    const int64_t rest = blockIdx.x / a.num_heads;
-    const int64_t row = rest % a.num_rows;
-    const int64_t q0 = (tiles_per_row - 1 - rest / a.num_rows) * ATTN_BM;
+    int64_t h, row, tile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
+                   &tile_rev);
+    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * ATTN_BM;
     const int64_t q_start = a.query_start_loc[row];
     const int64_t query_len = a.query_start_loc[row + 1] - q_start;
     if (q0 >= query_len) {
-        return; /* uniform over the CTA, before any barrier */
+        return; /* uniform over the CTA, after attn_cta_place's barrier */
     }
     const int64_t seq_len = a.seq_lens[row];
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
@@ -405,21 +459,24 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
         kv_end = max(kv_end, s_wmax[w]);
     }
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
-    for (int r = tid; r < BN; r += ATTN_THREADS) {
-        s_off[r] = kv_key_offset(a, bt, kv_head, r, kv_end);
+    /* offsets of key tiles 0 and 1 (thread tid < BN owns key tid of every tile) */
+    if (tid < BN) {
+        s_off[tid] = kv_key_offset(a, bt, kv_head, tid, kv_end);
+        s_off[BN + tid] = kv_key_offset(a, bt, kv_head, BN + tid, kv_end);
     }
     __syncthreads();
 
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
     if (n_tiles > 0) {
-        load_kv_tile<D, BN>(s_k, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        load_kv_tile<D, BN>(s_kv, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        load_kv_tile<D, BN>(s_kv + BN * D, vc, s_off, kv_end, a.cache_stride_dim, kv_vec);
         cp_async_commit();
     }
 
-    /* Per-lane ldmatrix addresses (bytes).  Rows advance by multiples of 8, so a lane's row
-     * % 8 is lane & 7 and its swizzle is fixed: 16-byte chunk 2s + b (b = 0, 1) of its row
-     * sits at chunk 2s ^ sw with sw = b ^ (lane & 7) < 8, i.e. at byte
+    /* Per-lane ldmatrix addresses (bytes) in stage 0.  Rows advance by multiples of 8, so a
+     * lane's row % 8 is lane & 7 and its swizzle is fixed: 16-byte chunk 2s + b (b = 0, 1) of
+     * its row sits at chunk 2s ^ sw with sw = b ^ (lane & 7) < 8, i.e. at byte
      * (sw * 16 ^ (s % 4) * 32) + (s / 4) * 128: addr[s % 4] below plus an immediate.
      * Q (A operand): matrices (rows +0/+8) x (chunk +0/+1), lane row (lane >> 3 & 1) * 8.
      * K (B operand): matrices (keys +0, chunk +0), (keys +0, chunk +1), (keys +8, +0),
@@ -428,8 +485,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
     const int l7 = lane & 7;
     const uint32_t q_row =
         smem_addr(s_q) + (uint32_t)((warp * ATTN_MT * 16 + ((lane >> 3) & 1) * 8 + l7) * D * 2);
-    const uint32_t k_row = smem_addr(s_k) + (uint32_t)(((lane >> 4) * 8 + l7) * D * 2);
-    const uint32_t v_row = smem_addr(s_v) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * D * 2);
+    const uint32_t k_row = smem_addr(s_kv) + (uint32_t)(((lane >> 4) * 8 + l7) * D * 2);
+    const uint32_t v_row =
+        smem_addr(s_kv + BN * D) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * D * 2);
     const uint32_t q_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
     const uint32_t k_sw = (uint32_t)((((lane >> 3) & 1) ^ l7) * 16);
     const uint32_t v_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
@@ -456,27 +514,34 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
         l[mt][0] = l[mt][1] = 0.0f;
     }
 
+    /*
+     * Two stages: tile kt sits in stage kt & 1 while tile kt + 1 loads into the other, so the
+     * loads have a whole tile of compute to land and one barrier per tile suffices.  Key
+     * offsets: s_off[kt & 1] holds tile kt's until tile kt's loads are issued (iteration
+     * kt - 1), then receives tile kt + 2's at the end of iteration kt; the block-table entry
+     * for it is read at the start of the iteration so its latency hides behind the MMAs.
+     */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
-        cp_async_wait_all(); /* K tile kt (and Q) landed */
-        __syncthreads();     /* ... for every thread; every warp is done with V tile kt - 1 */
-        load_kv_tile<D, BN>(s_v, vc, s_off + (kt & 1) * BN, kv_end - j0, a.cache_stride_dim,
-                            kv_vec);
-        cp_async_commit();
+        const uint32_t stage = (uint32_t)(kt & 1) * STAGE_BYTES;
+        cp_async_wait_all(); /* tile kt (and Q) landed */
+        __syncthreads();     /* ... for every thread; every warp is done with tile kt - 1 */
         if (kt + 1 < n_tiles) {
-            int64_t *next = s_off + ((kt + 1) & 1) * BN;
-            for (int r = tid; r < BN; r += ATTN_THREADS) {
-                next[r] = kv_key_offset(a, bt, kv_head, j0 + BN + r, kv_end);
-            }
+            uint16_t *next = s_kv + ((kt + 1) & 1) * 2 * BN * D;
+            const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
+            load_kv_tile<D, BN>(next, kc, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
+            load_kv_tile<D, BN>(next + BN * D, vc, noff, kv_end - j0 - BN, a.cache_stride_dim,
+                                kv_vec);
+            cp_async_commit();
         }
-        /* A warp whose rows all end before this tile has nothing left to add. */
-        const bool active = j0 < wmax;
+        /* block of key j0 + 2 BN + tid, for the offsets of tile kt + 2 */
+        const int32_t j2 = j0 + 2 * BN + tid;
+        const bool want_off = tid < BN && kt + 2 < n_tiles;
+        const int32_t blk2 =
+            want_off && j2 < kv_end ? bt[(uint32_t)j2 / (uint32_t)a.block_size] : 0;
 
-        /* P of this tile as A fragments of P V: pa[mt][kk] covers keys 16kk .. 16kk + 15 in
-         * the accumulator layout of S (a0 = s[2kk] row g, a1 = s[2kk] row g+8,
-         * a2 = s[2kk+1] row g, a3 = s[2kk+1] row g+8). */
-        uint32_t pa[ATTN_MT][BN / 16][4];
-        if (active) {
+        /* A warp whose rows all end before this tile has nothing to add. */
+        if (j0 < wmax) {
             /* S = Q K^T: s[mt][nt] is the 16x8 block (rows mt*16.., keys j0 + nt*8 ..);
              * c0,c1 row g, c2,c3 row g + 8, columns 2*tq, 2*tq + 1. */
             float s[ATTN_MT][NTILES][4];
@@ -497,7 +562,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
 #pragma unroll
                 for (int np = 0; np < NTILES / 2; np++) {
                     uint32_t b[4];
-                    ldsm_x4(b, k_addr[kk & 3] + (kk >> 2) * 128 + np * 16 * D * 2);
+                    ldsm_x4(b, k_addr[kk & 3] + stage + (kk >> 2) * 128 + np * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < ATTN_MT; mt++) {
                         half_ops<T>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
@@ -579,48 +644,58 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
                     }
                 }
             }
-#pragma unroll
-            for (int mt = 0; mt < ATTN_MT; mt++) {
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; kk++) {
-                    pa[mt][kk][0] = half_ops<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][kk][1] = half_ops<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][kk][2] = half_ops<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][kk][3] = half_ops<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
-            }
-        }
 
-        cp_async_wait_all(); /* V tile kt landed */
-        __syncthreads();     /* ... for every thread; every warp is done with K tile kt */
-        if (kt + 1 < n_tiles) {
-            load_kv_tile<D, BN>(s_k, kc, s_off + ((kt + 1) & 1) * BN, kv_end - j0 - BN,
-                                a.cache_stride_dim, kv_vec);
-            cp_async_commit();
-        }
-        if (!active) {
-            continue;
-        }
-
-        /* O += P V. */
+            /* O += P V, P of this tile as A fragments: keys 16kk .. 16kk + 15 in the
+             * accumulator layout of S (a0 = s[2kk] row g, a1 = s[2kk] row g+8,
+             * a2 = s[2kk+1] row g, a3 = s[2kk+1] row g+8). */
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) {
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                uint32_t b[4];
-                ldsm_x4_trans(b, v_addr[dp & 3] + (dp >> 2) * 128 + kk * 16 * D * 2);
+            for (int kk = 0; kk < BN / 16; kk++) {
+                uint32_t pa[ATTN_MT][4];
 #pragma unroll
                 for (int mt = 0; mt < ATTN_MT; mt++) {
-                    half_ops<T>::mma(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
-                    half_ops<T>::mma(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+                    pa[mt][0] = half_ops<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = half_ops<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = half_ops<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = half_ops<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < D / 16; dp++) {
+                    uint32_t b[4];
+                    ldsm_x4_trans(b, v_addr[dp & 3] + stage + (dp >> 2) * 128 + kk * 16 * D * 2);
+#pragma unroll
+                    for (int mt = 0; mt < ATTN_MT; mt++) {
+                        half_ops<T>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                        half_ops<T>::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                    }
                 }
             }
+        }
+
+        /* offsets of tile kt + 2 into the slot tile kt's loads (issued last iteration) freed */
+        if (want_off) {
+            s_off[(kt & 1) * BN + tid] =
+                j2 < kv_end
+                    ? ((int64_t)blk2 * a.cache_stride_block +
+                       (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
+                       kv_head * a.cache_stride_head) *
+                          2
+                    : 0;
         }
     }
     cp_async_wait_all(); /* nothing may land after the CTA exits (Q when there is no tile) */
 
     /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
-    uint16_t *out = (uint16_t *)a.out;
+    /* the CTA's place again (pure arithmetic and loads) rather than registers held across
+     * the key loop */
+    int64_t eh, erow, etile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, false, &s_row, &eh, &erow, &etile_rev);
+    if (sort_rows) {
+        erow = s_row;
+    }
+    const int64_t eq0 = (tiles_per_row - 1 - etile_rev) * ATTN_BM;
+    const int64_t t0 = a.query_start_loc[erow] + eq0;
+    const int64_t tile_rows = a.query_start_loc[erow + 1] - t0;
+    uint16_t *out = (uint16_t *)a.out + eh * a.o_stride_head;
 #pragma unroll
     for (int mt = 0; mt < ATTN_MT; mt++) {
 #pragma unroll
@@ -629,11 +704,11 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, float sca
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const int64_t r = q0 + warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
-            if (r >= query_len) {
+            const int r = warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
+            if (r >= tile_rows) {
                 continue;
             }
-            uint16_t *orow = out + (q_start + r) * a.o_stride_token + h * a.o_stride_head;
+            uint16_t *orow = out + (t0 + r) * a.o_stride_token;
 #pragma unroll
             for (int dt = 0; dt < DTILES; dt++) {
                 const int64_t d = dt * 8 + 2 * tq;
@@ -756,22 +831,36 @@ aligned4(int64_t bytes)
     return bytes % 4 == 0;
 }
 
-/* Launches the tensor-core kernel; returns the cudaFuncSetAttribute error (the launch's own is
- * read by dk_cuda_after_launch). */
+/* Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute error (the
+ * launch's own is read by dk_cuda_after_launch).  The shared-memory attribute is set once per
+ * (instantiation, device): a race sets the same value twice, which is harmless. */
 template <typename T, int D>
 static cudaError_t
-launch_mma(const dk_attention_args *a, int64_t tiles_per_row, float scale_log2, bool neg_q,
-           bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
+           bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
 {
+    static volatile bool attr_set[ATTN_MAX_DEVICES];
     const size_t smem = attn_tile<D>::SMEM;
-    cudaError_t e = cudaFuncSetAttribute(attention_mma_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) {
         return e;
     }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    if (!cached || !attr_set[dev]) {
+        e = cudaFuncSetAttribute(attention_mma_kernel<T, D>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) {
+            return e;
+        }
+        if (cached) {
+            attr_set[dev] = true;
+        }
+    }
+    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_mma_kernel<T, D><<<blocks, ATTN_THREADS, smem, s>>>(*a, tiles_per_row, scale_log2,
-                                                                  neg_q, q_vec, kv_vec, o_vec);
+    attention_mma_kernel<T, D><<<blocks, ATTN_THREADS, smem, s>>>(
+        *a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, sort_rows);
     return cudaSuccess;
 }
 
@@ -868,18 +957,34 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                         aligned16(a->cache_stride_head * es);
     const bool o_vec = a->o_stride_dim == 1 && (uintptr_t)a->out % 4 == 0 &&
                        aligned4(a->o_stride_token * es) && aligned4(a->o_stride_head * es);
+    /* Heads per scheduling group (attn_cta_place): the GQA group without a mask (every tile
+     * costs the same, so a group's K/V is all that needs to stay in L2); with a mask the
+     * smallest multiple of it dividing num_heads that is >= ATTN_HEAD_GROUP, so that tiles
+     * of very different cost are spread over enough CTAs to run longest first. */
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    int64_t hg = group;
+    if (a->mask != DK_MASK_NONE) {
+        while (hg < ATTN_HEAD_GROUP || a->num_heads % hg != 0) {
+            hg += group; /* ends at num_heads at the latest */
+            if (hg >= a->num_heads) {
+                hg = a->num_heads;
+                break;
+            }
+        }
+    }
     const bool bf16 = a->dtype == DK_BF16;
     const float sl = mma_scale_log2;
     cudaError_t e;
     if (a->head_size == 64) {
-        e = bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec,
-                                                 s)
-                 : launch_mma<__half, 64>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec, s);
+        e = bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
+                                                 o_vec, s)
+                 : launch_mma<__half, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
     }
     else {
-        e = bf16 ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec,
-                                                  s)
-                 : launch_mma<__half, 128>(a, tiles_per_row, sl, neg_q, q_vec, kv_vec, o_vec, s);
+        e = bf16
+                ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
+                                                 o_vec, s)
+                : launch_mma<__half, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
     }
     if (e != cudaSuccess) {
         return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
