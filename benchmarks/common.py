@@ -181,7 +181,8 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "diffkv": diffkv.__version__,
         "diffkv_build": _C.build_info(),
-        "git_commit": _run(["git", "rev-parse", "HEAD"]),
+        # The GPU machine gets a copy of the tree without .git: the caller passes DIFFKV_COMMIT.
+        "git_commit": _run(["git", "rev-parse", "HEAD"]) or os.environ.get("DIFFKV_COMMIT"),
         "git_dirty": None,
         "cpu": platform.processor() or platform.machine(),
     }
