@@ -5,19 +5,21 @@
 #   make bench     the benchmarks
 #   make lint      ruff + clang-format, failing on a diff
 #   make asan      CPU-only build with AddressSanitizer + UBSan, CPU suite under it
+#   make sanitize-gpu  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
+#                  every CUDA kernel (tests/gpu_sanitize.py), on a CUDA machine
 
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: deps install inplace demo test test-gpu bench lint format asan clean
+.PHONY: deps install inplace demo test test-gpu bench lint format asan sanitize-gpu clean
 
 # torch is a large download: install it only when no suitable one (>= 2.10) imports.
 deps:
 	@$(PYTHON) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 10) else 1)" 2>/dev/null \
 		|| $(PIP) install --quiet "torch>=2.10"
-	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel" 2>/dev/null \
-		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel
+	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel, hypothesis" 2>/dev/null \
+		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel hypothesis
 
 install: deps
 	DIFFKV_WERROR=1 $(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall .
@@ -58,6 +60,12 @@ asan: deps
 	ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider tests $(PYTEST_ARGS)
 	rm -f python/diffkv/_C*.so
+
+sanitize-gpu: inplace
+	for tool in memcheck racecheck initcheck synccheck; do \
+		PYTHONPATH=python compute-sanitizer --tool $$tool --error-exitcode 1 \
+			$(PYTHON) tests/gpu_sanitize.py || exit 1; \
+	done
 
 clean:
 	rm -rf build dist python/*.egg-info python/diffkv/_C*.so
