@@ -5,6 +5,7 @@
 #   make bench     the benchmarks
 #   make lint      ruff + clang-format, failing on a diff
 #   make asan      CPU-only build with AddressSanitizer + UBSan, CPU suite under it
+#   make fuzz      the long fuzzing profile and 100,000-call leak checks per entry point
 #   make sanitize-gpu  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
 #                  every CUDA kernel (tests/gpu_sanitize.py), on a CUDA machine
 
@@ -12,7 +13,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: deps install inplace demo test test-gpu bench lint format asan sanitize-gpu clean
+.PHONY: deps install inplace demo test test-gpu bench lint format asan fuzz sanitize-gpu clean
 
 # torch is a large download: install it only when no suitable one (>= 2.10) imports.
 deps:
@@ -56,10 +57,14 @@ format:
 
 asan: deps
 	rm -f python/diffkv/_C*.so
-	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force
-	ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force --build-temp build/asan
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider tests $(PYTEST_ARGS)
 	rm -f python/diffkv/_C*.so
+
+fuzz: inplace
+	DIFFKV_FUZZ_PROFILE=long PYTHONPATH=python $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_fuzz.py $(PYTEST_ARGS)
+	DIFFKV_LEAK_CALLS_PER_CASE=100000 PYTHONPATH=python $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_leaks.py
 
 sanitize-gpu: inplace
 	for tool in memcheck racecheck initcheck synccheck; do \

@@ -185,6 +185,14 @@ dk_ref_slots(const dk_slots_args *a, dk_error *err)
                     op, (long long)blk, (long long)i, (long long)row, (long long)a->table_cols,
                     (long long)p);
             }
+            /* A negative id would turn into a "skip" slot, a huge one overflow the product. */
+            int64_t phys = a->block_table[row * a->bt_stride_row + blk];
+            if (phys < 0 || phys > (INT64_MAX - (a->block_size - 1)) / a->block_size) {
+                return dk_fail(err, DK_ERR_VALUE,
+                               "%s: block_table[%lld][%lld] must be a block id >= 0 whose slots "
+                               "fit in int64, got %lld",
+                               op, (long long)row, (long long)blk, (long long)phys);
+            }
         }
     }
 

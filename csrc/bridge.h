@@ -84,6 +84,7 @@ typedef struct dk_bridge {
     PyObject *to_dlpack;     /* torch.utils.dlpack.to_dlpack (strong ref) or NULL */
     PyObject *stream_getter; /* torch._C._cuda_getCurrentRawStream (strong ref) or NULL */
     int force_capsule;       /* 1: ignore the exchange API (tests of the fallback) */
+    PyObject *is_neg_name;   /* interned "is_neg" (strong ref), created on first use */
     int num_types;
     PyObject *types[DK_BRIDGE_TYPE_CACHE];               /* strong refs to tensor types seen */
     const DLPackExchangeAPI *apis[DK_BRIDGE_TYPE_CACHE]; /* their API, NULL = capsule path */

@@ -250,6 +250,56 @@ want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg)
     return 0;
 }
 
+/* [*lo, *hi): the bytes a view can touch, from its shape and strides; 0 when it is empty. */
+static int
+byte_range(const dk_tensor *t, uintptr_t *lo, uintptr_t *hi)
+{
+    uint64_t es = (uint64_t)dk_dtype_size(t->dtype);
+    uint64_t below = 0, above = 0; /* elements reachable before / after the first one */
+    if (t->data == NULL) {
+        return 0;
+    }
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 0) {
+            return 0;
+        }
+    }
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t s = t->strides[i];
+        uint64_t reach = (uint64_t)(t->shape[i] - 1) * (uint64_t)(s < 0 ? -s : s);
+        if (s < 0) {
+            below += reach;
+        }
+        else {
+            above += reach;
+        }
+    }
+    es = es == 0 ? 1 : es; /* unknown dtypes: at least one byte per element */
+    *lo = (uintptr_t)t->data - (uintptr_t)(below * es);
+    *hi = (uintptr_t)t->data + (uintptr_t)(above * es + es);
+    return 1;
+}
+
+/* ValueError when `out` and `in` (same device) share any byte: an output written while an
+ * input is still being read gives a wrong answer, so aliasing is refused before any write. */
+static int
+no_overlap(const dk_tensor *out, const char *out_name, const dk_tensor *in, const char *in_name,
+           const char *op)
+{
+    uintptr_t a_lo, a_hi, b_lo, b_hi;
+    if (in->ndim < 0 || out->device_type != in->device_type || out->device_id != in->device_id ||
+        !byte_range(out, &a_lo, &a_hi) || !byte_range(in, &b_lo, &b_hi)) {
+        return 0;
+    }
+    if (a_lo < b_hi && b_lo < a_hi) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): %s must not overlap %s in memory, got views sharing bytes", op,
+                     out_name, in_name);
+        return -1;
+    }
+    return 0;
+}
+
 /* Runs a launcher with the tensor's device current and torch's current stream. */
 typedef dk_status (*cuda_launcher)(const void *args, void *stream, dk_error *err);
 
@@ -1390,7 +1440,10 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor t_ri, t_qsl, t_sl, t_pos;
     if (cpu_i32_1d(module, args[2], op, "row_indices_out", n, &t_ri) != 0 ||
         cpu_i32_1d(module, args[3], op, "query_start_loc_out", n + 1, &t_qsl) != 0 ||
-        cpu_i32_1d(module, args[4], op, "seq_lens_out", n, &t_sl) != 0) {
+        cpu_i32_1d(module, args[4], op, "seq_lens_out", n, &t_sl) != 0 ||
+        no_overlap(&t_qsl, "query_start_loc_out", &t_ri, "row_indices_out", op) ||
+        no_overlap(&t_qsl, "query_start_loc_out", &t_sl, "seq_lens_out", op) ||
+        no_overlap(&t_sl, "seq_lens_out", &t_ri, "row_indices_out", op)) {
         goto done;
     }
     kv_start = (int64_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
@@ -1405,6 +1458,14 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int64_t q = 0, s = 0;
         if (row_i64(row, "query_len", &q) != 0 || row_i64(row, "seq_len", &s) != 0 ||
             row_i64(row, "kv_start_pos", &kv_start[i]) != 0) {
+            goto done;
+        }
+        /* Negative lengths would send the positions loop below index 0. */
+        if (q < 0 || s < 0 || kv_start[i] < 0 || kv_start[i] > INT64_MAX - q) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): rows[%zd] must have query_len, seq_len, kv_start_pos >= 0 and "
+                         "kv_start_pos + query_len within int64, got %lld, %lld, %lld",
+                         op, i, (long long)q, (long long)s, (long long)kv_start[i]);
             goto done;
         }
         if (s > INT32_MAX || total + q > INT32_MAX || ri[i] < INT32_MIN || ri[i] > INT32_MAX) {
@@ -1424,7 +1485,10 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         want_cpu(&t_pos, op, "positions_out") != 0 ||
         want_dtype(&t_pos, DK_I64, op, "positions_out") != 0 ||
         want_contiguous_1d(&t_pos, op, "positions_out") != 0 ||
-        want_min_len(&t_pos, total, op, "positions_out") != 0) {
+        want_min_len(&t_pos, total, op, "positions_out") != 0 ||
+        no_overlap(&t_pos, "positions_out", &t_qsl, "query_start_loc_out", op) ||
+        no_overlap(&t_pos, "positions_out", &t_ri, "row_indices_out", op) ||
+        no_overlap(&t_pos, "positions_out", &t_sl, "seq_lens_out", op)) {
         goto done;
     }
     dk_positions_build(kv_start, qsl, n, (int64_t *)t_pos.data);
@@ -1457,6 +1521,15 @@ py_dcp_local_seq_lens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      "%s(): cp_size must be >= 1, cp_rank in [0, cp_size) and cp_interleave >= 1, "
                      "got %lld, %lld, %lld",
                      op, (long long)c, (long long)r, (long long)il);
+        return NULL;
+    }
+    if (c > INT64_MAX / il) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): cp_size * cp_interleave must fit in int64, got %lld * %lld", op,
+                     (long long)c, (long long)il);
+        return NULL;
+    }
+    if (no_overlap(&out, "out", &sl, "seq_lens", op) != 0) {
         return NULL;
     }
     dk_dcp_local_seq_lens((const int32_t *)sl.data, sl.shape[0], c, r, il, (int32_t *)out.data);
@@ -1498,6 +1571,9 @@ py_table_append(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         want_min_len(&counts, table.shape[0], op, "counts") || get_i64(args[2], op, "row", &row) ||
         get_i64(args[4], op, "blocks_per_kv_block", &k) ||
         get_i64(args[5], op, "num_kernel_blocks", &nk)) {
+        return NULL;
+    }
+    if (no_overlap(&counts, "counts", &table, "table", op) != 0) {
         return NULL;
     }
     int overwrite = PyObject_IsTrue(args[6]);
@@ -1558,6 +1634,11 @@ py_gather_block_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                      (long long)table.shape[1], (long long)out.shape[1]);
         return NULL;
     }
+    if (no_overlap(&out, "out", &table, "table", op) ||
+        no_overlap(&out, "out", &counts, "counts", op) ||
+        no_overlap(&out, "out", &ri, "row_indices", op)) {
+        return NULL;
+    }
     dk_gather_args a = {
         .table = (const int32_t *)table.data,
         .table_stride_row = table.strides[0],
@@ -1612,6 +1693,12 @@ py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     if (table.shape[1] > 1 && table.strides[1] != 1) {
         PyErr_Format(PyExc_ValueError, "%s(): table must have unit column stride", op);
+        return NULL;
+    }
+    if (no_overlap(&out, "out", &table, "table", op) ||
+        no_overlap(&out, "out", &ri, "row_indices", op) ||
+        no_overlap(&out, "out", &qsl, "query_start_loc", op) ||
+        no_overlap(&out, "out", &pos, "positions", op)) {
         return NULL;
     }
     if (num_tokens < 0 || padded < num_tokens || pos.shape[0] < num_tokens ||
@@ -1696,6 +1783,11 @@ pool_args(PyObject *module, PyObject *const *args, const char *op, dk_pool *pool
                      (long long)fs.shape[0], (long long)iu.shape[0]);
         return -1;
     }
+    if (no_overlap(&fs, "free_stack", &st, "state", op) ||
+        no_overlap(&iu, "in_use", &st, "state", op) ||
+        no_overlap(&iu, "in_use", &fs, "free_stack", op)) {
+        return -1;
+    }
     *state = (int64_t *)st.data;
     pool->free_stack = (int32_t *)fs.data;
     pool->in_use = (uint8_t *)iu.data;
@@ -1719,11 +1811,16 @@ py_pool_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int64_t *state = NULL;
     dk_tensor st;
     if (tensor_arg(module, args[0], "BlockPool", "state", &st) != 0 ||
-        want_dtype(&st, DK_I64, "BlockPool", "state") || want_cpu(&st, "BlockPool", "state")) {
+        want_cpu(&st, "BlockPool", "state") || want_dtype(&st, DK_I64, "BlockPool", "state") ||
+        want_contiguous_1d(&st, "BlockPool", "state") ||
+        want_min_len(&st, 1, "BlockPool", "state")) {
         return NULL;
     }
+    /* pool_args range-checks the stored free count: start from 0, put it back on failure. */
+    int64_t before = *(int64_t *)st.data;
     *(int64_t *)st.data = 0;
     if (pool_args(module, args, "BlockPool", &pool, &state) != 0) {
+        *(int64_t *)st.data = before;
         return NULL;
     }
     dk_pool_init(&pool);
@@ -1920,7 +2017,8 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int64_t total_q = 0;
     for (Py_ssize_t r = 0; r < n; r++) {
         if (qlens[r] > 0) {
-            total_q += qlens[r];
+            /* Saturate: a wrapped total would let the outputs below look big enough. */
+            total_q = qlens[r] > INT64_MAX - total_q ? INT64_MAX : total_q + qlens[r];
         }
     }
     dk_tensor kl, qi;
@@ -1939,6 +2037,10 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                          want_dtype(&qi, DK_I64, op, "query_indices_out") ||
                          want_contiguous_1d(&qi, op, "query_indices_out") ||
                          want_min_len(&qi, total_q, op, "query_indices_out"))) {
+        goto done;
+    }
+    if (kl.ndim >= 0 && qi.ndim >= 0 &&
+        no_overlap(&qi, "query_indices_out", &kl, "key_limits_out", op) != 0) {
         goto done;
     }
     int64_t cap = dk_plan_segment_capacity(&pa);
@@ -2014,10 +2116,11 @@ done:
 /* KV write, attention, row copies                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Reads key/value/kv_cache/slot_mapping into a kv-write argument block. */
+/* Reads key/value/kv_cache/slot_mapping into a kv-write argument block; views[0..3] receive
+ * the four tensors' views. */
 static int
 parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_write_args *a,
-               dk_tensor *key_out)
+               dk_tensor *views)
 {
     dk_tensor k, v, c, sm;
     if (tensor_arg(module, args[0], op, "key", &k) != 0 || want_float(&k, op, "key") ||
@@ -2048,7 +2151,9 @@ parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_wr
                      (long long)c.shape[4]);
         return -1;
     }
-    if (want_min_len(&sm, k.shape[0], op, "slot_mapping") != 0) {
+    if (want_min_len(&sm, k.shape[0], op, "slot_mapping") != 0 ||
+        no_overlap(&c, "kv_cache", &k, "key", op) || no_overlap(&c, "kv_cache", &v, "value", op) ||
+        no_overlap(&c, "kv_cache", &sm, "slot_mapping", op)) {
         return -1;
     }
     size_t es = dk_dtype_size(k.dtype);
@@ -2075,7 +2180,10 @@ parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_wr
     a->block_size = c.shape[2];
     a->num_blocks = c.shape[1];
     a->dtype = k.dtype;
-    *key_out = k;
+    views[0] = k;
+    views[1] = v;
+    views[2] = c;
+    views[3] = sm;
     return 0;
 }
 
@@ -2165,14 +2273,15 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dk_kv_write_args a;
-    dk_tensor k;
-    if (parse_kv_write(module, args, "kv_write", &a, &k) != 0) {
+    dk_tensor views[4];
+    const dk_tensor *k = &views[0];
+    if (parse_kv_write(module, args, "kv_write", &a, views) != 0) {
         return NULL;
     }
-    if (k.device_type == DK_CUDA && check_device_slots(module, args[0], &k, &a) != 0) {
+    if (k->device_type == DK_CUDA && check_device_slots(module, args[0], k, &a) != 0) {
         return NULL;
     }
-    if (run_kv_write(module, args[0], &k, &a) != 0) {
+    if (run_kv_write(module, args[0], k, &a) != 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -2182,11 +2291,15 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * Parses the attention arguments starting at args[0] = query:
  * query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
  * host_block_table, host_query_start_loc, host_seq_lens.
- * Fills `a` (device pointers) and `check` (host pointers) and runs dk_attention_check.
+ * Fills `a` and runs dk_attention_check on the host copies (on CPU on the very tensors the
+ * reference then reads, so host_* that differ from them cannot smuggle in an unchecked block
+ * id).  `written` (or NULL) is the kv_cache a KV write fills before the attention reads its
+ * inputs: none of them may share bytes with it.  *q_out and *o_out receive the query and out
+ * views.
  */
 static int
 parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
-                dk_tensor *q_out)
+                const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out)
 {
     dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
     int64_t mask = 0;
@@ -2280,6 +2393,32 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
             return -1;
         }
     }
+    if (no_overlap(&o, "out", &q, "query", op) || no_overlap(&o, "out", &c, "kv_cache", op) ||
+        no_overlap(&o, "out", &bt, "block_table", op) ||
+        no_overlap(&o, "out", &qsl, "query_start_loc", op) ||
+        no_overlap(&o, "out", &sl, "seq_lens", op) ||
+        (mask == DK_MASK_LIMITS && no_overlap(&o, "out", &kl, "key_limits", op)) ||
+        no_overlap(&o, "out", &hbt, "host_block_table", op) ||
+        no_overlap(&o, "out", &hqsl, "host_query_start_loc", op) ||
+        no_overlap(&o, "out", &hsl, "host_seq_lens", op)) {
+        return -1;
+    }
+    if (written != NULL &&
+        (no_overlap(written, "kv_cache", &q, "query", op) ||
+         no_overlap(written, "kv_cache", &bt, "block_table", op) ||
+         no_overlap(written, "kv_cache", &qsl, "query_start_loc", op) ||
+         no_overlap(written, "kv_cache", &sl, "seq_lens", op) ||
+         (mask == DK_MASK_LIMITS && no_overlap(written, "kv_cache", &kl, "key_limits", op)) ||
+         no_overlap(written, "kv_cache", &hbt, "host_block_table", op) ||
+         no_overlap(written, "kv_cache", &hqsl, "host_query_start_loc", op) ||
+         no_overlap(written, "kv_cache", &hsl, "host_seq_lens", op))) {
+        return -1;
+    }
+    if (q.device_type == DK_CPU) {
+        hbt = bt;
+        hqsl = qsl;
+        hsl = sl;
+    }
     memset(a, 0, sizeof(*a));
     size_t es = dk_dtype_size(q.dtype);
     a->query = q.data;
@@ -2343,6 +2482,7 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->query_start_loc = (const int32_t *)qsl.data;
     a->seq_lens = (const int32_t *)sl.data;
     *q_out = q;
+    *o_out = o;
     return 0;
 }
 
@@ -2373,8 +2513,8 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dk_attention_args a;
-    dk_tensor q;
-    if (parse_attention(module, args, "paged_attention", &a, &q) != 0 ||
+    dk_tensor q, o;
+    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o) != 0 ||
         run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
@@ -2395,12 +2535,17 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                args[9], args[10], args[11], args[12], args[13], args[14]};
     dk_kv_write_args w;
     dk_attention_args a;
-    dk_tensor k, q;
-    if (parse_kv_write(module, kv_args, op, &w, &k) != 0 ||
-        parse_attention(module, attn_args, op, &a, &q) != 0) {
+    dk_tensor kv[4], q, o;
+    const dk_tensor *k = &kv[0];
+    if (parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
+        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o) != 0) {
         return NULL;
     }
-    if (k.device_type != q.device_type || k.device_id != q.device_id) {
+    if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
+        no_overlap(&o, "out", &kv[3], "slot_mapping", op)) {
+        return NULL;
+    }
+    if (k->device_type != q.device_type || k->device_id != q.device_id) {
         PyErr_Format(PyExc_TypeError, "%s(): key must be on the query's device", op);
         return NULL;
     }
@@ -2419,7 +2564,18 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      op, (long long)a.num_tokens, (long long)w.num_tokens);
         return NULL;
     }
-    if (run_kv_write(module, args[1], &k, &w) != 0 || run_attention(module, args[0], &q, &a) != 0) {
+    if (q.device_type == DK_CPU && a.num_tokens > 0) {
+        /* The reference's own dtype and head_size limits, before the write changes the cache:
+         * with no rows it checks them and touches nothing. */
+        dk_attention_args dry = a;
+        dk_error err = {{0}};
+        dry.num_rows = 0;
+        dk_status s = dk_ref_attention(&dry, &err);
+        if (s != DK_OK) {
+            return raise_status(module, s, &err);
+        }
+    }
+    if (run_kv_write(module, args[1], k, &w) != 0 || run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -2449,6 +2605,9 @@ parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args
     if (ix.shape[0] != need) {
         PyErr_Format(PyExc_ValueError, "%s(): index must have %lld entries, got %lld", op,
                      (long long)need, (long long)ix.shape[0]);
+        return -1;
+    }
+    if (no_overlap(&d, "dst", &s, "src", op) || no_overlap(&d, "dst", &ix, "index", op)) {
         return -1;
     }
     memset(a, 0, sizeof(*a));

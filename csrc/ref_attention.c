@@ -147,7 +147,9 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
                        (long long)a->num_tokens, (long long)a->num_kv_heads,
                        (long long)a->head_size, (long long)a->block_size, (long long)a->num_blocks);
     }
-    const int64_t num_slots = a->num_blocks * a->block_size;
+    /* Saturating, like the attention check (only an empty view could claim more). */
+    const int64_t num_slots =
+        a->num_blocks > INT64_MAX / a->block_size ? INT64_MAX : a->num_blocks * a->block_size;
     /* Every slot is checked before the first byte moves: a bad slot leaves the cache as it was. */
     for (int64_t t = 0; t < a->num_tokens; t++) {
         const int64_t slot = a->slot_mapping[t * a->slot_stride];
@@ -160,8 +162,10 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
     }
     const size_t es = dk_dtype_size(a->dtype);
     for (int64_t t = 0; t < a->num_tokens; t++) {
+        /* Read once and re-checked where used: with the GIL released another thread could
+         * rewrite the mapping between the check above and this loop. */
         const int64_t slot = a->slot_mapping[t * a->slot_stride];
-        if (slot < 0) {
+        if (slot < 0 || slot >= num_slots) {
             continue;
         }
         const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block +
@@ -208,7 +212,7 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
                        "num_kv_heads >= 1, got num_heads=%lld num_kv_heads=%lld",
                        (long long)a->num_heads, (long long)a->num_kv_heads);
     }
-    if (a->mask == DK_MASK_LIMITS && a->key_limits == NULL) {
+    if (a->mask == DK_MASK_LIMITS && a->key_limits == NULL && a->num_tokens > 0) {
         return dk_fail(err, DK_ERR_VALUE,
                        "paged_attention(): key_limits must be given when mask is MASK_LIMITS, "
                        "got None");
@@ -232,7 +236,9 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
                        "got %d",
                        (long long)a->num_rows, (long long)a->num_tokens, (int)qsl[a->num_rows]);
     }
-    const int64_t capacity = a->bt_cols * a->block_size;
+    /* Saturating: a zero-stride cache view may claim a block_size near INT64_MAX. */
+    const int64_t capacity =
+        a->bt_cols > INT64_MAX / a->block_size ? INT64_MAX : a->bt_cols * a->block_size;
     for (int64_t r = 0; r < a->num_rows; r++) {
         const int64_t seq_len = a->seq_lens[r];
         if (seq_len < 0 || seq_len > capacity) {
@@ -248,7 +254,7 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
                            "%lld for a causal or limits mask (bottom-right alignment), got %lld",
                            (long long)r, (long long)query_len, (long long)seq_len);
         }
-        const int64_t reach = (seq_len + a->block_size - 1) / a->block_size;
+        const int64_t reach = seq_len / a->block_size + (seq_len % a->block_size != 0);
         const int32_t *row = a->block_table + r * a->bt_stride_row;
         for (int64_t b = 0; b < reach; b++) {
             if (row[b] < 0 || (int64_t)row[b] >= a->num_blocks) {
@@ -346,18 +352,29 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
     float *acc = qf + D;
 
     for (int64_t r = 0; r < a->num_rows; r++) {
+        /* Every index is read once and clamped to what was checked and allocated: the GIL is
+         * released, so another thread could rewrite these host arrays during the call. */
         const int64_t t0 = qsl[r];
-        const int64_t query_len = (int64_t)qsl[r + 1] - t0;
-        const int64_t seq_len = a->seq_lens[r];
-        if (query_len <= 0) {
+        const int64_t t1 = qsl[r + 1];
+        if (t0 < 0 || t1 > a->num_tokens || t1 <= t0) {
             continue;
         }
+        const int64_t query_len = t1 - t0;
+        int64_t seq_len = a->seq_lens[r];
+        seq_len = seq_len < 0 ? 0 : (seq_len > max_seq ? max_seq : seq_len);
         const int32_t *row_table = a->block_table + r * a->bt_stride_row;
         for (int64_t g = 0; g < a->num_kv_heads; g++) {
             /* One conversion of the row's keys and values for this kv head, reused by every
              * query head of the group and every token of the row. */
             for (int64_t j = 0; j < seq_len; j++) {
-                const int64_t off = (int64_t)row_table[j / a->block_size] * a->cache_stride_block +
+                const int64_t block = row_table[j / a->block_size];
+                if (block < 0 || block >= a->num_blocks || j / a->block_size >= a->bt_cols) {
+                    /* Only reachable if the table changed after the host check. */
+                    memset(kf + j * D, 0, (size_t)D * sizeof(float));
+                    memset(vf + j * D, 0, (size_t)D * sizeof(float));
+                    continue;
+                }
+                const int64_t off = block * a->cache_stride_block +
                                     (j % a->block_size) * a->cache_stride_token +
                                     g * a->cache_stride_head;
                 load_row(a->key_cache, off, a->cache_stride_dim, D, a->dtype, kf + j * D);
@@ -442,8 +459,12 @@ dk_ref_rows_gather(const dk_rows_args *a, dk_error *err)
     }
     const size_t es = dk_dtype_size(a->dtype);
     for (int64_t n = 0; n < a->num_index; n++) {
+        const int64_t ix = a->index[n]; /* read once: checked above, re-checked here */
+        if (ix < 0 || ix >= a->src_tokens) {
+            continue;
+        }
         copy_token((char *)a->dst, n * a->dst_stride_token, a->dst_stride_head, a->dst_stride_dim,
-                   (const char *)a->src, a->index[n] * a->src_stride_token, a->src_stride_head,
+                   (const char *)a->src, ix * a->src_stride_token, a->src_stride_head,
                    a->src_stride_dim, a->num_heads, a->head_size, es);
     }
     return DK_OK;
@@ -464,9 +485,13 @@ dk_ref_rows_scatter(const dk_rows_args *a, dk_error *err)
                    a->num_heads, a->head_size, es);
     }
     for (int64_t n = 0; n < a->num_index; n++) {
-        copy_token((char *)a->dst, a->index[n] * a->dst_stride_token, a->dst_stride_head,
-                   a->dst_stride_dim, (const char *)a->src, n * a->src_stride_token,
-                   a->src_stride_head, a->src_stride_dim, a->num_heads, a->head_size, es);
+        const int64_t ix = a->index[n]; /* read once: checked above, re-checked here */
+        if (ix < 0 || ix >= a->dst_tokens) {
+            continue;
+        }
+        copy_token((char *)a->dst, ix * a->dst_stride_token, a->dst_stride_head, a->dst_stride_dim,
+                   (const char *)a->src, n * a->src_stride_token, a->src_stride_head,
+                   a->src_stride_dim, a->num_heads, a->head_size, es);
     }
     return DK_OK;
 }

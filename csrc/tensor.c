@@ -26,6 +26,7 @@ dk_bridge_clear(dk_bridge *b)
 {
     Py_CLEAR(b->to_dlpack);
     Py_CLEAR(b->stream_getter);
+    Py_CLEAR(b->is_neg_name);
     for (int i = 0; i < b->num_types; i++) {
         Py_CLEAR(b->types[i]);
         b->apis[i] = NULL;
@@ -178,6 +179,55 @@ read_capsule(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_te
     return rc;
 }
 
+/*
+ * DLPack has no negative bit: a torch view with one set (x.conj().imag, torch._neg_view) would
+ * be read un-negated, a silent wrong answer.  Float tensors are asked once per argument.
+ * Returns 0, or -1 with ValueError set.
+ */
+static int
+reject_negative_view(dk_bridge *b, PyObject *obj, const char *op, const char *arg)
+{
+    if (b->is_neg_name == NULL) {
+        b->is_neg_name = PyUnicode_InternFromString("is_neg");
+        if (b->is_neg_name == NULL) {
+            return -1;
+        }
+    }
+    PyObject *res = PyObject_CallMethodObjArgs(obj, b->is_neg_name, NULL);
+    if (res == NULL) {
+        PyErr_Clear(); /* not a torch tensor: nothing to resolve */
+        return 0;
+    }
+    int neg = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    if (neg < 0) {
+        return -1;
+    }
+    if (neg) {
+        PyErr_Format(
+            PyExc_ValueError,
+            "%s(): %s must not be a negative-bit view (DLPack cannot express it), got one; "
+            "pass %s.resolve_neg()",
+            op, arg, arg);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+checked_float_view(dk_bridge *b, PyObject *obj, const char *op, const char *arg, int rc,
+                   const dk_tensor *out)
+{
+    if (rc != 0) {
+        return rc;
+    }
+    if (out->dtype == DK_F32 || out->dtype == DK_F16 || out->dtype == DK_BF16 ||
+        out->dtype == DK_F64) {
+        return reject_negative_view(b, obj, op, arg);
+    }
+    return 0;
+}
+
 int
 dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
 {
@@ -211,9 +261,9 @@ dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, d
             }
             return -1;
         }
-        return convert_dltensor(&view, op, arg, out);
+        return checked_float_view(b, obj, op, arg, convert_dltensor(&view, op, arg, out), out);
     }
-    return read_capsule(b, obj, op, arg, out);
+    return checked_float_view(b, obj, op, arg, read_capsule(b, obj, op, arg, out), out);
 }
 
 int

@@ -2,7 +2,8 @@
 
 The public names keep vLLM-Omni's diffusion paged-attention adapter API (the seed classes),
 plus diffkv's standalone collaborators (configs, BlockTables, BlockPool, KV cache allocation)
-and the DIFFKV attention backend.  Every hot operation runs in diffkv._C.
+and the DIFFKV attention backend.  Every hot operation runs in diffkv._C; ``diffkv.ops`` registers
+the same operations as ``torch.ops.diffkv.*`` operators for torch.compile.
 """
 
 import torch as _torch
@@ -19,6 +20,7 @@ def _configure_bridge():
 
 _configure_bridge()
 
+from . import ops  # noqa: E402  (defines the torch.ops.diffkv operators)
 from .adapter import (  # noqa: E402
     DiffusionKVRowResolver,
     DiffusionPagedAttentionAdapter,
@@ -93,5 +95,6 @@ __all__ = [
     "VideoTokenSpan",
     "allocate_kv_caches",
     "build_paged_piecewise_plan",
+    "ops",
     "__version__",
 ]

@@ -281,12 +281,15 @@ class HostDeviceCounts:
         self.gpu = self.cpu if device.type == "cpu" else self.cpu.to(device)
 
 
-def _as_cpu_int32(op: str, name: str, value: Any) -> torch.Tensor:
+def _as_cpu_int32(op: str, name: str, value: Any, max_len: int) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{op}: {name} must be an int32 or int64 tensor, got {value.dtype}")
         if value.ndim != 1:
             raise ValueError(f"{op}: {name} must be 1-D, got shape={tuple(value.shape)}")
+        # Before the copy: a zero-stride view may claim any length.
+        if value.shape[0] > max_len:
+            raise ValueError(f"{op}: {name} must have at most {max_len} entries, got {value.shape[0]}")
         return value.to(device="cpu", dtype=torch.int32).contiguous()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{op}: {name} must be a tensor or a sequence of ints, got {value!r}")
@@ -406,6 +409,13 @@ class BlockTables:
         ids_per_group = []
         for g, ids in enumerate(block_ids_per_group):
             if isinstance(ids, torch.Tensor):
+                # Before tolist(): a zero-stride view may claim any length.
+                limit = self.max_num_blocks_per_group[g]
+                if ids.ndim != 1 or ids.shape[0] > limit:
+                    raise ValueError(
+                        f"{op}: block_ids_per_group[{g}] must be 1-D with at most {limit} ids, "
+                        f"got shape={tuple(ids.shape)}"
+                    )
                 ids = ids.tolist()
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise TypeError(f"{op}: block_ids_per_group[{g}] must be a sequence of ints, got {ids!r}")
@@ -465,7 +475,7 @@ class BlockTables:
         ``len(row_indices)`` on are zeroed.  Reads ``row_indices`` on the host (a device tensor
         is copied back once; this is a per-batch, not a per-layer, call)."""
         op = "BlockTables.gather_block_tables()"
-        rows_cpu = _as_cpu_int32(op, "row_indices", row_indices)
+        rows_cpu = _as_cpu_int32(op, "row_indices", row_indices, self.max_num_reqs)
         num_reqs_padded = _check_int(op, "num_reqs_padded", num_reqs_padded, 0)
         if not rows_cpu.shape[0] <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -557,6 +567,13 @@ class BlockPool:
         repeated; on any error nothing is freed."""
         op = "BlockPool.free()"
         if isinstance(block_ids, torch.Tensor):
+            # Before tolist(): a zero-stride view may claim any length; more ids than blocks
+            # must repeat one.
+            if block_ids.ndim != 1 or block_ids.shape[0] > self.num_blocks:
+                raise ValueError(
+                    f"{op}: block_ids must be 1-D with at most {self.num_blocks} ids, "
+                    f"got shape={tuple(block_ids.shape)}"
+                )
             block_ids = block_ids.tolist()
         elif isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
             raise TypeError(f"{op}: block_ids must be a sequence of ints, got {block_ids!r}")

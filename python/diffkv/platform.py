@@ -20,6 +20,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -121,44 +122,53 @@ class DiffKVPlatform:
 
 current_omni_platform = DiffKVPlatform()
 
-_current_vllm_config: Any | None = None
-_current_paged_kv_adapter: Any | None = None
+# Context variables, not module globals: two threads driving two adapters each see their own
+# current config and adapter (a thread starts with a fresh context).
+_current_vllm_config: ContextVar[Any | None] = ContextVar("diffkv_current_vllm_config", default=None)
+_current_paged_kv_adapter: ContextVar[Any | None] = ContextVar(
+    "diffkv_current_paged_kv_adapter", default=None
+)
+
+
+def _restore(var: ContextVar, token: Token, previous: Any) -> None:
+    try:
+        var.reset(token)
+    except ValueError:  # exited from another context than the one that entered (a runtime
+        var.set(previous)  # activation closed on another thread): restore the value itself
 
 
 @contextmanager
 def set_current_vllm_config(vllm_config: Any) -> Iterator[None]:
     """Make ``vllm_config`` the current config inside the block; the previous one is restored
     on exit (also on error)."""
-    global _current_vllm_config
-    previous = _current_vllm_config
-    _current_vllm_config = vllm_config
+    previous = _current_vllm_config.get()
+    token = _current_vllm_config.set(vllm_config)
     try:
         yield
     finally:
-        _current_vllm_config = previous
+        _restore(_current_vllm_config, token, previous)
 
 
 def get_current_vllm_config() -> Any | None:
     """The config installed by the innermost active ``set_current_vllm_config`` (or None)."""
-    return _current_vllm_config
+    return _current_vllm_config.get()
 
 
 @contextmanager
 def override_paged_kv_adapter(adapter: Any) -> Iterator[None]:
     """Install ``adapter`` as the forward context's paged-KV adapter inside the block; the
     previous one is restored on exit (also on error)."""
-    global _current_paged_kv_adapter
-    previous = _current_paged_kv_adapter
-    _current_paged_kv_adapter = adapter
+    previous = _current_paged_kv_adapter.get()
+    token = _current_paged_kv_adapter.set(adapter)
     try:
         yield
     finally:
-        _current_paged_kv_adapter = previous
+        _restore(_current_paged_kv_adapter, token, previous)
 
 
 def current_paged_kv_adapter() -> Any | None:
     """The adapter installed by the innermost active ``override_paged_kv_adapter`` (or None)."""
-    return _current_paged_kv_adapter
+    return _current_paged_kv_adapter.get()
 
 
 def get_attn_backend(

@@ -4,7 +4,8 @@ Entry points: ``DiffKVAttentionBackend`` (the backend class the adapter selects)
 ``DiffKVAttentionImpl`` with ``forward_paged(context)`` (KV write + attention in the layer's
 mask mode + output in the caller's layout) and ``do_kv_cache_update`` (the write alone, vLLM's
 ``reshape_and_cache_flash`` contract).  Dense (non-paged) attention is not implemented yet and
-says so.
+says so.  Eager calls go straight to diffkv._C; under torch.compile (``is_compiling()``, a
+constant to Dynamo) they go through the ``torch.ops.diffkv`` operators of ``diffkv.ops``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import _C
+from .. import _C, ops
 from ..native import PagedAttentionMetadata, PagedMetadataBuilder
 from .abstract import AttentionBackend, AttentionImpl
 
@@ -176,6 +177,9 @@ class DiffKVAttentionImpl(AttentionImpl):
         """Scatters key/value ``[N, Hkv, D]`` (any strides) into ``kv_cache`` ``(2, num_blocks,
         block_size, Hkv, D)`` at ``slot_mapping[:N]`` (int64; slots < 0 skipped)."""
         del layer
+        if torch.compiler.is_compiling():
+            torch.ops.diffkv.kv_write(key, value, kv_cache, slot_mapping)
+            return
         _C.kv_write(key, value, kv_cache, slot_mapping)
 
     def forward_paged(self, paged_kv_context: Any) -> torch.Tensor:
@@ -205,8 +209,7 @@ class DiffKVAttentionImpl(AttentionImpl):
             mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
             key_limits = None
         query = paged_kv_context.query
-        out = torch.empty_like(query)  # query is the packed contiguous [N, H, D] of the context
-        _C.forward_paged(
+        inputs = (
             query,
             paged_kv_context.key_write,
             paged_kv_context.value_write,
@@ -218,11 +221,12 @@ class DiffKVAttentionImpl(AttentionImpl):
             key_limits,
             mask,
             float(layer.softmax_scale),
-            out,
-            metadata.block_table_cpu,
-            metadata.query_start_loc_cpu,
-            metadata.seq_lens_cpu,
         )
+        host = (metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+        if torch.compiler.is_compiling():
+            return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
+        out = torch.empty_like(query)
+        _C.forward_paged(*inputs, out, *host)
         return paged_kv_context.restore_output(out)
 
     # --- dense path (not implemented: explicit, never silent) --------------------------------

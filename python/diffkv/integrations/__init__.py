@@ -1,1 +1,1 @@
-"""Integrations of diffkv into other frameworks (vLLM-Omni: a later issue)."""
+"""Integrations of diffkv into other frameworks: vllm_omni (install() makes vLLM-Omni run diffkv)."""

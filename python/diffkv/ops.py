@@ -1,0 +1,292 @@
+"""diffkv's hot operations as torch operators, for torch.compile and CUDA-graph trees.
+
+Entry points: the operators ``torch.ops.diffkv.kv_write``, ``paged_attention``,
+``forward_paged``, ``rows_gather`` and ``rows_scatter`` (defined here with
+``torch.library.Library`` + ``register_fake``; each forwards to the ``diffkv._C`` function of
+the same name), ``layer_inputs(context)`` (everything a compiled layer needs from a prepared
+``DiffusionPagedAttentionContext``), ``forward_paged_layer(query, key, value, inputs)`` (one
+layer through the operators, traceable by Dynamo without graph breaks) and
+``restore_output(context, out)`` (``context.restore_output`` through the operators).
+
+Eager code does not come here: ``DiffKVAttentionImpl`` calls ``diffkv._C`` directly and takes
+these operators only while ``torch.compiler.is_compiling()``.
+
+What a compiled model must prepare outside the compiled region (Dynamo cannot trace into the
+adapter's C validation, ``_C.check_*`` / ``_C.build_batch``): the batch (``prepare_batch`` /
+``activate`` or ``DiffusionPagedAttentionRuntime.ensure_active``) and, per layer, a context from
+``adapter.prepare_layer_context`` called with tensors of the step's query/key/value shapes
+(``torch.empty`` suffices: only shapes, dtypes and devices are read).  ``layer_inputs`` turns
+that context into a ``PagedLayerInputs``: the layer's kv_cache, the slot mapping, the device
+metadata (block_table, query_start_loc, seq_lens, key_limits), their host copies, the mask
+mode, the softmax scale and, for right-padded ``[B, T]`` inputs, the packing indices.  The
+tensors are graph inputs; ``mask``, ``scale`` and ``num_positions`` are Python numbers that the
+compiled graph specialises on (a change recompiles).
+
+Known limit: the host copies are CPU tensor arguments, so torch.compile(mode="reduce-overhead")
+cannot capture these operators in CUDA-graph trees (measured with torch 2.11: Inductor's graph
+partition fails with "storage data ptrs are not allocated in pool"; without partitioning,
+cudagraphs are skipped for the "cpu device" input).  tests/test_compile.py records this as a
+strict xfail.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _C
+
+__all__ = ["PagedLayerInputs", "forward_paged_layer", "layer_inputs", "restore_output"]
+
+_lib = torch.library.Library("diffkv", "DEF")
+
+_ATTENTION_METADATA = (
+    "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor? key_limits, int mask, "
+    "float scale, Tensor host_block_table, Tensor host_query_start_loc, Tensor host_seq_lens"
+)
+_lib.define("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
+_lib.define(f"paged_attention(Tensor query, Tensor kv_cache, {_ATTENTION_METADATA}) -> Tensor")
+_lib.define(
+    "forward_paged(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    f"{_ATTENTION_METADATA}) -> Tensor"
+)
+_lib.define("rows_gather(Tensor src, Tensor index) -> Tensor")
+_lib.define("rows_scatter(Tensor src, Tensor index, SymInt num_rows) -> Tensor")
+
+
+def _attention_out(query: torch.Tensor) -> torch.Tensor:
+    # Contiguous whatever the query's strides, so the real and fake outputs agree.
+    return query.new_empty(query.shape)
+
+
+def _kv_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _C.kv_write(key, value, kv_cache, slot_mapping)
+
+
+def _paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    host_block_table: torch.Tensor,
+    host_query_start_loc: torch.Tensor,
+    host_seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    out = _attention_out(query)
+    _C.paged_attention(
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        key_limits,
+        mask,
+        scale,
+        out,
+        host_block_table,
+        host_query_start_loc,
+        host_seq_lens,
+    )
+    return out
+
+
+def _forward_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    host_block_table: torch.Tensor,
+    host_query_start_loc: torch.Tensor,
+    host_seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    out = _attention_out(query)
+    _C.forward_paged(
+        query,
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        key_limits,
+        mask,
+        scale,
+        out,
+        host_block_table,
+        host_query_start_loc,
+        host_seq_lens,
+    )
+    return out
+
+
+def _rows_gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    dst = src.new_empty((index.shape[0], *src.shape[1:]))
+    _C.rows_gather(src, index, dst)
+    return dst
+
+
+def _rows_scatter(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    dst = src.new_empty((num_rows, *src.shape[1:]))
+    _C.rows_scatter(src, index, dst)
+    return dst
+
+
+# diffkv._C picks the CPU reference or the CUDA launcher from the tensors' device, so one
+# kernel serves every backend key.
+for _name, _impl in (
+    ("kv_write", _kv_write),
+    ("paged_attention", _paged_attention),
+    ("forward_paged", _forward_paged),
+    ("rows_gather", _rows_gather),
+    ("rows_scatter", _rows_scatter),
+):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("diffkv::kv_write")
+def _kv_write_fake(key, value, kv_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("diffkv::paged_attention")
+def _paged_attention_fake(query, kv_cache, *metadata):
+    return _attention_out(query)
+
+
+@torch.library.register_fake("diffkv::forward_paged")
+def _forward_paged_fake(query, key, value, kv_cache, slot_mapping, *metadata):
+    return _attention_out(query)
+
+
+@torch.library.register_fake("diffkv::rows_gather")
+def _rows_gather_fake(src, index):
+    return src.new_empty((index.shape[0], *src.shape[1:]))
+
+
+@torch.library.register_fake("diffkv::rows_scatter")
+def _rows_scatter_fake(src, index, num_rows):
+    return src.new_empty((num_rows, *src.shape[1:]))
+
+
+class PagedLayerInputs(NamedTuple):
+    """One layer's paged inputs for a compiled call, taken from a prepared context.
+
+    kv_cache ``(2, num_blocks, block_size, Hkv, D)``; slot_mapping int64 ``[N]``; block_table
+    int32 ``[R, cols]``, query_start_loc int32 ``[R+1]``, seq_lens int32 ``[R]`` on the layer's
+    device, host_* their CPU copies; key_limits int32 ``[N]`` (mask == MASK_LIMITS) or None;
+    mask: ``_C.MASK_NONE`` / ``MASK_CAUSAL`` / ``MASK_LIMITS``; scale: the softmax scale;
+    output_scatter_indices int64 ``[N]`` (positions of the packed tokens among the caller's
+    ``num_positions = B*T`` right-padded positions) or None for packed inputs.
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    key_limits: torch.Tensor | None
+    mask: int
+    scale: float
+    host_block_table: torch.Tensor
+    host_query_start_loc: torch.Tensor
+    host_seq_lens: torch.Tensor
+    output_scatter_indices: torch.Tensor | None
+    num_positions: int
+
+
+def layer_inputs(context: Any) -> PagedLayerInputs:
+    """The tensors and numbers of a ``DiffusionPagedAttentionContext`` (from
+    ``adapter.prepare_layer_context``) that ``forward_paged_layer`` needs; run it outside the
+    compiled region, once per step and layer (layers of one cache group share all but kv_cache)."""
+    layer = context.layer
+    metadata = context.native_metadata
+    plan = context.piecewise_plan
+    if plan is not None:
+        mask, key_limits = _C.MASK_LIMITS, plan.key_limits
+    else:
+        mask, key_limits = (_C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE), None
+    num_positions = 1
+    for size in context.query_token_shape:
+        num_positions *= size
+    return PagedLayerInputs(
+        kv_cache=layer.kv_cache,
+        slot_mapping=context.slot_mapping,
+        block_table=metadata.block_table,
+        query_start_loc=metadata.query_start_loc,
+        seq_lens=metadata.seq_lens,
+        key_limits=key_limits,
+        mask=mask,
+        scale=float(layer.softmax_scale),
+        host_block_table=metadata.block_table_cpu,
+        host_query_start_loc=metadata.query_start_loc_cpu,
+        host_seq_lens=metadata.seq_lens_cpu,
+        output_scatter_indices=context.output_scatter_indices,
+        num_positions=num_positions,
+    )
+
+
+def forward_paged_layer(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: PagedLayerInputs
+) -> torch.Tensor:
+    """One layer of paged attention through the operators: query ``[P, H, D]``, key/value
+    ``[P, Hkv, D]`` in the caller's flattened token layout (``P = N`` packed, or ``B*T``
+    right-padded when ``inputs.output_scatter_indices`` is set); writes K/V into
+    ``inputs.kv_cache`` and returns ``[P, H, D]`` (padded positions are zeros).  The same
+    result, bit for bit, as ``DiffKVAttentionImpl.forward_paged`` on the matching context."""
+    indices = inputs.output_scatter_indices
+    if indices is not None:
+        query = torch.ops.diffkv.rows_gather(query, indices)
+        key = torch.ops.diffkv.rows_gather(key, indices)
+        value = torch.ops.diffkv.rows_gather(value, indices)
+    out = torch.ops.diffkv.forward_paged(
+        query,
+        key,
+        value,
+        inputs.kv_cache,
+        inputs.slot_mapping,
+        inputs.block_table,
+        inputs.query_start_loc,
+        inputs.seq_lens,
+        inputs.key_limits,
+        inputs.mask,
+        inputs.scale,
+        inputs.host_block_table,
+        inputs.host_query_start_loc,
+        inputs.host_seq_lens,
+    )
+    if indices is not None:
+        out = torch.ops.diffkv.rows_scatter(out, indices, inputs.num_positions)
+    return out
+
+
+def restore_output(context: Any, output: torch.Tensor) -> torch.Tensor:
+    """``context.restore_output(output)`` with the padded-row scatter through
+    ``torch.ops.diffkv.rows_scatter`` (so Dynamo can trace it): packed output ``[N, H, Dv]``
+    back to ``query_token_shape + (H, Dv)`` or ``query_token_shape + (H*Dv,)``."""
+    num_heads = context.layer.num_heads
+    head_size_v = context.layer.head_size_v
+    token_shape = context.query_token_shape
+    if context.output_scatter_indices is not None:
+        num_positions = 1
+        for size in token_shape:
+            num_positions *= size
+        flat_output = output.reshape(-1, num_heads, head_size_v)
+        output = torch.ops.diffkv.rows_scatter(flat_output, context.output_scatter_indices, num_positions)
+    if context.query_has_head_dims:
+        return output.reshape(*token_shape, num_heads, head_size_v)
+    return output.reshape(*token_shape, num_heads * head_size_v)
