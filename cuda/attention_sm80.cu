@@ -228,6 +228,14 @@ zero_chunk(uint16_t *dst)
 /* fp16 / bf16 tensor-core kernel                                                              */
 /* ------------------------------------------------------------------------------------------ */
 
+/* A block id the host check passed; clamped to a real block in case the device table differs
+ * from the host copy that was checked (memory stays in bounds, never out of the cache). */
+static __device__ __forceinline__ int32_t
+dk_safe_block(const dk_attention_args &a, int32_t block)
+{
+    return (uint32_t)block < (uint64_t)a.num_blocks ? block : 0;
+}
+
 /* Byte offset in the cache of key j of the row (head kv_head), or 0 (a harmless address,
  * never read) when j >= kv_end. */
 static __device__ int64_t
@@ -239,7 +247,7 @@ kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, in
     }
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t uj = (uint32_t)j;
-    return ((int64_t)bt[uj / bs] * a.cache_stride_block +
+    return ((int64_t)dk_safe_block(a, bt[uj / bs]) * a.cache_stride_block +
             (int64_t)(uj % bs) * a.cache_stride_token + kv_head * a.cache_stride_head) *
            2;
 }
@@ -386,7 +394,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     if (q0 >= query_len) {
         return; /* uniform over the CTA, after attn_cta_place's barrier */
     }
-    const int64_t seq_len = a.seq_lens[row];
+    /* The table's reach bounds the keys read, whatever the device seq_lens says. */
+    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
     const int tid = (int)threadIdx.x;
@@ -537,8 +546,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         /* block of key j0 + 2 BN + tid, for the offsets of tile kt + 2 */
         const int32_t j2 = j0 + 2 * BN + tid;
         const bool want_off = tid < BN && kt + 2 < n_tiles;
-        const int32_t blk2 =
-            want_off && j2 < kv_end ? bt[(uint32_t)j2 / (uint32_t)a.block_size] : 0;
+        const int32_t blk2 = want_off && j2 < kv_end
+                                 ? dk_safe_block(a, bt[(uint32_t)j2 / (uint32_t)a.block_size])
+                                 : 0;
 
         /* A warp whose rows all end before this tile has nothing to add. */
         if (j0 < wmax) {
@@ -751,7 +761,8 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     const int64_t row = dk_row_of_token(a.query_start_loc, a.num_rows, t);
     const int64_t q_start = a.query_start_loc[row];
     const int64_t query_len = a.query_start_loc[row + 1] - q_start;
-    const int64_t seq_len = a.seq_lens[row];
+    /* The table's reach bounds the keys read, whatever the device seq_lens says. */
+    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
     const int32_t lim = key_limit(a, t, t - q_start, query_len, seq_len);
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
@@ -770,9 +781,9 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     float m = -INFINITY;
     float l = 0.0f;
     for (int32_t j = 0; j < lim; j++) {
-        const int64_t kv_off = (int64_t)bt[j / a.block_size] * a.cache_stride_block +
-                               (j % a.block_size) * a.cache_stride_token +
-                               kv_head * a.cache_stride_head;
+        const int64_t kv_off =
+            (int64_t)dk_safe_block(a, bt[j / a.block_size]) * a.cache_stride_block +
+            (j % a.block_size) * a.cache_stride_token + kv_head * a.cache_stride_head;
         float dot = 0.0f;
 #pragma unroll
         for (int k = 0; k < PER_LANE; k++) {

@@ -28,8 +28,15 @@ slots_kernel(const dk_slots_args a)
         int64_t span = a.block_size * a.cp_size;
         int64_t blk = p / span;
         int64_t off = p % span;
-        int64_t phys = a.block_table[row * a.bt_stride_row + blk];
-        if (a.cp_size == 1) {
+        /* Row and block were validated on the host; a device table that disagrees gives -1
+         * (skip), never a read outside the table. */
+        int64_t phys = row >= 0 && row < a.table_rows && blk >= 0 && blk < a.table_cols
+                           ? a.block_table[row * a.bt_stride_row + blk]
+                           : -1;
+        if (phys < 0) {
+            slot = -1;
+        }
+        else if (a.cp_size == 1) {
             slot = phys * a.block_size + off;
         }
         else if ((off / a.cp_interleave) % a.cp_size == a.cp_rank) {

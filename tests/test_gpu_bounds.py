@@ -1,0 +1,39 @@
+"""Bounds the CUDA kernels enforce themselves: the host checks validate the host copies of the
+block tables; if the device tensors disagree (a caller passing stale or hostile device
+metadata), the kernels stay inside the table and the cache (block ids clamped, slots -1)
+instead of reading or writing out of bounds.  Run under compute-sanitizer by make sanitize-gpu."""
+
+import pytest
+import torch
+
+from diffkv import _C
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype,head", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_attention_device_table_disagrees_with_host_copy(dtype, head):
+    block, nb, seq_len = 16, 8, 100
+    cache = torch.randn(2, nb, block, 2, head, device="cuda").to(dtype)
+    host_table = torch.arange(7, dtype=torch.int32).reshape(1, 7)
+    device_table = torch.full((1, 7), 2**30, dtype=torch.int32, device="cuda")  # far outside
+    qsl = torch.tensor([0, seq_len], dtype=torch.int32)
+    sl = torch.tensor([seq_len], dtype=torch.int32)
+    device_sl = torch.tensor([10**6], dtype=torch.int32, device="cuda")  # beyond the table
+    q = torch.randn(seq_len, 4, head, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    _C.paged_attention(
+        q, cache, device_table, qsl.cuda(), device_sl, None, _C.MASK_NONE, 0.1, out, host_table, qsl, sl
+    )
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+
+
+def test_slots_device_rows_outside_the_table():
+    table = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32, device="cuda")
+    row_indices = torch.tensor([5, -3], dtype=torch.int32, device="cuda")  # no such table rows
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda")
+    positions = torch.tensor([0, 40, 1, 2], dtype=torch.int64, device="cuda")
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    _C.compute_slot_mappings(table, row_indices, qsl, positions, out, 4, 4, 4, 1, 0, 1)
+    assert out.tolist() == [-1, -1, -1, -1]
