@@ -2290,7 +2290,7 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /*
  * Parses the attention arguments starting at args[0] = query:
  * query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
- * host_block_table, host_query_start_loc, host_seq_lens.
+ * host_block_table, host_query_start_loc, host_seq_lens (all three may be None, see below).
  * Fills `a` and runs dk_attention_check on the host copies (on CPU on the very tensors the
  * reference then reads, so host_* that differ from them cannot smuggle in an unchecked block
  * id).  `written` (or NULL) is the kv_cache a KV write fills before the attention reads its
@@ -2320,18 +2320,37 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl) ||
         get_i64(args[6], op, "mask", &mask) || tensor_arg(module, args[8], op, "out", &o) != 0 ||
         want_dtype(&o, q.dtype, op, "out") || want_ndim(&o, 3, op, "out") ||
-        same_device(&q, &o, op, "out") ||
-        tensor_arg(module, args[9], op, "host_block_table", &hbt) != 0 ||
-        want_cpu(&hbt, op, "host_block_table") ||
-        want_dtype(&hbt, DK_I32, op, "host_block_table") ||
-        want_ndim(&hbt, 2, op, "host_block_table") ||
-        tensor_arg(module, args[10], op, "host_query_start_loc", &hqsl) != 0 ||
-        want_cpu(&hqsl, op, "host_query_start_loc") ||
-        want_dtype(&hqsl, DK_I32, op, "host_query_start_loc") ||
-        want_contiguous_1d(&hqsl, op, "host_query_start_loc") ||
-        tensor_arg(module, args[11], op, "host_seq_lens", &hsl) != 0 ||
-        want_cpu(&hsl, op, "host_seq_lens") || want_dtype(&hsl, DK_I32, op, "host_seq_lens") ||
-        want_contiguous_1d(&hsl, op, "host_seq_lens")) {
+        same_device(&q, &o, op, "out")) {
+        return -1;
+    }
+    /* The host copies are all given (checked here) or all None: then CPU tensors are checked
+     * themselves, and on CUDA the caller vouches for the device metadata (diffkv.ops, whose
+     * batches were checked when prepared) while the kernels clamp every index they read. */
+    int n_none = (args[9] == Py_None) + (args[10] == Py_None) + (args[11] == Py_None);
+    const int trusted = n_none == 3;
+    if (n_none != 0 && !trusted) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): host_block_table, host_query_start_loc and host_seq_lens must all be "
+                     "tensors or all be None, got %d None",
+                     op, n_none);
+        return -1;
+    }
+    if (trusted) {
+        hbt = bt;
+        hqsl = qsl;
+        hsl = sl;
+    }
+    else if (tensor_arg(module, args[9], op, "host_block_table", &hbt) != 0 ||
+             want_cpu(&hbt, op, "host_block_table") ||
+             want_dtype(&hbt, DK_I32, op, "host_block_table") ||
+             want_ndim(&hbt, 2, op, "host_block_table") ||
+             tensor_arg(module, args[10], op, "host_query_start_loc", &hqsl) != 0 ||
+             want_cpu(&hqsl, op, "host_query_start_loc") ||
+             want_dtype(&hqsl, DK_I32, op, "host_query_start_loc") ||
+             want_contiguous_1d(&hqsl, op, "host_query_start_loc") ||
+             tensor_arg(module, args[11], op, "host_seq_lens", &hsl) != 0 ||
+             want_cpu(&hsl, op, "host_seq_lens") || want_dtype(&hsl, DK_I32, op, "host_seq_lens") ||
+             want_contiguous_1d(&hsl, op, "host_seq_lens")) {
         return -1;
     }
     double scale = PyFloat_AsDouble(args[7]);
@@ -2452,6 +2471,20 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->num_blocks = c.shape[1];
     a->scale = (float)scale;
     a->dtype = q.dtype;
+    if (trusted && q.device_type == DK_CUDA) {
+        /* Device metadata cannot be read here: launch for the bounds (tiles past a row's end
+         * exit at once) and skip the host check. */
+        a->max_query_len = n;
+        a->max_seq_len = a->bt_cols > 0 && a->block_size > INT64_MAX / a->bt_cols
+                             ? INT64_MAX
+                             : a->bt_cols * a->block_size;
+        a->block_table = (const int32_t *)bt.data;
+        a->query_start_loc = (const int32_t *)qsl.data;
+        a->seq_lens = (const int32_t *)sl.data;
+        *q_out = q;
+        *o_out = o;
+        return 0;
+    }
     int64_t maxq = 0, maxs = 0;
     for (int64_t i = 0; i < r; i++) {
         int64_t ql = (int64_t)a->query_start_loc[i + 1] - a->query_start_loc[i];

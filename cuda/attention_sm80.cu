@@ -228,6 +228,19 @@ zero_chunk(uint16_t *dst)
 /* fp16 / bf16 tensor-core kernel                                                              */
 /* ------------------------------------------------------------------------------------------ */
 
+/* Start and length of row `row`'s queries with both ends clamped to [0, num_tokens]: device
+ * offsets that disagree with the checked host copy cannot move Q/O accesses out of the
+ * tensors.  Cannot fail. */
+static __device__ __forceinline__ void
+row_span(const dk_attention_args &a, int64_t row, int64_t *start, int64_t *len)
+{
+    const int64_t n = a.num_tokens;
+    const int64_t s0 = min(max((int64_t)a.query_start_loc[row], (int64_t)0), n);
+    const int64_t s1 = min(max((int64_t)a.query_start_loc[row + 1], s0), n);
+    *start = s0;
+    *len = s1 - s0;
+}
+
 /* A block id the host check passed; clamped to a real block in case the device table differs
  * from the host copy that was checked (memory stays in bounds, never out of the cache). */
 static __device__ __forceinline__ int32_t
@@ -389,8 +402,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
                    &tile_rev);
     const int64_t q0 = (tiles_per_row - 1 - tile_rev) * ATTN_BM;
-    const int64_t q_start = a.query_start_loc[row];
-    const int64_t query_len = a.query_start_loc[row + 1] - q_start;
+    int64_t q_start, query_len;
+    row_span(a, row, &q_start, &query_len);
     if (q0 >= query_len) {
         return; /* uniform over the CTA, after attn_cta_place's barrier */
     }
@@ -703,8 +716,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         erow = s_row;
     }
     const int64_t eq0 = (tiles_per_row - 1 - etile_rev) * ATTN_BM;
-    const int64_t t0 = a.query_start_loc[erow] + eq0;
-    const int64_t tile_rows = a.query_start_loc[erow + 1] - t0;
+    int64_t erow_start, erow_len;
+    row_span(a, erow, &erow_start, &erow_len);
+    const int64_t t0 = erow_start + eq0;
+    const int64_t tile_rows = erow_len - eq0;
     uint16_t *out = (uint16_t *)a.out + eh * a.o_stride_head;
 #pragma unroll
     for (int mt = 0; mt < ATTN_MT; mt++) {

@@ -445,19 +445,11 @@ def test_op_errors_come_from_c():
 # --- CUDA: reduce-overhead (CUDA-graph trees) -----------------------------------------------------
 
 
-# Measured on the H200 (torch 2.11): the operators' schemas carry the host copies
-# (host_block_table, host_query_start_loc, host_seq_lens) as CPU tensor arguments, so the graph
-# has CPU inputs.  With Inductor's graph partition (the default) the step fails with "These
-# storage data ptrs are not allocated in pool ..."; with graph_partition=False it runs correctly
-# but skips cudagraphs ("cpu device (arg8_1)").  A probe whose CUDA schema takes the host copies
-# from outside the graph (no CPU tensor arguments) captured and replayed with 0 skips, bit-exact.
-_CPU_ARGS_BREAK_CUDAGRAPHS = (
-    "the operators take CPU host-copy tensors, which CUDA-graph trees cannot capture (see above)"
-)
+# On CUDA the operators take no CPU host copies (diffkv.ops.layer_inputs passes None; the
+# kernels clamp every index), so the whole step is captured in a CUDA-graph tree.
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=_CPU_ARGS_BREAK_CUDAGRAPHS)
 @pytest.mark.parametrize(("mode", "layout"), [("piecewise", "padded"), ("piecewise", "packed")])
 def test_compiled_dit_reduce_overhead(mode, layout):
     """mode="reduce-overhead": the step is captured in a CUDA-graph tree, replayed with new

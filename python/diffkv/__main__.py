@@ -1,4 +1,4 @@
-"""python -m diffkv demo|info
+"""python -m diffkv demo|info|bench
 
 demo: a HunyuanImage-3.0-shaped denoise loop built only from diffkv's public API: several
 causal layers with GQA, two CFG rows with different prefix lengths, a full-attention span over
@@ -7,6 +7,10 @@ the image span rewritten, the prefix pages reused).  Every layer's output is che
 dense float32 reference with an explicit mask.  Full size on a GPU, scaled down on the CPU.
 
 info: versions, build flags and the devices diffkv sees.
+
+bench: paged attention throughput on this GPU, swept over sequence length, rows and block size,
+against torch SDPA (flash, cuDNN) and FlexAttention; writes a JSON record and a PNG plot and
+prints the table (diffkv/_bench.py).  --quick: a tiny diffkv-only sweep that runs on the CPU.
 """
 
 import argparse
@@ -228,6 +232,12 @@ def info(args):
     return 0
 
 
+def bench(args, parser_error):
+    from diffkv import _bench
+
+    return _bench.run(args, parser_error)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m diffkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,7 +247,19 @@ def main(argv=None):
     p_demo.add_argument("--steps", type=int, default=None, help="denoise steps after the prefill step")
     p_demo.add_argument("--small", action="store_true", help="the CPU-sized problem even on a GPU")
     sub.add_parser("info", help="versions, build flags, devices")
+    p_bench = sub.add_parser(
+        "bench",
+        help="paged attention TFLOP/s vs torch SDPA/FlexAttention: JSON, PNG plot, table",
+        description="Sweeps sequence length x rows x block size on the current GPU, timing diffkv "
+        "against torch SDPA (flash, cuDNN) and compiled FlexAttention on the same data; writes "
+        "bench.json and bench.png under --out and prints the table.",
+    )
+    from diffkv import _bench
+
+    _bench.add_arguments(p_bench)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench(args, p_bench.error)
     return {"demo": demo, "info": info}[args.command](args)
 
 

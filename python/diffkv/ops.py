@@ -22,11 +22,10 @@ mode, the softmax scale and, for right-padded ``[B, T]`` inputs, the packing ind
 tensors are graph inputs; ``mask``, ``scale`` and ``num_positions`` are Python numbers that the
 compiled graph specialises on (a change recompiles).
 
-Known limit: the host copies are CPU tensor arguments, so torch.compile(mode="reduce-overhead")
-cannot capture these operators in CUDA-graph trees (measured with torch 2.11: Inductor's graph
-partition fails with "storage data ptrs are not allocated in pool"; without partitioning,
-cudagraphs are skipped for the "cpu device" input).  tests/test_compile.py records this as a
-strict xfail.
+On CUDA the operators receive no host copies of the block tables (the host-copy arguments are
+None): CUDA-graph trees cannot capture CPU tensor inputs, so torch.compile(mode="reduce-overhead")
+captures the whole step.  The batch's tables were validated when it was prepared, and the kernels
+clamp every block id, offset and length they read, so device metadata stays memory-safe.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ _lib = torch.library.Library("diffkv", "DEF")
 
 _ATTENTION_METADATA = (
     "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor? key_limits, int mask, "
-    "float scale, Tensor host_block_table, Tensor host_query_start_loc, Tensor host_seq_lens"
+    "float scale, Tensor? host_block_table, Tensor? host_query_start_loc, Tensor? host_seq_lens"
 )
 _lib.define("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
 _lib.define(f"paged_attention(Tensor query, Tensor kv_cache, {_ATTENTION_METADATA}) -> Tensor")
@@ -75,9 +74,9 @@ def _paged_attention(
     key_limits: torch.Tensor | None,
     mask: int,
     scale: float,
-    host_block_table: torch.Tensor,
-    host_query_start_loc: torch.Tensor,
-    host_seq_lens: torch.Tensor,
+    host_block_table: torch.Tensor | None,
+    host_query_start_loc: torch.Tensor | None,
+    host_seq_lens: torch.Tensor | None,
 ) -> torch.Tensor:
     out = _attention_out(query)
     _C.paged_attention(
@@ -109,9 +108,9 @@ def _forward_paged(
     key_limits: torch.Tensor | None,
     mask: int,
     scale: float,
-    host_block_table: torch.Tensor,
-    host_query_start_loc: torch.Tensor,
-    host_seq_lens: torch.Tensor,
+    host_block_table: torch.Tensor | None,
+    host_query_start_loc: torch.Tensor | None,
+    host_seq_lens: torch.Tensor | None,
 ) -> torch.Tensor:
     out = _attention_out(query)
     _C.forward_paged(
@@ -202,9 +201,9 @@ class PagedLayerInputs(NamedTuple):
     key_limits: torch.Tensor | None
     mask: int
     scale: float
-    host_block_table: torch.Tensor
-    host_query_start_loc: torch.Tensor
-    host_seq_lens: torch.Tensor
+    host_block_table: torch.Tensor | None
+    host_query_start_loc: torch.Tensor | None
+    host_seq_lens: torch.Tensor | None
     output_scatter_indices: torch.Tensor | None
     num_positions: int
 
@@ -223,6 +222,7 @@ def layer_inputs(context: Any) -> PagedLayerInputs:
     num_positions = 1
     for size in context.query_token_shape:
         num_positions *= size
+    on_cuda = metadata.block_table.is_cuda
     return PagedLayerInputs(
         kv_cache=layer.kv_cache,
         slot_mapping=context.slot_mapping,
@@ -232,9 +232,11 @@ def layer_inputs(context: Any) -> PagedLayerInputs:
         key_limits=key_limits,
         mask=mask,
         scale=float(layer.softmax_scale),
-        host_block_table=metadata.block_table_cpu,
-        host_query_start_loc=metadata.query_start_loc_cpu,
-        host_seq_lens=metadata.seq_lens_cpu,
+        # On CUDA no host copies enter the graph (CUDA-graph trees cannot hold CPU tensors):
+        # the batch's tables were checked when prepared, and the kernels clamp every index.
+        host_block_table=None if on_cuda else metadata.block_table_cpu,
+        host_query_start_loc=None if on_cuda else metadata.query_start_loc_cpu,
+        host_seq_lens=None if on_cuda else metadata.seq_lens_cpu,
         output_scatter_indices=context.output_scatter_indices,
         num_positions=num_positions,
     )

@@ -224,6 +224,9 @@ class DiffKVAttentionImpl(AttentionImpl):
         )
         host = (metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
         if torch.compiler.is_compiling():
+            # No CPU tensors inside a CUDA graph: see diffkv.ops (the kernels clamp indices).
+            if query.is_cuda:
+                host = (None, None, None)
             return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
         out = torch.empty_like(query)
         _C.forward_paged(*inputs, out, *host)
