@@ -297,7 +297,7 @@ class Progress:
 
     def _line(self, label: str) -> str:
         frac = min(1.0, self.work / self.total_work)
-        filled = int(round(frac * self.width))
+        filled = int(frac * self.width)
         elapsed = time.monotonic() - self.start_time
         eta = f", ~{_fmt_duration(elapsed * (1 - frac) / frac)} left" if 0 < frac < 1 else ""
         return (
