@@ -197,6 +197,17 @@ def _command(cmd: list[str]) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def _cudnn_version(device: torch.device) -> int | None:
+    """cuDNN's version on a CUDA run; None on the CPU (loading cuDNN there is pointless, and
+    fails outright when another cuDNN is first on the library path) or when it cannot load."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError:
+        return None
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """What a result depends on: GPU (name, capability, SMs, memory, driver, clocks), torch,
     CUDA, cuDNN, Python, diffkv (version, build info, DIFFKV_COMMIT when set), the UTC time."""
@@ -208,7 +219,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cudnn": _cudnn_version(device),
         "diffkv": diffkv.__version__,
         "diffkv_build": _C.build_info(),
         "diffkv_commit": os.environ.get("DIFFKV_COMMIT"),
