@@ -57,7 +57,7 @@ format:
 
 asan: deps
 	rm -f python/diffkv/_C*.so
-	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force --build-temp build/asan
+	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force --build-temp build/asan/temp --build-lib build/asan/lib
 	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider tests $(PYTEST_ARGS)
 	rm -f python/diffkv/_C*.so

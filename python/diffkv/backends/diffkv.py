@@ -10,6 +10,7 @@ constant to Dynamo) they go through the ``torch.ops.diffkv`` operators of ``diff
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -188,49 +189,7 @@ class DiffKVAttentionImpl(AttentionImpl):
         ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token key
         limits; else causal or not per the native metadata) and returns the output in the
         caller's layout (``context.restore_output``; padded rows are zeros)."""
-        layer = getattr(paged_kv_context, "layer", None)
-        if layer is None:
-            raise TypeError("paged_kv_context must expose a native diffusion attention layer")
-        layer_name = getattr(layer, "layer_name", None)
-        kv_cache = getattr(layer, "kv_cache", None)
-        if kv_cache is None:
-            raise RuntimeError(f"Native KV cache is not bound for diffusion layer {layer_name!r}")
-        if getattr(layer, "impl", None) is None:
-            raise RuntimeError(
-                f"Native attention implementation is not bound for diffusion layer {layer_name!r}"
-            )
-
-        metadata = paged_kv_context.native_metadata
-        plan = paged_kv_context.piecewise_plan
-        if plan is not None:
-            mask = _C.MASK_LIMITS
-            key_limits = plan.key_limits
-        else:
-            mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
-            key_limits = None
-        query = paged_kv_context.query
-        inputs = (
-            query,
-            paged_kv_context.key_write,
-            paged_kv_context.value_write,
-            kv_cache,
-            paged_kv_context.slot_mapping,
-            metadata.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            key_limits,
-            mask,
-            float(layer.softmax_scale),
-        )
-        host = (metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
-        if torch.compiler.is_compiling():
-            # No CPU tensors inside a CUDA graph: see diffkv.ops (the kernels clamp indices).
-            if query.is_cuda:
-                host = (None, None, None)
-            return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
-        out = torch.empty_like(query)
-        _C.forward_paged(*inputs, out, *host)
-        return paged_kv_context.restore_output(out)
+        return run_forward_paged(paged_kv_context)
 
     # --- dense path (not implemented: explicit, never silent) --------------------------------
 
@@ -251,3 +210,61 @@ class DiffKVAttentionImpl(AttentionImpl):
 
     def forward_musa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError(_DENSE_MESSAGE)
+
+
+def run_forward_paged(
+    paged_kv_context: Any,
+    *,
+    cache_view: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    check_metadata: Callable[[Any], None] | None = None,
+) -> torch.Tensor:
+    """The DIFFKV ``forward_paged``, shared by ``DiffKVAttentionImpl`` and the vLLM-Omni install
+    (``diffkv.integrations.vllm_omni``): the Omni backend's binding checks, one ``_C``
+    call (KV write + attention; the ``diffkv::forward_paged`` operator while compiling) and the
+    output back in the caller's layout.  ``cache_view(layer, kv_cache)`` maps a foreign cache
+    layout onto ``(2, num_blocks, block_size, Hkv, D)``; ``check_metadata`` vets the native
+    metadata type."""
+    layer = getattr(paged_kv_context, "layer", None)
+    if layer is None:
+        raise TypeError("paged_kv_context must expose a native diffusion attention layer")
+    layer_name = getattr(layer, "layer_name", None)
+    kv_cache = getattr(layer, "kv_cache", None)
+    if kv_cache is None:
+        raise RuntimeError(f"Native KV cache is not bound for diffusion layer {layer_name!r}")
+    if getattr(layer, "impl", None) is None:
+        raise RuntimeError(f"Native attention implementation is not bound for diffusion layer {layer_name!r}")
+    if cache_view is not None:
+        kv_cache = cache_view(layer, kv_cache)
+    metadata = paged_kv_context.native_metadata
+    if check_metadata is not None:
+        check_metadata(metadata)
+    plan = paged_kv_context.piecewise_plan
+    if plan is not None:
+        mask = _C.MASK_LIMITS
+        key_limits = plan.key_limits
+    else:
+        mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
+        key_limits = None
+    query = paged_kv_context.query
+    inputs = (
+        query,
+        paged_kv_context.key_write,
+        paged_kv_context.value_write,
+        kv_cache,
+        paged_kv_context.slot_mapping,
+        metadata.block_table,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        key_limits,
+        mask,
+        float(layer.softmax_scale),
+    )
+    host = (metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+    if torch.compiler.is_compiling():
+        # No CPU tensors inside a CUDA graph: see diffkv.ops (the kernels clamp indices).
+        if query.is_cuda:
+            host = (None, None, None)
+        return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
+    out = torch.empty_like(query)
+    _C.forward_paged(*inputs, out, *host)
+    return paged_kv_context.restore_output(out)

@@ -47,9 +47,8 @@ from typing import Any
 
 import torch
 
-from .. import _C
 from .. import adapter as _adapter
-from ..backends.diffkv import DiffKVAttentionBackend
+from ..backends.diffkv import DiffKVAttentionBackend, run_forward_paged
 
 __all__ = [
     "KV_CACHE_LAYOUTS",
@@ -285,59 +284,27 @@ class _DiffKVPagedMixin:
         ``value_write`` ``[N, Hkv, D]`` into the layer's vLLM cache at ``slot_mapping``, attends
         from ``query`` ``[N, H, D]`` over each row's ``[0, seq_len)`` keys in the layer's mask mode
         and returns the output in the caller's layout (padded rows are zeros)."""
-        layer = getattr(paged_kv_context, "layer", None)
-        if layer is None:
-            raise TypeError("paged_kv_context must expose a native diffusion attention layer")
-        layer_name = getattr(layer, "layer_name", None)
-        kv_cache = getattr(layer, "kv_cache", None)
-        if kv_cache is None:
-            raise RuntimeError(f"Native KV cache is not bound for diffusion layer {layer_name!r}")
-        if getattr(layer, "impl", None) is None:
-            raise RuntimeError(
-                f"Native attention implementation is not bound for diffusion layer {layer_name!r}"
-            )
-        if kv_cache is self._diffkv_view_source:
-            cache = self._diffkv_view
-        else:
-            cache = kv_cache_view(
+        return run_forward_paged(
+            paged_kv_context, cache_view=self._diffkv_cache_view, check_metadata=_require_vllm_metadata
+        )
+
+    def _diffkv_cache_view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's per-layer cache as diffkv's (2, nb, bs, Hkv, D) view, cached per cache tensor."""
+        if kv_cache is not self._diffkv_view_source:
+            self._diffkv_view = kv_cache_view(
                 kv_cache, int(layer.num_kv_heads), int(layer.head_size), layout=self._diffkv_kv_cache_layout
             )
             self._diffkv_view_source = kv_cache
-            self._diffkv_view = cache
-        metadata = paged_kv_context.native_metadata
-        if not isinstance(metadata, VllmPagedMetadata):
-            raise TypeError(
-                f"DiffKVOmniAttentionImpl.forward_paged(): native_metadata must be a VllmPagedMetadata "
-                f"(built by diffkv's adapter after diffkv.integrations.vllm_omni.install()), got "
-                f"{type(metadata).__name__}"
-            )
-        plan = paged_kv_context.piecewise_plan
-        if plan is not None:
-            mask = _C.MASK_LIMITS
-            key_limits = plan.key_limits
-        else:
-            mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
-            key_limits = None
-        query = paged_kv_context.query
-        out = torch.empty_like(query)
-        _C.forward_paged(
-            query,
-            paged_kv_context.key_write,
-            paged_kv_context.value_write,
-            cache,
-            paged_kv_context.slot_mapping,
-            metadata.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            key_limits,
-            mask,
-            float(layer.softmax_scale),
-            out,
-            metadata.block_table_cpu,
-            metadata.query_start_loc_cpu,
-            metadata.seq_lens_cpu,
+        return self._diffkv_view
+
+
+def _require_vllm_metadata(metadata: Any) -> None:
+    if not isinstance(metadata, VllmPagedMetadata):
+        raise TypeError(
+            f"DiffKVOmniAttentionImpl.forward_paged(): native_metadata must be a VllmPagedMetadata "
+            f"(built by diffkv's adapter after diffkv.integrations.vllm_omni.install()), got "
+            f"{type(metadata).__name__}"
         )
-        return paged_kv_context.restore_output(out)
 
 
 def _build_backend(dense_backend: type, kv_cache_layout: str | None) -> type:
