@@ -404,6 +404,11 @@ typedef struct dk_attention_args {
     int64_t max_seq_len;   /* max over rows of seq_lens */
     float scale;           /* softmax scale */
     dk_dtype dtype;        /* DK_F32, DK_F16 or DK_BF16: query, cache and out */
+    /* Optional output, NULL = not requested (every builder memsets the struct; the CUDA path
+     * does not read it yet and callers refuse it there): lse[t, h] = natural log of the sum
+     * over t's visible keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
+    float *lse;                                /* [num_tokens, num_heads] or NULL */
+    int64_t lse_stride_token, lse_stride_head; /* element strides of lse */
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,
@@ -411,7 +416,8 @@ typedef struct dk_attention_args {
  * [0, num_blocks).  All arrays must be host-readable.  DK_ERR_VALUE on violation. */
 dk_status dk_attention_check(const dk_attention_args *a, dk_error *err);
 /* CPU reference.  Assumes dk_attention_check passed.  Cannot fail except DK_ERR_UNSUPPORTED
- * (dtype) and DK_ERR_NOMEM (scratch). */
+ * (dtype) and DK_ERR_NOMEM (scratch), both before anything is written.  Fills a->lse too when
+ * it is not NULL. */
 dk_status dk_ref_attention(const dk_attention_args *a, dk_error *err);
 /* CUDA path on `stream` (device pointers).  DK_ERR_UNSUPPORTED for head sizes it is not
  * built for (the message lists the supported ones). */

@@ -2554,6 +2554,112 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/*
+ * paged_attention_lse: paged_attention that also fills lse_out[t, h], the log-sum-exp of every
+ * (token, head), on the CPU only (the CUDA LSE path is not built yet: a CUDA query raises
+ * NotImplementedError).  Unlike paged_attention, a row's seq_len may be below its query length
+ * in every mask mode: a context-parallel rank holds a share of each row's keys, so its local
+ * key count is usually below the query length; a token then sees fewer keys, possibly none
+ * (zeros in out, -inf in lse).  parse_attention therefore runs with the mask replaced by
+ * MASK_NONE, whose host check has no such rule, and the mask and key_limits are checked here.
+ * args: query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
+ *       lse_out, host_block_table, host_query_start_loc, host_seq_lens
+ */
+static PyObject *
+py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "paged_attention_lse";
+    /* The tensor arguments lse_out must not share bytes with (it is written last of all, but
+     * a failed call must leave every input as it was and a finished one must not have
+     * rewritten an input that is read during the call). */
+    static const int inputs[] = {0, 1, 2, 3, 4, 5, 8, 10, 11, 12};
+    static const char *input_names[] = {
+        "query",      "kv_cache", "block_table",      "query_start_loc",      "seq_lens",
+        "key_limits", "out",      "host_block_table", "host_query_start_loc", "host_seq_lens"};
+    if (check_nargs(op, nargs, 13) != 0) {
+        return NULL;
+    }
+    int64_t mask = 0;
+    if (get_i64(args[6], op, "mask", &mask) != 0) {
+        return NULL;
+    }
+    if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
+                     (long long)mask);
+        return NULL;
+    }
+    PyObject *none_mask = PyLong_FromLong(DK_MASK_NONE);
+    if (none_mask == NULL) {
+        return NULL;
+    }
+    PyObject *attn_args[12] = {args[0],   args[1], args[2], args[3],  args[4],  args[5],
+                               none_mask, args[7], args[8], args[10], args[11], args[12]};
+    PyObject *result = NULL;
+    dk_attention_args a;
+    dk_tensor q, o, kl, lse, in;
+    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o) != 0) {
+        goto done;
+    }
+    if (q.device_type == DK_CUDA) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "%s(): query must be a CPU tensor (the CUDA LSE path is not built yet), got "
+                     "cuda:%d",
+                     op, (int)q.device_id);
+        goto done;
+    }
+    if (mask == DK_MASK_LIMITS) {
+        if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl)) {
+            goto done;
+        }
+        if (kl.ndim < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
+            goto done;
+        }
+        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
+            want_contiguous_1d(&kl, op, "key_limits") || same_device(&q, &kl, op, "key_limits") ||
+            want_min_len(&kl, a.num_tokens, op, "key_limits") ||
+            no_overlap(&o, "out", &kl, "key_limits", op)) {
+            goto done;
+        }
+        a.key_limits = (const int32_t *)kl.data;
+    }
+    a.mask = (int32_t)mask;
+    if (tensor_arg(module, args[9], op, "lse_out", &lse) != 0 ||
+        want_dtype(&lse, DK_F32, op, "lse_out") || want_ndim(&lse, 2, op, "lse_out") ||
+        same_device(&q, &lse, op, "lse_out")) {
+        goto done;
+    }
+    if (lse.shape[0] != a.num_tokens || lse.shape[1] != a.num_heads) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): lse_out must have shape [%lld, %lld], got [%lld, %lld]", op,
+                     (long long)a.num_tokens, (long long)a.num_heads, (long long)lse.shape[0],
+                     (long long)lse.shape[1]);
+        goto done;
+    }
+    for (size_t i = 0; i < sizeof(inputs) / sizeof(inputs[0]); i++) {
+        if (inputs[i] == 5 && mask != DK_MASK_LIMITS) {
+            continue; /* key_limits is not read in this mode */
+        }
+        if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[inputs[i]], op,
+                                      input_names[i], &in) ||
+            no_overlap(&lse, "lse_out", &in, input_names[i], op)) {
+            goto done;
+        }
+    }
+    a.lse = (float *)lse.data;
+    a.lse_stride_token = lse.strides[0];
+    a.lse_stride_head = lse.strides[1];
+    if (run_attention(module, args[0], &q, &a) != 0) {
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(none_mask);
+    return result;
+}
+
 static PyObject *
 py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2742,6 +2848,7 @@ static PyMethodDef module_methods[] = {
     FAST(build_plan, "Piecewise plan (the seed's build_paged_piecewise_plan)."),
     FAST(kv_write, "KV cache write (CPU or CUDA)."),
     FAST(paged_attention, "Paged attention (CPU or CUDA)."),
+    FAST(paged_attention_lse, "Paged attention + log-sum-exp per (token, head) (CPU)."),
     FAST(forward_paged, "KV write + paged attention in one call."),
     FAST(rows_gather, "dst[n] = src[index[n]]."),
     FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),

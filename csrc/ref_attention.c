@@ -1,9 +1,10 @@
 /*
  * ref_attention.c -- the CPU reference of the tensor ops: KV write into the paged cache, the
  * host-side bounds check of paged attention, paged attention itself (every mask mode, GQA,
- * fp32 accumulation) and the packed <-> padded row copies.  Plain loops; every address is
- * computed from int64 element strides, so any view (transposed, block-major, packed) works.
- * The CUDA kernels in cuda/ are checked against these routines.
+ * fp32 accumulation, optionally the log-sum-exp of every (token, head) that context-parallel
+ * ranks need to merge their partial outputs) and the packed <-> padded row copies.  Plain loops;
+ * every address is computed from int64 element strides, so any view (transposed, block-major,
+ * packed) works. The CUDA kernels in cuda/ are checked against these routines.
  *
  * Entry points: dk_ref_kv_write, dk_attention_check, dk_ref_attention, dk_ref_rows_gather,
  * dk_ref_rows_scatter.
@@ -387,6 +388,7 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                     for (int64_t k = 0; k < D; k++) {
                         acc[k] = 0.0f;
                     }
+                    float lse = -INFINITY; /* no visible key: the empty sum's log */
                     if (n > 0) {
                         load_row(a->query, t * a->q_stride_token + h * a->q_stride_head,
                                  a->q_stride_dim, D, a->dtype, qf);
@@ -410,6 +412,11 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                         for (int64_t k = 0; k < D; k++) {
                             acc[k] *= inv;
                         }
+                        /* sum >= 1 (the max term is exp(0)), so the log is finite. */
+                        lse = m + logf(sum);
+                    }
+                    if (a->lse != NULL) {
+                        a->lse[t * a->lse_stride_token + h * a->lse_stride_head] = lse;
                     }
                     store_row(a->out, t * a->o_stride_token + h * a->o_stride_head, a->o_stride_dim,
                               D, a->dtype, acc);

@@ -253,6 +253,12 @@ def _small_problem() -> AttentionProblem:
     )
 
 
+def _lse_args(p: AttentionProblem) -> list[Any]:
+    """The 13 arguments of _C.paged_attention_lse: paged_attention's with lse_out after out."""
+    a = p.attention_args()
+    return [*a[:9], torch.zeros(p.query.shape[0], p.query.shape[1]), *a[9:]]
+
+
 def _pool_state(allocated: int = 2) -> list[torch.Tensor]:
     state = [
         torch.zeros(1, dtype=torch.int64),
@@ -364,6 +370,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         ),
         "kv_write": (p.kv_write_args(), ()),
         "paged_attention": (p.attention_args(), ()),
+        "paged_attention_lse": (_lse_args(p), ()),
         "forward_paged": (p.forward_args(), ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],
@@ -485,6 +492,54 @@ def test_attention_and_kv_write_correct(p):
     with no_hang():
         _C.kv_write(*p.kv_write_args())
     assert torch.equal(p.kv_cache, expected_cache)
+
+
+def ref_lse(p: AttentionProblem, cache: torch.Tensor) -> torch.Tensor:
+    """float64 [N, H] log-sum-exp of p's scaled scores over each token's visible keys (-inf
+    when it sees none)."""
+    q = p.query.double()
+    group = q.shape[1] // cache.shape[3]
+    block_size = cache.shape[2]
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    qsl = p.query_start_loc.tolist()
+    for r, seq_len in enumerate(p.seq_lens.tolist()):
+        blocks = torch.tensor(
+            [int(p.block_table[r, j // block_size]) for j in range(seq_len)], dtype=torch.long
+        )
+        k = cache[0, blocks, torch.arange(seq_len) % block_size].double().repeat_interleave(group, dim=1)
+        query_len = qsl[r + 1] - qsl[r]
+        for i in range(query_len):
+            t = qsl[r] + i
+            if p.mask == 0:
+                n = seq_len
+            elif p.mask == 1:
+                n = i + seq_len - query_len + 1
+            else:
+                n = int(p.key_limits[t])
+            n = max(0, min(n, seq_len))
+            if n > 0:
+                lse[t] = torch.logsumexp(torch.einsum("hd,shd->hs", q[t], k[:n]) * p.scale, dim=-1)
+    return lse
+
+
+@FUZZ
+@given(p=attention_problems())
+def test_attention_lse_correct(p):
+    """Valid problems: paged_attention_lse gives paged_attention's output bit for bit and the
+    float64 log-sum-exp (-inf exactly where a token sees no key)."""
+    args = _lse_args(p)
+    with no_hang():
+        _C.paged_attention(*p.attention_args())
+    expected_out = p.out.clone()
+    p.out.fill_(3.0)
+    with no_hang():
+        _C.paged_attention_lse(*args)
+    assert torch.equal(p.out, expected_out)
+    lse, expected = args[9], ref_lse(p, p.kv_cache)
+    blind = torch.isinf(expected)
+    assert torch.equal(torch.isinf(lse), blind) and (lse[blind] < 0).all()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}[p.query.dtype]
+    assert torch.allclose(lse[~blind].double(), expected[~blind], atol=tol, rtol=tol)
 
 
 def _reachable(p: AttentionProblem) -> list[tuple[int, int]]:

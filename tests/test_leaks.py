@@ -1087,6 +1087,11 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def attn(query=q, b=bt, s=sl, kl=None, mask=_C.MASK_NONE, scale=0.5, o=out, c=cache):
         return (query, c, b, qsl, s, kl, mask, scale, o, b, qsl, s)
 
+    lse = torch.empty(2, H)
+
+    def attn_lse(b=bt, s=sl, kl=None, mask=_C.MASK_NONE, o=out, lo=lse):
+        return (q, cache, b, qsl, s, kl, mask, 0.5, o, lo, b, qsl, s)
+
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
         return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
 
@@ -1177,6 +1182,77 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 "paged_attention not tensor", TypeError, "torch.Tensor", _C.paged_attention, *attn(query=[1])
             ),
             bad("paged_attention nargs", TypeError, "takes 12 arguments", _C.paged_attention, q),
+        ],
+        "paged_attention_lse": [
+            ok("paged_attention_lse none", _C.paged_attention_lse, *attn_lse()),
+            ok("paged_attention_lse causal", _C.paged_attention_lse, *attn_lse(mask=_C.MASK_CAUSAL)),
+            ok(
+                "paged_attention_lse limits",
+                _C.paged_attention_lse,
+                *attn_lse(kl=limits, mask=_C.MASK_LIMITS),
+            ),
+            ok(
+                "paged_attention_lse short row",
+                _C.paged_attention_lse,
+                *attn_lse(s=torch.tensor([1], dtype=I32), mask=_C.MASK_CAUSAL),
+            ),
+            bad(
+                "paged_attention_lse mask",
+                ValueError,
+                "mask must be",
+                _C.paged_attention_lse,
+                *attn_lse(mask=7),
+            ),
+            bad(
+                "paged_attention_lse limits missing",
+                ValueError,
+                "key_limits must be a tensor",
+                _C.paged_attention_lse,
+                *attn_lse(mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "paged_attention_lse limits dtype",
+                TypeError,
+                "key_limits must be int32",
+                _C.paged_attention_lse,
+                *attn_lse(kl=slots, mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "paged_attention_lse block id",
+                ValueError,
+                "block_table",
+                _C.paged_attention_lse,
+                *attn_lse(b=bt_bad),
+            ),
+            bad(
+                "paged_attention_lse lse dtype",
+                TypeError,
+                "lse_out must be float32",
+                _C.paged_attention_lse,
+                *attn_lse(lo=lse.double()),
+            ),
+            bad(
+                "paged_attention_lse lse shape",
+                ValueError,
+                "lse_out must have shape",
+                _C.paged_attention_lse,
+                *attn_lse(lo=lse[:1]),
+            ),
+            bad(
+                "paged_attention_lse lse overlap",
+                ValueError,
+                "lse_out must not overlap out",
+                _C.paged_attention_lse,
+                *attn_lse(lo=out.view(-1)[: 2 * H].view(2, H)),
+            ),
+            bad(
+                "paged_attention_lse not tensor",
+                TypeError,
+                "torch.Tensor",
+                _C.paged_attention_lse,
+                *attn_lse(lo=[1.0]),
+            ),
+            bad("paged_attention_lse nargs", TypeError, "takes 13 arguments", _C.paged_attention_lse, q),
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),
@@ -1373,6 +1449,7 @@ _CAPSULE_ENTRY_POINTS = [
     "build_plan",
     "kv_write",
     "paged_attention",
+    "paged_attention_lse",
     "forward_paged",
     "rows_gather",
 ]

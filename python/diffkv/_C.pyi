@@ -206,6 +206,27 @@ def paged_attention(
     [R+1], seq_lens int32 [R], key_limits int32 [N] (mask == MASK_LIMITS).  host_* are CPU
     copies used for the bounds check (the same tensors when on CPU)."""
 
+def paged_attention_lse(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    host_block_table: torch.Tensor | None,
+    host_query_start_loc: torch.Tensor | None,
+    host_seq_lens: torch.Tensor | None,
+) -> None:
+    """CPU only (a CUDA query raises NotImplementedError: the CUDA LSE path is not built yet).
+    paged_attention plus lse_out float32 [N, H]: lse_out[t, h] = log(sum over t's visible keys
+    j of exp(scale * q[t, h] . k[j])), -inf when t sees no key.  Unlike paged_attention, a row's
+    seq_len may be below its query length in every mask mode (a context-parallel rank's local
+    share of the keys): tokens then see fewer keys, possibly none (zeros in out)."""
+
 def forward_paged(
     query: torch.Tensor,
     key: torch.Tensor,
