@@ -208,21 +208,35 @@ class PagedLayerInputs(NamedTuple):
     num_positions: int
 
 
+def context_mask(context: Any) -> tuple[int, torch.Tensor | None]:
+    """(mask mode, key_limits) of a context: the plan's per-token key limits when piecewise,
+    else causal or not per the native metadata (key_limits None)."""
+    plan = context.piecewise_plan
+    if plan is not None:
+        return _C.MASK_LIMITS, plan.key_limits
+    return (_C.MASK_CAUSAL if context.native_metadata.causal else _C.MASK_NONE), None
+
+
+def graph_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
+    """The host copies of the block tables a traced call passes: none on CUDA (CUDA-graph trees
+    cannot hold CPU tensors; the batch's tables were checked when prepared, and the kernels
+    clamp every index), the CPU tensors themselves on the CPU."""
+    if metadata.block_table.is_cuda:
+        return None, None, None
+    return metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+
+
 def layer_inputs(context: Any) -> PagedLayerInputs:
     """The tensors and numbers of a ``DiffusionPagedAttentionContext`` (from
     ``adapter.prepare_layer_context``) that ``forward_paged_layer`` needs; run it outside the
     compiled region, once per step and layer (layers of one cache group share all but kv_cache)."""
     layer = context.layer
     metadata = context.native_metadata
-    plan = context.piecewise_plan
-    if plan is not None:
-        mask, key_limits = _C.MASK_LIMITS, plan.key_limits
-    else:
-        mask, key_limits = (_C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE), None
+    mask, key_limits = context_mask(context)
+    host_block_table, host_query_start_loc, host_seq_lens = graph_host_copies(metadata)
     num_positions = 1
     for size in context.query_token_shape:
         num_positions *= size
-    on_cuda = metadata.block_table.is_cuda
     return PagedLayerInputs(
         kv_cache=layer.kv_cache,
         slot_mapping=context.slot_mapping,
@@ -232,11 +246,9 @@ def layer_inputs(context: Any) -> PagedLayerInputs:
         key_limits=key_limits,
         mask=mask,
         scale=float(layer.softmax_scale),
-        # On CUDA no host copies enter the graph (CUDA-graph trees cannot hold CPU tensors):
-        # the batch's tables were checked when prepared, and the kernels clamp every index.
-        host_block_table=None if on_cuda else metadata.block_table_cpu,
-        host_query_start_loc=None if on_cuda else metadata.query_start_loc_cpu,
-        host_seq_lens=None if on_cuda else metadata.seq_lens_cpu,
+        host_block_table=host_block_table,
+        host_query_start_loc=host_query_start_loc,
+        host_seq_lens=host_seq_lens,
         output_scatter_indices=context.output_scatter_indices,
         num_positions=num_positions,
     )

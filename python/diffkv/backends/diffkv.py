@@ -238,13 +238,7 @@ def run_forward_paged(
     metadata = paged_kv_context.native_metadata
     if check_metadata is not None:
         check_metadata(metadata)
-    plan = paged_kv_context.piecewise_plan
-    if plan is not None:
-        mask = _C.MASK_LIMITS
-        key_limits = plan.key_limits
-    else:
-        mask = _C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE
-        key_limits = None
+    mask, key_limits = ops.context_mask(paged_kv_context)
     query = paged_kv_context.query
     inputs = (
         query,
@@ -259,12 +253,11 @@ def run_forward_paged(
         mask,
         float(layer.softmax_scale),
     )
-    host = (metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
     if torch.compiler.is_compiling():
-        # No CPU tensors inside a CUDA graph: see diffkv.ops (the kernels clamp indices).
-        if query.is_cuda:
-            host = (None, None, None)
+        host = ops.graph_host_copies(metadata)
         return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
     out = torch.empty_like(query)
-    _C.forward_paged(*inputs, out, *host)
+    _C.forward_paged(
+        *inputs, out, metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    )
     return paged_kv_context.restore_output(out)
