@@ -18,19 +18,17 @@ import platform
 import shutil
 import statistics
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import diffkv
-from diffkv import _C
+from diffkv import _C, _bench
+from diffkv._bench import flush_l2
 
-L2_FLUSH_BYTES = 256 * 1024 * 1024
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_flush_buffers: dict[torch.device, torch.Tensor] = {}
 _flush_names: dict[torch.device, set[str]] = {}
 
 
@@ -39,52 +37,19 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def flush_l2(device: torch.device) -> None:
-    """Overwrites a 256 MiB int32 buffer on ``device`` (CUDA only; a no-op on CPU) so that the
-    next timed call starts with a cold L2."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    buf = _flush_buffers.get(device)
-    if buf is None:
-        buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-        _flush_buffers[device] = buf
-    buf.fill_(7)
-
-
 def time_us(
     fn: Callable[[], Any],
     device: torch.device | str,
     *,
     warmup: int = 3,
     reps: int = 10,
-    flush: bool = True,
 ) -> dict[str, Any]:
-    """Times ``fn()`` on ``device``: ``warmup`` untimed calls, then ``reps`` timed ones, each
-    after an L2 flush (CUDA) and bracketed by CUDA events (CUDA) or perf_counter (CPU).
-    Returns {'median_us', 'min_us', 'samples_us': [reps]}."""
-    device = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            if flush:
-                flush_l2(device)
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
-    else:
-        for _ in range(reps):
-            start = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - start) / 1e3)
-    return {"median_us": median(samples), "min_us": min(samples), "samples_us": samples}
+    """Times ``fn()`` on ``device`` with the package's timer (``diffkv._bench.time_us``:
+    ``warmup`` untimed calls, then ``reps`` timed ones, each after an L2 flush (CUDA) and
+    bracketed by CUDA events (CUDA) or perf_counter (CPU)).  Returns {'median_us', 'min_us',
+    'samples_us': [reps]}."""
+    timed = _bench.time_us(fn, torch.device(device), warmup, reps)
+    return {"median_us": timed["us"], "min_us": timed["min_us"], "samples_us": timed["samples_us"]}
 
 
 def _flush_kernel_names(device: torch.device) -> set[str]:

@@ -251,7 +251,12 @@ def environment(device: torch.device) -> dict[str, Any]:
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
-def _flush_l2(device: torch.device) -> None:
+def flush_l2(device: torch.device) -> None:
+    """Overwrites a 256 MiB int32 buffer on ``device`` so that the next timed call starts with a
+    cold L2 (CUDA only; a no-op on the CPU).  Also used by the repo's benchmarks/."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
     buf = _flush_buffers.get(device)
     if buf is None:
         buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
@@ -262,7 +267,7 @@ def _flush_l2(device: torch.device) -> None:
 def time_us(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> dict[str, Any]:
     """Times fn(): warmup untimed calls, then reps timed ones, each after an L2 flush and
     between CUDA events (CUDA) or perf_counter readings (CPU).  Returns {'us': median,
-    'min_us', 'samples_us': [reps]}."""
+    'min_us', 'samples_us': [reps]}.  Also used by the repo's benchmarks/."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -270,7 +275,7 @@ def time_us(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
-            _flush_l2(device)
+            flush_l2(device)
             starts[i].record()
             fn()
             ends[i].record()
