@@ -404,9 +404,9 @@ typedef struct dk_attention_args {
     int64_t max_seq_len;   /* max over rows of seq_lens */
     float scale;           /* softmax scale */
     dk_dtype dtype;        /* DK_F32, DK_F16 or DK_BF16: query, cache and out */
-    /* Optional output, NULL = not requested (every builder memsets the struct; the CUDA path
-     * does not read it yet and callers refuse it there): lse[t, h] = natural log of the sum
-     * over t's visible keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
+    /* Optional output, NULL = not requested (every builder memsets the struct), filled by the
+     * CPU reference and the CUDA kernels: lse[t, h] = natural log of the sum over t's visible
+     * keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
     float *lse;                                /* [num_tokens, num_heads] or NULL */
     int64_t lse_stride_token, lse_stride_head; /* element strides of lse */
 } dk_attention_args;

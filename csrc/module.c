@@ -2556,8 +2556,8 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /*
  * paged_attention_lse: paged_attention that also fills lse_out[t, h], the log-sum-exp of every
- * (token, head), on the CPU only (the CUDA LSE path is not built yet: a CUDA query raises
- * NotImplementedError).  Unlike paged_attention, a row's seq_len may be below its query length
+ * (token, head), on the CPU and on CUDA (the same kernels, which then also write the LSE).
+ * Unlike paged_attention, a row's seq_len may be below its query length
  * in every mask mode: a context-parallel rank holds a share of each row's keys, so its local
  * key count is usually below the query length; a token then sees fewer keys, possibly none
  * (zeros in out, -inf in lse).  parse_attention therefore runs with the mask replaced by
@@ -2599,13 +2599,6 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     dk_attention_args a;
     dk_tensor q, o, kl, lse, in;
     if (parse_attention(module, attn_args, op, &a, NULL, &q, &o) != 0) {
-        goto done;
-    }
-    if (q.device_type == DK_CUDA) {
-        PyErr_Format(PyExc_NotImplementedError,
-                     "%s(): query must be a CPU tensor (the CUDA LSE path is not built yet), got "
-                     "cuda:%d",
-                     op, (int)q.device_id);
         goto done;
     }
     if (mask == DK_MASK_LIMITS) {
@@ -2848,7 +2841,7 @@ static PyMethodDef module_methods[] = {
     FAST(build_plan, "Piecewise plan (the seed's build_paged_piecewise_plan)."),
     FAST(kv_write, "KV cache write (CPU or CUDA)."),
     FAST(paged_attention, "Paged attention (CPU or CUDA)."),
-    FAST(paged_attention_lse, "Paged attention + log-sum-exp per (token, head) (CPU)."),
+    FAST(paged_attention_lse, "Paged attention + log-sum-exp per (token, head)."),
     FAST(forward_paged, "KV write + paged attention in one call."),
     FAST(rows_gather, "dst[n] = src[index[n]]."),
     FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),

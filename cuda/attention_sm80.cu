@@ -41,6 +41,10 @@
  * Key tiles at or past the largest L of a query tile are neither loaded nor computed; a token
  * with L == 0 gets zeros.
  *
+ * LSE (optional, a.lse != NULL): the natural log-sum-exp of every (token, head)'s visible scaled
+ * scores, written by the thread that writes the row's first output pair; -inf for a token that
+ * sees no key (context parallelism merges ranks' partial outputs with it).
+ *
  * Entry point: dk_cuda_attention.
  */
 #include "diffkv.h"
@@ -733,6 +737,13 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             if (r >= tile_rows) {
                 continue;
             }
+            if (a.lse != NULL && tq == 0) {
+                /* sum = sum_j 2^(s_j * scale_log2 - m * scale_log2), so the natural log-sum-exp
+                 * of the scaled scores is (m * scale_log2 + log2(sum)) * ln 2 */
+                a.lse[(t0 + r) * a.lse_stride_token + eh * a.lse_stride_head] =
+                    sum > 0.0f ? (__fmul_rn(m[mt][hf], scale_log2) + log2f(sum)) / LOG2E
+                               : -INFINITY;
+            }
             uint16_t *orow = out + (t0 + r) * a.o_stride_token;
 #pragma unroll
             for (int dt = 0; dt < DTILES; dt++) {
@@ -825,6 +836,11 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
         m = mn;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    if (a.lse != NULL && lane == 0) {
+        /* m and the scores are already in log2 units of the scaled scores */
+        a.lse[t * a.lse_stride_token + h * a.lse_stride_head] =
+            l > 0.0f ? (m + log2f(l)) / LOG2E : -INFINITY;
+    }
     float *orow = (float *)a.out + t * a.o_stride_token + h * a.o_stride_head;
 #pragma unroll
     for (int k = 0; k < PER_LANE; k++) {

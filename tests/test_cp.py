@@ -43,20 +43,25 @@ def _ref_out_lse(q, k, v, visible, scale):
     return torch.einsum("hns,shd->nhd", probs, v), lse.T
 
 
-def _lse_problem(block_size, mode, dtype, seed, short_row=False):
+SMALL_ROWS = {"seq_lens": [23, 7], "query_lens": [5, 7], "spans": [[(19, 22)], [(1, 4)]]}
+SMALL_ROWS_SHORT = {"seq_lens": [23, 3], "query_lens": [5, 6], "spans": [[(19, 22)], [(1, 4)]]}
+
+
+def _lse_problem(block_size, mode, dtype, seed, short_row=False, dims=(H, HKV, D), rows=None):
     """Two rows in a paged cache with a permuted block table and spare blocks; queries are the
     rows' suffixes (bottom-right).  With short_row, row 1 has seq_len < query_len (allowed by
-    paged_attention_lse: a rank's local share), queries at positions seq_len - query_len + i."""
+    paged_attention_lse: a rank's local share), queries at positions seq_len - query_len + i.
+    dims = (heads, kv heads, head_size); rows overrides the lengths and spans."""
     g = torch.Generator().manual_seed(seed)
-    seq_lens = [23, 7] if not short_row else [23, 3]
-    query_lens = [5, 7] if not short_row else [5, 6]
-    spans = [[(19, 22)], [(1, 4)]]
+    heads, kv_heads, head_size = dims
+    rows = rows or (SMALL_ROWS_SHORT if short_row else SMALL_ROWS)
+    seq_lens, query_lens, spans = rows["seq_lens"], rows["query_lens"], rows["spans"]
     cols = max(-(-s // block_size) for s in seq_lens) + 1
     num_blocks = 2 * cols + 3
     perm = torch.randperm(num_blocks, generator=g)[: 2 * cols].to(torch.int32)
     block_table = perm.view(2, cols).contiguous()
-    cache = torch.randn(2, num_blocks, block_size, HKV, D, generator=g).to(dtype)
-    q = torch.randn(sum(query_lens), H, D, generator=g).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), heads, head_size, generator=g).to(dtype)
     qsl = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     limits, visibles = [], []
@@ -551,31 +556,302 @@ def test_parallel_cp_errors():
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# CUDA: the kernels' log-sum-exp, context parallelism on one GPU and over NCCL
+# ------------------------------------------------------------------------------------------------
+
+# Rows long enough for several query tiles (128) and key tiles (64/128) of the tensor-core
+# kernel; the short variant gives row 1 fewer keys than queries, as a CP rank's share does.
+GPU_ROWS = {
+    "seq_lens": [700, 190],
+    "query_lens": [300, 150],
+    "spans": [[(450, 520), (600, 700)], [(40, 100)]],
+}
+GPU_ROWS_SHORT = {"seq_lens": [700, 90], "query_lens": [300, 150], "spans": [[(450, 520)], [(-20, 60)]]}
+
+
+def _check_lse_case(dev, block_size, mode, dtype, dims, rows, seed, lse_atol):
+    heads = dims[0]
+    cache, bt, q, qsl, sl, kl, visibles = _lse_problem(block_size, mode, dtype, seed, dims=dims, rows=rows)
+    mask = MASK_OF[mode]
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=dev)
+    lse = torch.full((q.shape[0], heads), float("nan"), device=dev)
+    _C.paged_attention_lse(
+        q.to(dev),
+        cache.to(dev),
+        bt.to(dev),
+        qsl.to(dev),
+        sl.to(dev),
+        kl.to(dev) if mask == 2 else None,
+        mask,
+        0.125,
+        out,
+        lse,
+        bt,
+        qsl,
+        sl,
+    )
+    out, lse = out.cpu(), lse.cpu()
+    for r in range(2):
+        t0, t1 = int(qsl[r]), int(qsl[r + 1])
+        k, v = dense_kv_from_cache(cache, bt[r], int(sl[r]))
+        ref_out, ref_lse = _ref_out_lse(q[t0:t1], k, v, visibles[r], 0.125)
+        nothing = ~visibles[r].any(dim=1)
+        assert torch.equal(torch.isneginf(lse[t0:t1]), nothing[:, None].expand(-1, heads)), (r, mode)
+        assert (out[t0:t1][nothing] == 0).all()
+        seen = ~nothing
+        lse_err = (lse[t0:t1][seen].double() - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
+        assert lse_err <= lse_atol, (r, mode, lse_err)
+        out_atol = 1e-5 if dtype == torch.float32 else ATOL_BY_DTYPE[dtype]
+        err = (out[t0:t1].double() - ref_out).abs().max().item()
+        assert err <= out_atol, (r, mode, err)
+    return out, lse
+
+
+ATOL_BY_DTYPE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
 @pytest.mark.gpu
-def test_cuda_lse_path_is_an_explicit_error():
-    q, cache, bt, qsl, sl, *_ = _lse_args()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("short_row", [False, True])
+def test_cuda_lse_tensor_cores_match_float64_reference(dtype, head_size, mode, block_size, short_row):
+    """The mma kernel's lse (8 heads over 2 kv heads) against float64: the scores are exact
+    products of fp16/bf16 inputs accumulated in fp32, so the lse is good to ~1e-4."""
     dev = torch.device("cuda")
-    args = _lse_args(
-        query=q.to(dev),
-        kv_cache=cache.to(dev),
-        block_table=bt.to(dev),
-        query_start_loc=qsl.to(dev),
-        seq_lens=sl.to(dev),
-        out=torch.empty(3, 2, 4, device=dev),
-        lse_out=torch.empty(3, 2, device=dev),
+    rows = GPU_ROWS_SHORT if short_row else GPU_ROWS
+    out, lse = _check_lse_case(dev, block_size, mode, dtype, (8, 2, head_size), rows, 3 + block_size, 2e-4)
+    if not short_row:
+        # The output is the very paged_attention output (same kernel, same launch shapes).
+        cache, bt, q, qsl, sl, kl, _ = _lse_problem(
+            block_size, mode, dtype, 3 + block_size, dims=(8, 2, head_size), rows=rows
+        )
+        mask = MASK_OF[mode]
+        plain = torch.empty(q.shape, dtype=dtype, device=dev)
+        _C.paged_attention(
+            q.to(dev),
+            cache.to(dev),
+            bt.to(dev),
+            qsl.to(dev),
+            sl.to(dev),
+            kl.to(dev) if mask == 2 else None,
+            mask,
+            0.125,
+            plain,
+            bt,
+            qsl,
+            sl,
+        )
+        assert torch.equal(plain.cpu(), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("short_row", [False, True])
+def test_cuda_lse_fp32_kernel_matches_cpu(mode, short_row):
+    dev = torch.device("cuda")
+    out, lse = _check_lse_case(
+        dev, 16, mode, torch.float32, (H, HKV, D), None if not short_row else SMALL_ROWS_SHORT, 9, 1e-5
     )
-    _raises(
-        NotImplementedError,
-        f"paged_attention_lse(): query must be a CPU tensor (the CUDA LSE path is not built yet), "
-        f"got cuda:{torch.cuda.current_device()}",
-        _C.paged_attention_lse,
-        *args,
+    cache, bt, q, qsl, sl, kl, _ = _lse_problem(16, mode, torch.float32, 9, short_row)
+    cpu_out, cpu_lse = torch.empty_like(q), torch.empty(q.shape[0], H)
+    mask = MASK_OF[mode]
+    _C.paged_attention_lse(
+        q, cache, bt, qsl, sl, kl if mask == 2 else None, mask, 0.125, cpu_out, cpu_lse, bt, qsl, sl
     )
-    _raises(
-        NotImplementedError,
-        f"attention_partial(): query must be a CPU tensor (the CUDA LSE path is not built yet), "
-        f"got {args[0].device}",
-        lambda: parallel_cp.attention_partial(
-            args[0], args[1], args[2], args[3], args[4], 0, 0.5, cp_size=2, cp_rank=0
-        ),
+    assert torch.allclose(lse, cpu_lse, atol=1e-5, rtol=1e-6)
+    assert torch.allclose(out, cpu_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_lse_strided_output_and_negative_scale():
+    dev = torch.device("cuda")
+    cache, bt, q, qsl, sl, kl, visibles = _lse_problem(
+        16, "spans", torch.bfloat16, 4, dims=(8, 2, 128), rows=GPU_ROWS
     )
+    args = (q.to(dev), cache.to(dev), bt.to(dev), qsl.to(dev), sl.to(dev), kl.to(dev), 2)
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    lse = torch.empty(q.shape[0], 8, device=dev)
+    lse_t = torch.empty(8, q.shape[0], device=dev)
+    _C.paged_attention_lse(*args, -0.125, out, lse, bt, qsl, sl)
+    _C.paged_attention_lse(*args, -0.125, out, lse_t.T, None, None, None)
+    assert torch.equal(lse_t.T, lse)
+    k, v = dense_kv_from_cache(cache, bt[0], int(sl[0]))
+    _, ref_lse = _ref_out_lse(q[: int(qsl[1])], k, v, visibles[0], -0.125)
+    assert (lse[: int(qsl[1])].cpu().double() - ref_lse).abs().max().item() < 2e-4
+
+
+def _cuda_rank_partials(keys, values, q, qsl, sl, key_limits, mode, cp_size, cp_interleave, dev):
+    partials = []
+    for rank in range(cp_size):
+        cache, bt = _rank_cache(keys, values, cp_size, rank, cp_interleave, seed=11)
+        partials.append(
+            parallel_cp.attention_partial(
+                q.to(dev),
+                cache.to(dev),
+                bt.to(dev),
+                qsl.to(dev),
+                sl.to(dev),
+                MASK_OF[mode],
+                SCALE,
+                key_limits.to(dev),
+                cp_size=cp_size,
+                cp_rank=rank,
+                cp_interleave=cp_interleave,
+            )
+        )
+    return partials
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cp_interleave", [1, 4])
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_cuda_cp_simulated_ranks_match_single_process(mode, cp_interleave, cp_size):
+    """Every rank's CUDA partial (fp32 kernel at this head size) merged by combine() matches the
+    CPU single-process result and the CPU partials."""
+    dev = torch.device("cuda")
+    keys, values, q, qsl, sl, key_limits = _scenario(5)
+    partials = _cuda_rank_partials(keys, values, q, qsl, sl, key_limits, mode, cp_size, cp_interleave, dev)
+    assert all(o.device.type == "cuda" and lse.device.type == "cuda" for o, lse in partials)
+    out, lse = parallel_cp.combine([p[0] for p in partials], [p[1] for p in partials])
+    expected = _single_process(keys, values, q, qsl, sl, key_limits, mode)
+    assert torch.allclose(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out.cpu().double(), _float64_reference(keys, values, q, qsl, mode), atol=1e-5)
+
+
+def _nccl_scenario(seed, dtype):
+    """Two long rows with GQA 8/2 at head_size 128 for the tensor-core kernel."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens, query_lens = [1500, 620], [700, 620]
+    spans = [[(900, 1100), (1300, 1500)], [(0, 300), (300, 620)]]
+    keys = [torch.randn(s, 2, 128, generator=g).to(dtype) for s in seq_lens]
+    values = [torch.randn(s, 2, 128, generator=g).to(dtype) for s in seq_lens]
+    q = torch.randn(sum(query_lens), 8, 128, generator=g).to(dtype)
+    qsl = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    limits = []
+    for r, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        limits += key_limits_for_spans(range(s - n, s), spans[r])
+    visibles = [
+        mask_spans(range(s - n, s), s, spans[r])
+        for r, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True))
+    ]
+    return keys, values, q, qsl, sl, torch.tensor(limits, dtype=torch.int32), visibles
+
+
+def _nccl_cache(keys, values, cp_size, cp_rank, cp_interleave, block_size, dev):
+    """This rank's share through BlockTables (slots -1 elsewhere), written by one kv_write."""
+    blocks_per_row = [-(-len(k) // (block_size * cp_size)) for k in keys]
+    tables = diffkv.BlockTables(
+        [block_size],
+        max_num_reqs=len(keys),
+        max_num_batched_tokens=4096,
+        max_num_blocks_per_group=max(blocks_per_row),
+        device="cpu",
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_interleave=cp_interleave,
+    )
+    start = 0
+    for r, n in enumerate(blocks_per_row):
+        tables.append_block_ids(r, [list(range(start, start + n))[::-1]])
+        start += n
+    rows = torch.arange(len(keys), dtype=torch.int32)
+    lens = [len(k) for k in keys]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(torch.int64)
+    slots = tables.compute_slot_mappings(rows, qsl, positions, positions.shape[0])[0].clone()
+    cache = torch.zeros(2, start, block_size, 2, 128, dtype=keys[0].dtype, device=dev)
+    _C.kv_write(torch.cat(keys).to(dev), torch.cat(values).to(dev), cache, slots.to(dev))
+    return cache, tables.gather_block_tables(rows, len(keys))[0].clone().to(dev)
+
+
+def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+    import pathlib
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    report = {}
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            keys, values, q, qsl, sl, kl, visibles = _nccl_scenario(17, dtype)
+            whole, whole_bt = _nccl_cache(keys, values, 1, 0, 1, 16, dev)
+            for cp_interleave in (1, 16):
+                cache, bt = _nccl_cache(keys, values, world, rank, cp_interleave, 16, dev)
+                for mode in MODES:
+                    out = parallel_cp.cp_attention(
+                        q.to(dev),
+                        cache,
+                        bt,
+                        qsl.to(dev),
+                        sl.to(dev),
+                        MASK_OF[mode],
+                        0.09,
+                        kl.to(dev),
+                        cp_interleave=cp_interleave,
+                    )
+                    single = torch.empty_like(out)
+                    mask = MASK_OF[mode]
+                    _C.paged_attention(
+                        q.to(dev),
+                        whole,
+                        whole_bt,
+                        qsl.to(dev),
+                        sl.to(dev),
+                        kl.to(dev) if mask == 2 else None,
+                        mask,
+                        0.09,
+                        single,
+                        whole_bt.cpu(),
+                        qsl,
+                        sl,
+                    )
+                    ref = []
+                    for r in range(2):
+                        s, t0, t1 = int(sl[r]), int(qsl[r]), int(qsl[r + 1])
+                        visible = {
+                            "none": mask_none(range(s - (t1 - t0), s), s),
+                            "causal": mask_causal(range(s - (t1 - t0), s), s),
+                            "spans": visibles[r],
+                        }[mode]
+                        ref.append(_ref_out_lse(q[t0:t1], keys[r], values[r], visible, 0.09)[0])
+                    ref = torch.cat(ref)
+                    report[f"{dtype}/{cp_interleave}/{mode}"] = {
+                        "vs_single": (out.float() - single.float()).abs().max().item(),
+                        "cp_vs_f64": (out.cpu().double() - ref).abs().max().item(),
+                        "single_vs_f64": (single.cpu().double() - ref).abs().max().item(),
+                        "device": str(out.device),
+                    }
+        dist.barrier()
+        (pathlib.Path(out_dir) / f"cp_rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cp_two_nccl_processes_match_single_process(tmp_path):
+    """2 ranks on 2 GPUs (NCCL): bf16/fp16, GQA 8/2, head 128, block 16, interleave 1 and 16,
+    every mask; the merged output is as close to float64 as one GPU's own output is."""
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs 2 CUDA devices and NCCL")
+    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"cp_rank{rank}.json").read_text())
+        assert len(report) == 2 * 2 * 3
+        for key, r in report.items():
+            assert r["device"] == f"cuda:{rank}", key
+            atol = 2e-3 if "float16" in key and "bfloat16" not in key else 1.6e-2
+            assert r["vs_single"] <= atol, (key, r)
+            assert r["cp_vs_f64"] <= max(2 * r["single_vs_f64"], atol / 2), (key, r)

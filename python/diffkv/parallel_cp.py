@@ -17,8 +17,11 @@ Entry points:
 - ``all_gather_combine``: the same merge across a ``torch.distributed`` group (gloo or NCCL);
 - ``cp_attention``: ``attention_partial`` then ``all_gather_combine``.
 
-The partial attention runs on the CPU reference for now (``_C.paged_attention_lse``); CUDA
-tensors raise ``NotImplementedError`` (the CUDA LSE path is not built yet).
+The partial attention is ``_C.paged_attention_lse``: the CPU reference for CPU tensors, the
+tensor-core kernel (which then also writes the log-sum-exp) for CUDA tensors.  The per-token
+key bounds are computed on the host from host copies of the small metadata (``query_start_loc``,
+``seq_lens``, ``key_limits``), which also lets the C side bounds-check the block table before
+the launch.
 """
 
 from __future__ import annotations
@@ -142,10 +145,6 @@ def attention_partial(
     """
     op = "attention_partial()"
     _check_cp(op, cp_size, cp_rank, cp_interleave)
-    if query.device.type != "cpu":
-        raise NotImplementedError(
-            f"{op}: query must be a CPU tensor (the CUDA LSE path is not built yet), got {query.device}"
-        )
     block_size = kv_cache.shape[2] if kv_cache.ndim == 5 else None
     if cp_size > 1 and block_size is not None and block_size % cp_interleave != 0:
         raise ValueError(
@@ -158,22 +157,35 @@ def attention_partial(
     _C.dcp_local_seq_lens(
         seq_lens.to(device="cpu", dtype=torch.int32).contiguous(), local_seq, cp_size, cp_rank, cp_interleave
     )
+    device = query.device
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32)
+    lse = torch.empty(query.shape[0], query.shape[1], dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        # The CPU reference checks its own (host) metadata.
+        host = (None, None, None)
+        dev_seq, dev_limits = local_seq, local_limits
+    else:
+        # Host copies for the bounds check that runs before the launch; the kernel reads the
+        # device tensors.
+        host = (
+            block_table.to(device="cpu"),
+            query_start_loc.to(device="cpu"),
+            local_seq,
+        )
+        dev_seq = local_seq.to(device, non_blocking=True)
+        dev_limits = local_limits.to(device, non_blocking=True)
     _C.paged_attention_lse(
         query,
         kv_cache,
         block_table,
         query_start_loc,
-        local_seq,
-        local_limits,
+        dev_seq,
+        dev_limits,
         _C.MASK_LIMITS,
         scale,
         out,
         lse,
-        None,
-        None,
-        None,
+        *host,
     )
     return out, lse
 
