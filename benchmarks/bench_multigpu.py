@@ -165,7 +165,8 @@ def _ulysses(case, ctx, mask, single):
 def _cp(case, ctx, mask, single):
     """Context parallel: all tokens in, each rank keeps its interleaved half of the KV."""
     q, k, v, n, h, d, bs, rank = (ctx[x] for x in ("q", "k", "v", "n", "h", "d", "bs", "rank"))
-    cache, slots, bt, _ = _cache_and_tables(n, h, d, bs, WORLD, rank, q.dtype, q.device)
+    cache, slots, bt, host_bt = _cache_and_tables(n, h, d, bs, WORLD, rank, q.dtype, q.device)
+    host = (host_bt, ctx["host_qsl"], ctx["host_sl"])  # vLLM's block tables keep host copies
     result = {}
 
     def layer():
@@ -181,6 +182,7 @@ def _cp(case, ctx, mask, single):
             cp_size=WORLD,
             cp_rank=rank,
             cp_interleave=1,
+            host_metadata=host,
         )
         result["out"] = parallel_cp.all_gather_combine(out, lse)[0]
 

@@ -284,6 +284,26 @@ def test_local_key_limits_is_the_interleaved_count():
                 sum(1 for p in range(L) if (p // interleave) % cp_size == rank) for L in limits.tolist()
             ]
             assert local.tolist() == expected
+            # the tensor formula is the C one (BlockTables' dcp_local_seq_lens)
+            c_local = torch.empty_like(limits)
+            _C.dcp_local_seq_lens(limits, c_local, cp_size, rank, interleave)
+            assert torch.equal(local, c_local)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_key_limits_stay_on_their_device(device):
+    _, _, q, qsl, sl, key_limits = _scenario(2)
+    for mode in MODES:
+        host = parallel_cp.global_key_limits(qsl, sl, MASK_OF[mode], key_limits)
+        dev = parallel_cp.global_key_limits(
+            qsl.to(device), sl.to(device), MASK_OF[mode], key_limits.to(device), num_tokens=q.shape[0]
+        )
+        assert dev.device.type == device and dev.dtype == torch.int32
+        assert torch.equal(dev.cpu(), host)
+        local = parallel_cp.local_key_limits(dev, 2, 1, 4)
+        assert local.device.type == device and torch.equal(
+            local.cpu(), parallel_cp.local_key_limits(host, 2, 1, 4)
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -464,6 +484,29 @@ def test_parallel_cp_errors():
         return parallel_cp.attention_partial(q, cache, bt, qsl, sl, 0, 0.5, **cp)
 
     _raises(ValueError, "attention_partial(): cp_rank must be in [0, 2), got 2", partial, cp_rank=2)
+    _raises(
+        ValueError,
+        "attention_partial(): query_start_loc must end at the query's token count 3, got [0, 2]",
+        lambda: parallel_cp.attention_partial(
+            q, cache, bt, torch.tensor([0, 2], dtype=torch.int32), sl, 0, 0.5, cp_size=2, cp_rank=0
+        ),
+    )
+    bad = (bt, qsl)
+    _raises(
+        TypeError,
+        f"attention_partial(): host_metadata must be 3 CPU tensors (block_table, query_start_loc, "
+        f"seq_lens), got {bad!r}",
+        partial,
+        host_metadata=bad,
+    )
+    # A row longer than its table's reach (9 global keys -> 5 on rank 0 > 1 block of 4).
+    _raises(
+        ValueError,
+        "paged_attention(): seq_lens[0] must be in [0, 4] (block_table columns * block_size), got 5",
+        lambda: parallel_cp.attention_partial(
+            q, cache, bt, qsl, torch.tensor([9], dtype=torch.int32), 0, 0.5, cp_size=2, cp_rank=0
+        ),
+    )
     _raises(TypeError, "attention_partial(): cp_size must be an int, got 2.0", partial, cp_size=2.0)
     _raises(ValueError, "attention_partial(): cp_interleave must be >= 1, got 0", partial, cp_interleave=0)
     _raises(
@@ -666,7 +709,7 @@ def test_cuda_lse_fp32_kernel_matches_cpu(mode, short_row):
 
 
 @pytest.mark.gpu
-def test_cuda_lse_strided_output_and_negative_scale():
+def test_cuda_lse_strided_output():
     dev = torch.device("cuda")
     cache, bt, q, qsl, sl, kl, visibles = _lse_problem(
         16, "spans", torch.bfloat16, 4, dims=(8, 2, 128), rows=GPU_ROWS
@@ -675,12 +718,46 @@ def test_cuda_lse_strided_output_and_negative_scale():
     out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty(q.shape[0], 8, device=dev)
     lse_t = torch.empty(8, q.shape[0], device=dev)
-    _C.paged_attention_lse(*args, -0.125, out, lse, bt, qsl, sl)
-    _C.paged_attention_lse(*args, -0.125, out, lse_t.T, None, None, None)
+    _C.paged_attention_lse(*args, 0.125, out, lse, bt, qsl, sl)
+    _C.paged_attention_lse(*args, 0.125, out, lse_t.T, None, None, None)
     assert torch.equal(lse_t.T, lse)
     k, v = dense_kv_from_cache(cache, bt[0], int(sl[0]))
-    _, ref_lse = _ref_out_lse(q[: int(qsl[1])], k, v, visibles[0], -0.125)
+    _, ref_lse = _ref_out_lse(q[: int(qsl[1])], k, v, visibles[0], 0.125)
     assert (lse[: int(qsl[1])].cpu().double() - ref_lse).abs().max().item() < 2e-4
+
+
+@pytest.mark.gpu
+def test_cuda_partial_checks_the_host_metadata_before_the_launch():
+    dev = torch.device("cuda")
+    q = torch.randn(3, 2, 4, device=dev)
+    cache = torch.randn(2, 3, 4, 1, 4, device=dev)
+    bt = torch.tensor([[0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    sl = torch.tensor([3], dtype=torch.int32)
+    _raises(
+        ValueError,
+        "paged_attention(): seq_lens[0] must be in [0, 4] (block_table columns * block_size), got 5",
+        lambda: parallel_cp.attention_partial(
+            q, cache, bt.to(dev), qsl.to(dev), sl.to(dev), 0, 0.5, cp_size=2, cp_rank=0,
+            host_metadata=(bt, qsl, torch.tensor([9], dtype=torch.int32)),
+        ),
+    )  # fmt: skip
+    out, lse = parallel_cp.attention_partial(
+        q,
+        cache,
+        bt.to(dev),
+        qsl.to(dev),
+        sl.to(dev),
+        0,
+        0.5,
+        cp_size=2,
+        cp_rank=0,
+        host_metadata=(bt, qsl, sl),
+    )
+    same = parallel_cp.attention_partial(
+        q, cache, bt.to(dev), qsl.to(dev), sl.to(dev), 0, 0.5, cp_size=2, cp_rank=0
+    )
+    assert torch.equal(out, same[0]) and torch.equal(lse, same[1])
 
 
 def _cuda_rank_partials(keys, values, q, qsl, sl, key_limits, mode, cp_size, cp_interleave, dev):
