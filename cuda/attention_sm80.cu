@@ -49,6 +49,7 @@
  */
 #include "diffkv.h"
 
+#include "attention_common.cuh"
 #include "cuda_common.cuh"
 
 #include <cuda_bf16.h>
@@ -63,14 +64,10 @@
 #define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_CTAS_PER_SM 2
-#define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
-#define ATTN_MAX_DEVICES 64 /* devices whose shared-memory attribute is cached */
-#define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
 
 #define F32_WARPS 4 /* warps per CTA of the fp32 kernel */
 #define F32_MAX_HEAD 256
 
-#define LOG2E 1.4426950408889634f
 
 /* Keys per K/V tile: 64 for head 128 (S, P and O of two m-tiles per warp fit the register
  * file), 128 for head 64 (measured on H200: 14 % faster than 64). */
@@ -80,194 +77,6 @@ template <int D> struct attn_tile {
      * offsets (97 KiB for head 128, 82 KiB for head 64: two CTAs per SM) */
     static constexpr size_t SMEM = (size_t)(ATTN_BM + 4 * BN) * D * 2 + 2 * BN * sizeof(int64_t);
 };
-
-/* ------------------------------------------------------------------------------------------ */
-/* Masks                                                                                       */
-/* ------------------------------------------------------------------------------------------ */
-
-/* Exclusive key limit of query token i of a row (packed token t), see the file comment. */
-static __device__ int32_t
-key_limit(const dk_attention_args &a, int64_t t, int64_t i, int64_t query_len, int64_t seq_len)
-{
-    int64_t lim;
-    if (a.mask == DK_MASK_CAUSAL) {
-        lim = i + seq_len - query_len + 1;
-    }
-    else if (a.mask == DK_MASK_LIMITS) {
-        lim = a.key_limits[t];
-    }
-    else {
-        lim = seq_len;
-    }
-    lim = lim < seq_len ? lim : seq_len;
-    lim = lim > 0 ? lim : 0;
-    return (int32_t)lim;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* fp16 / bf16 helpers                                                                         */
-/* ------------------------------------------------------------------------------------------ */
-
-template <typename T> struct half_ops;
-
-template <> struct half_ops<__half> {
-    static __device__ uint32_t pack(float lo, float hi)
-    {
-        __half2 v = __floats2half2_rn(lo, hi); /* .x (low 16 bits) = lo */
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ uint16_t bits(float f)
-    {
-        return __half_as_ushort(__float2half_rn(f));
-    }
-    static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct half_ops<__nv_bfloat16> {
-    static __device__ uint32_t pack(float lo, float hi)
-    {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (low 16 bits) = lo */
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ uint16_t bits(float f)
-    {
-        return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-    }
-    static __device__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-/* 2^x on the special-function unit (2^-inf = 0). */
-static __device__ __forceinline__ float
-fast_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ uint32_t
-smem_addr(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/*
- * ldmatrix x4 at shared address `addr` (this lane's row address): lanes 8m..8m+7 give the 8
- * row addresses (16 contiguous bytes each) of 8x8 matrix m; r[m] receives, in lane l, elements
- * (row l/4, cols 2(l%4), 2(l%4)+1) of matrix m (lower column in the low half).  With .trans
- * it receives (rows 2(l%4), 2(l%4)+1, col l/4).
- */
-static __device__ __forceinline__ void
-ldsm_x4(uint32_t r[4], uint32_t addr)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-ldsm_x4_trans(uint32_t r[4], uint32_t addr)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-/* 16-byte cp.async to shared address dst; src_bytes 0 fills the 16 bytes with zeros. */
-static __device__ __forceinline__ void
-cp_async16(uint32_t dst, const void *src, uint32_t src_bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-/* Waits until every cp.async group of this thread has landed. */
-static __device__ __forceinline__ void
-cp_async_wait_all(void)
-{
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-/* One 16-byte chunk (8 elements, element stride `stride`) loaded now, with plain loads. */
-static __device__ void
-load_chunk_sync(uint16_t *dst, const uint16_t *src, int64_t stride)
-{
-    uint32_t w[4];
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        /* element 2e in the low half, as in memory (little endian) */
-        w[e] = (uint32_t)src[2 * e * stride] | ((uint32_t)src[(2 * e + 1) * stride] << 16);
-    }
-    *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-static __device__ void
-zero_chunk(uint16_t *dst)
-{
-    *reinterpret_cast<uint4 *>(dst) = make_uint4(0u, 0u, 0u, 0u);
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* fp16 / bf16 tensor-core kernel                                                              */
-/* ------------------------------------------------------------------------------------------ */
-
-/* Start and length of row `row`'s queries with both ends clamped to [0, num_tokens]: device
- * offsets that disagree with the checked host copy cannot move Q/O accesses out of the
- * tensors.  Cannot fail. */
-static __device__ __forceinline__ void
-row_span(const dk_attention_args &a, int64_t row, int64_t *start, int64_t *len)
-{
-    const int64_t n = a.num_tokens;
-    const int64_t s0 = min(max((int64_t)a.query_start_loc[row], (int64_t)0), n);
-    const int64_t s1 = min(max((int64_t)a.query_start_loc[row + 1], s0), n);
-    *start = s0;
-    *len = s1 - s0;
-}
-
-/* A block id the host check passed; clamped to a real block in case the device table differs
- * from the host copy that was checked (memory stays in bounds, never out of the cache). */
-static __device__ __forceinline__ int32_t
-dk_safe_block(const dk_attention_args &a, int32_t block)
-{
-    return (uint32_t)block < (uint64_t)a.num_blocks ? block : 0;
-}
-
-/* Byte offset in the cache of key j of the row (head kv_head), or 0 (a harmless address,
- * never read) when j >= kv_end. */
-static __device__ int64_t
-kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, int32_t j,
-              int32_t kv_end)
-{
-    if (j >= kv_end) {
-        return 0;
-    }
-    const uint32_t bs = (uint32_t)a.block_size;
-    const uint32_t uj = (uint32_t)j;
-    return ((int64_t)dk_safe_block(a, bt[uj / bs]) * a.cache_stride_block +
-            (int64_t)(uj % bs) * a.cache_stride_token + kv_head * a.cache_stride_head) *
-           2;
-}
 
 /*
  * Loads one K or V tile (cache = key_cache or value_cache) of BN keys whose byte offsets are
@@ -323,50 +132,6 @@ load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_
             }
         }
     }
-}
-
-/*
- * Head, batch row and reversed query tile of CTA `bid`.  grid.x is numbered, fastest first:
- * head within a group of head_group heads (a multiple of the GQA group, dividing num_heads),
- * query tile from the last (most keys) to the first, head group, batch row.  So the CTAs that
- * run together share the K/V of a few kv heads (they stay in L2), and within a group the
- * tiles with the most keys start first.  With sort_rows (2 to ATTN_SORT_ROWS rows) the rows
- * are taken in order of decreasing seq_len (ties by index), so the rows with the most keys
- * are scheduled first and the grid ends on the short rows' tiles.  Called by every thread
- * (it has a barrier when sorting).
- */
-static __device__ void
-attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, int64_t head_group,
-               bool sort_rows, int32_t *s_row, int64_t *h, int64_t *row, int64_t *tile_rev)
-{
-    const uint32_t hg = (uint32_t)head_group;
-    const uint32_t tpr = (uint32_t)tiles_per_row;
-    const uint32_t groups = (uint32_t)a.num_heads / hg;
-    const uint32_t ub = (uint32_t)bid;
-    const uint32_t h_in = ub % hg;
-    uint32_t rest = ub / hg;
-    *tile_rev = rest % tpr;
-    rest /= tpr;
-    *h = (rest % groups) * hg + h_in;
-    const int64_t rank = rest / groups;
-    if (!sort_rows) {
-        *row = rank;
-        return;
-    }
-    const int tid = (int)threadIdx.x;
-    if (tid < a.num_rows) {
-        const int32_t mine = a.seq_lens[tid];
-        int64_t before = 0;
-        for (int r = 0; r < (int)a.num_rows; r++) {
-            const int32_t other = a.seq_lens[r];
-            before += other > mine || (other == mine && r < tid);
-        }
-        if (before == rank) {
-            *s_row = tid;
-        }
-    }
-    __syncthreads();
-    *row = *s_row;
 }
 
 /*
@@ -1013,6 +778,10 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                 break;
             }
         }
+    }
+    if (dk_cuda_attention_sm90_ready()) {
+        return dk_cuda_attention_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec,
+                                      o_vec, stream, err);
     }
     const bool bf16 = a->dtype == DK_BF16;
     const float sl = mma_scale_log2;

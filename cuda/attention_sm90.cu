@@ -1,0 +1,729 @@
+/*
+ * attention_sm90.cu -- paged attention for Hopper (sm_90a): the tensor-core kernel of
+ * attention_sm80.cu rebuilt on warpgroup MMAs (wgmma), selected by dk_cuda_attention on
+ * compute capability 9.x when this file's sm_90a code is in the binary.
+ *
+ * fp16/bf16, head_size 64 or 128, every mask, GQA, any block size.  One CTA of two
+ * warpgroups (256 threads) per (query tile of 128 tokens of one batch row, head); warpgroup w
+ * owns query rows 64w .. 64w + 63.  Key tiles of 128 keys.
+ *   - Shared memory holds Q, and two stages of (K tile, V tile), in the layout wgmma reads
+ *     with 128-byte swizzling: a tile of R rows is cut into panels of 64 columns (128 bytes
+ *     per row), panel p at p * R * 128 bytes; 16-byte chunk c of row r of a panel sits at
+ *     chunk c ^ (r % 8).  Q and K are "K-major" operands (contraction over head dims, the
+ *     contiguous ones), V the "MN-major" B operand of P V (transposed by wgmma itself).
+ *   - Loads: as in the sm80 kernel, one thread per key resolves the key's cache offset
+ *     through the block table (any block_size) into a double-buffered shared array; K and V
+ *     chunks are 16-byte cp.async (element loads for odd strides); rows past the last
+ *     visible key are zero-filled.
+ *   - Per key tile: wait for the tile, fence the generic-proxy writes for the async proxy,
+ *     one barrier, issue the next tile's loads, then each warpgroup: S = Q K^T as D/16
+ *     wgmma.m64n128k16 from shared memory, online softmax in fp32 registers (exp2 with the
+ *     scale folded in), P packed to fp16/bf16 in registers as the A operand of
+ *     O += P V (BN/16 wgmma.m64nDk16 with V from shared memory).  The accumulator layouts
+ *     are those of mma.sync m16n8 per 16-row slice, so masking, softmax and the epilogue are
+ *     the sm80 kernel's.  A warpgroup skips tiles past all of its rows' limits.
+ * Register use and shared memory: `nvcc -Xptxas -v` (README, "Hopper kernel").
+ */
+#include "attention_common.cuh"
+#include "cuda_common.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define H90_BM 128     /* query rows per CTA */
+#define H90_BN 128     /* keys per K/V tile */
+#define H90_THREADS 256 /* two warpgroups */
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define H90_DEVICE_CODE 1
+#endif
+
+template <int D> struct h90_tile {
+    /* bytes: Q, 2 stages of K and V, 2 x BN key offsets, and slack to align the tiles to
+     * 1024 bytes (the swizzle repeats every 8 rows of 128 bytes) */
+    static constexpr uint32_t Q_BYTES = H90_BM * D * 2;
+    static constexpr uint32_t KV_BYTES = H90_BN * D * 2; /* one K or one V tile */
+    static constexpr size_t SMEM = (size_t)Q_BYTES + 4 * KV_BYTES + 2 * H90_BN * 8 + 1024;
+};
+
+#ifdef H90_DEVICE_CODE
+/* Byte offset of 16-byte chunk c of row r in a swizzled tile of `rows` rows. */
+static __device__ __forceinline__ uint32_t
+sw128(uint32_t rows, uint32_t r, uint32_t c)
+{
+    return (c >> 3) * rows * 128u + r * 128u + (((c & 7u) ^ (r & 7u)) << 4);
+}
+
+/* wgmma shared-memory matrix descriptor: start address, leading and stride byte offsets (all
+ * in 16-byte units), 128-byte swizzle. */
+static __device__ __forceinline__ uint64_t
+wgmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((saddr >> 4) & 0x3FFFu) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void
+wgmma_fence(void)
+{
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+wgmma_commit(void)
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+wgmma_wait_all(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* Generic-proxy shared-memory writes (stores, cp.async) made visible to wgmma's async proxy. */
+static __device__ __forceinline__ void
+fence_proxy_async(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across a wgmma issue or wait. */
+template <int N>
+static __device__ __forceinline__ void
+fence_regs(float (&r)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+f"(r[i])::"memory");
+    }
+}
+
+/* ---- wgmma instructions (operand lists written out: one asm per shape and type) ---- */
+static __device__ __forceinline__ void
+wgmma_ss_m64n128_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ void
+wgmma_rs_m64n128_bf16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ void
+wgmma_rs_m64n64_bf16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ void
+wgmma_ss_m64n128_f16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ void
+wgmma_rs_m64n128_f16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ void
+wgmma_rs_m64n64_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+/* S (m64 x 128 keys) += Q K^T and O (m64 x D) += P V for element type T. */
+template <typename T, int D> struct h90_mma;
+
+template <> struct h90_mma<__nv_bfloat16, 128> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n128_bf16(o, p, b, 1);
+    }
+};
+template <> struct h90_mma<__nv_bfloat16, 64> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n64_bf16(o, p, b, 1);
+    }
+};
+template <> struct h90_mma<__half, 128> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n128_f16(o, p, b, 1);
+    }
+};
+template <> struct h90_mma<__half, 64> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n64_f16(o, p, b, 1);
+    }
+};
+
+/*
+ * Loads a tile of `rows` rows x D (row r at byte offset offs[r] of src, element stride
+ * `stride_dim`) into the swizzled tile at shared address dst; rows >= valid_rows become zeros
+ * (masked probabilities, 0, must never meet garbage: 0 * inf = nan).  Thread tid owns chunk
+ * tid % (D/8) of rows tid / (D/8) + k * (H90_THREADS / (D/8)).
+ */
+template <int D, int ROWS>
+static __device__ __forceinline__ void
+h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_rows,
+              int64_t stride_dim, bool vec)
+{
+    constexpr uint32_t rows = ROWS;
+    constexpr int passes = ROWS / (H90_THREADS / (D / 8));
+    constexpr int CHUNKS = D / 8;
+    constexpr int ROWS_PER_PASS = H90_THREADS / CHUNKS;
+    static_assert(ROWS_PER_PASS % 8 == 0, "a thread's rows share one swizzle");
+    const int tid = (int)threadIdx.x;
+    const uint32_t c = (uint32_t)(tid % CHUNKS);
+    const uint32_t r0 = (uint32_t)(tid / CHUNKS);
+    const uint32_t d0 = dst + sw128(rows, r0, c);
+    const char *s = src + c * 16;
+    if (vec) {
+#pragma unroll
+        for (int pass = 0; pass < passes; pass++) {
+            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+            cp_async16(d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u, s + offs[r],
+                       (int32_t)r < valid_rows ? 16u : 0u);
+        }
+    }
+    else {
+#pragma unroll 1
+        for (int pass = 0; pass < passes; pass++) {
+            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+            const uint32_t a = d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if ((int32_t)r < valid_rows) {
+                const uint16_t *e = (const uint16_t *)(src + offs[r]) + (int64_t)c * 8 * stride_dim;
+                v.x = (uint32_t)e[0] | ((uint32_t)e[stride_dim] << 16);
+                v.y = (uint32_t)e[2 * stride_dim] | ((uint32_t)e[3 * stride_dim] << 16);
+                v.z = (uint32_t)e[4 * stride_dim] | ((uint32_t)e[5 * stride_dim] << 16);
+                v.w = (uint32_t)e[6 * stride_dim] | ((uint32_t)e[7 * stride_dim] << 16);
+            }
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x),
+                         "r"(v.y), "r"(v.z), "r"(v.w)
+                         : "memory");
+        }
+    }
+}
+
+#endif /* H90_DEVICE_CODE */
+
+/*
+ * grid.x = num_heads * num_rows * tiles_per_row (order: attn_cta_place); tiles past a row's
+ * end exit at once.  H90_THREADS threads, h90_tile<D>::SMEM bytes of dynamic shared memory.
+ * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
+ */
+template <typename T, int D>
+/* clang-format off */
+static __global__ void __launch_bounds__(H90_THREADS, 1)
+attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t head_group,
+                      float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
+                      bool sort_rows)
+/* clang-format on */
+{
+#ifdef H90_DEVICE_CODE
+    constexpr int BN = H90_BN;
+    constexpr int NT = BN / 8; /* n8 blocks of S */
+    constexpr int DT = D / 8;  /* n8 blocks of O */
+    constexpr uint32_t QB = h90_tile<D>::Q_BYTES;
+    constexpr uint32_t KVB = h90_tile<D>::KV_BYTES;
+
+    extern __shared__ uint4 h90_smem[];
+    __shared__ int32_t s_lim[H90_BM];
+    __shared__ int32_t s_wmax[4], s_wmin[4];
+    __shared__ int32_t s_row;
+    const uint32_t raw = smem_addr(h90_smem);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sq = raw + pad;    /* Q tile */
+    const uint32_t skv = sq + QB;     /* stage s: K at skv + 2s KVB, V at skv + (2s+1) KVB */
+    int64_t *const s_off = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(h90_smem) + pad +
+                                                       QB + 4 * KVB); /* [2][BN] */
+
+    int64_t h, row, tile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
+                   &tile_rev);
+    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * H90_BM;
+    int64_t q_start, query_len;
+    row_span(a, row, &q_start, &query_len);
+    if (q0 >= query_len) {
+        return; /* uniform over the CTA, after attn_cta_place's barrier */
+    }
+    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
+    const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
+    const int32_t *bt = a.block_table + row * a.bt_stride_row;
+    const int tid = (int)threadIdx.x;
+    const int wg = tid / 128;         /* warpgroup: query rows 64 wg .. 64 wg + 63 */
+    const int w4 = (tid % 128) / 32;  /* warp within the warpgroup: rows 16 w4 .. */
+    const int lane = tid % 32;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+
+    /* Q tile (rows past the row's end are zeros), negated for a negative scale. */
+    {
+        constexpr int CHUNKS = D / 8;
+        constexpr int ROWS_PER_PASS = H90_THREADS / CHUNKS;
+        const uint32_t c = (uint32_t)(tid % CHUNKS);
+        const uint32_t r0 = (uint32_t)(tid / CHUNKS);
+#pragma unroll
+        for (int pass = 0; pass < H90_BM / ROWS_PER_PASS; pass++) {
+            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+            const uint32_t dst = sq + sw128(H90_BM, r, c);
+            if (q0 + r < query_len) {
+                const uint16_t *src = (const uint16_t *)a.query +
+                                      (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
+                                      (int64_t)c * 8 * a.q_stride_dim;
+                if (q_vec) {
+                    cp_async16(dst, src, 16u);
+                }
+                else {
+                    uint32_t w[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        w[e] = (uint32_t)src[2 * e * a.q_stride_dim] |
+                               ((uint32_t)src[(2 * e + 1) * a.q_stride_dim] << 16);
+                    }
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
+                                 "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                                 : "memory");
+                }
+            }
+            else {
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u)
+                             : "memory");
+            }
+        }
+        cp_async_commit();
+        if (neg_q) {
+            cp_async_wait_all();
+#pragma unroll
+            for (int pass = 0; pass < H90_BM / ROWS_PER_PASS; pass++) {
+                const uint32_t dst = sq + sw128(H90_BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
+                uint32_t v0, v1, v2, v3;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(dst)
+                             : "memory");
+                const uint32_t f = 0x80008000u;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v0 ^ f),
+                             "r"(v1 ^ f), "r"(v2 ^ f), "r"(v3 ^ f)
+                             : "memory");
+            }
+        }
+    }
+
+    /* Key limits of the 128 query rows (threads 0..127; 0 past the row's end); warp k of
+     * them covers rows 32k .. 32k + 31, so warpgroup w's extremes are warps 2w and 2w + 1's. */
+    if (tid < H90_BM) {
+        const int64_t my_i = q0 + tid;
+        const int32_t my_lim =
+            my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
+        int32_t wmax = my_lim, wmin = my_lim;
+#pragma unroll
+        for (int sh = 16; sh > 0; sh >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
+        }
+        s_lim[tid] = my_lim;
+        if (lane == 0) {
+            s_wmax[tid / 32] = wmax;
+            s_wmin[tid / 32] = wmin;
+        }
+    }
+    __syncthreads();
+    const int32_t kv_end = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+    const int32_t g_max = max(s_wmax[2 * wg], s_wmax[2 * wg + 1]); /* this warpgroup's */
+    const int32_t g_min = min(s_wmin[2 * wg], s_wmin[2 * wg + 1]);
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
+    if (tid < BN) {
+        s_off[tid] = kv_key_offset(a, bt, kv_head, tid, kv_end);
+        s_off[BN + tid] = kv_key_offset(a, bt, kv_head, BN + tid, kv_end);
+    }
+    __syncthreads();
+
+    const char *kc = (const char *)a.key_cache;
+    const char *vc = (const char *)a.value_cache;
+    if (n_tiles > 0) {
+        h90_load_tile<D, BN>(skv, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        h90_load_tile<D, BN>(skv + KVB, vc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        cp_async_commit();
+    }
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        o[i] = 0.0f;
+    }
+    float m[2] = {-INFINITY, -INFINITY}; /* running max of the raw scores, rows g, g + 8 */
+    float l[2] = {0.0f, 0.0f};           /* running sums, this thread's columns only */
+    /* this warpgroup's 64-row slab of Q: panel p at p * BM * 128, rows 64 wg .. */
+    const uint32_t q_slab = sq + (uint32_t)wg * 64u * 128u;
+    const int lim_row = wg * 64 + w4 * 16 + g; /* s_lim index of this thread's row g */
+
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t j0 = kt * BN;
+        const uint32_t sk = skv + (uint32_t)(kt & 1) * 2u * KVB;
+        const uint32_t sv = sk + KVB;
+        cp_async_wait_all(); /* tile kt (and Q) landed for this thread */
+        fence_proxy_async(); /* ... and is visible to wgmma */
+        __syncthreads();     /* ... for every thread; every warpgroup is done with kt - 1 */
+        if (kt + 1 < n_tiles) {
+            const uint32_t next = skv + (uint32_t)((kt + 1) & 1) * 2u * KVB;
+            const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
+            h90_load_tile<D, BN>(next, kc, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
+            h90_load_tile<D, BN>(next + KVB, vc, noff, kv_end - j0 - BN, a.cache_stride_dim,
+                             kv_vec);
+        }
+        cp_async_commit();
+        const int32_t j2 = j0 + 2 * BN + tid;
+        const bool want_off = tid < BN && kt + 2 < n_tiles;
+        const int32_t blk2 = want_off && j2 < kv_end
+                                 ? dk_safe_block(a, bt[(uint32_t)j2 / (uint32_t)a.block_size])
+                                 : 0;
+
+        if (j0 < g_max) {
+            /* S = Q K^T over D / 16 k-steps of 16 head dims (32 bytes of a 128-byte row). */
+            float s[NT * 4];
+            fence_regs(s);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                const uint32_t koff = (uint32_t)(kk & 3) * 32u; /* within the 128-byte row */
+                const uint64_t da =
+                    wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (H90_BM * 128u) + koff, 16u, 1024u);
+                const uint64_t db =
+                    wgmma_desc(sk + (uint32_t)(kk >> 2) * (BN * 128u) + koff, 16u, 1024u);
+                h90_mma<T, D>::qk(s, da, db, kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(s);
+
+            /* s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1). */
+            if (j0 + BN > g_min) {
+                const int32_t lim0 = s_lim[lim_row];
+                const int32_t lim1 = s_lim[lim_row + 8];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        if (j0 + nt * 8 + 2 * tq + (e & 1) >= (e < 2 ? lim0 : lim1)) {
+                            s[4 * nt + e] = -INFINITY;
+                        }
+                    }
+                }
+            }
+
+            float alpha[2];
+            bool grew = false;
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float mx = fmaxf(s[2 * hf], s[2 * hf + 1]);
+#pragma unroll
+                for (int nt = 1; nt < NT; nt++) {
+                    mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m[hf], mx);
+                grew |= mn != m[hf];
+                const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, scale_log2);
+                alpha[hf] = fast_exp2(__fmul_rn(m[hf], scale_log2) - base);
+                m[hf] = mn;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], scale_log2, -base));
+                    const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], scale_log2, -base));
+                    s[4 * nt + 2 * hf] = p0;
+                    s[4 * nt + 2 * hf + 1] = p1;
+                    sum += p0 + p1;
+                }
+                l[hf] = l[hf] * alpha[hf] + sum;
+            }
+            if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) {
+                    o[4 * dt + 0] *= alpha[0];
+                    o[4 * dt + 1] *= alpha[0];
+                    o[4 * dt + 2] *= alpha[1];
+                    o[4 * dt + 3] *= alpha[1];
+                }
+            }
+
+            /* O += P V: keys 16 kk .. 16 kk + 15 as the A operand (the mma.sync A layout per
+             * warp), V rows 16 kk .. as the transposed B operand: 8-key groups 1024 bytes
+             * apart (stride), 64-dim panels BN * 128 bytes apart (leading). */
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = half_ops<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+            fence_regs(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                const uint64_t dv = wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u);
+                h90_mma<T, D>::pv(o, pa[kk], dv);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(o);
+        }
+
+        if (want_off) {
+            s_off[(kt & 1) * BN + tid] =
+                j2 < kv_end
+                    ? ((int64_t)blk2 * a.cache_stride_block +
+                       (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
+                       kv_head * a.cache_stride_head) *
+                          2
+                    : 0;
+        }
+    }
+    cp_async_wait_all();
+
+    /* Epilogue: row sums over the quad; a row that saw no key writes zeros (and lse -inf). */
+    int64_t eh, erow, etile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, false, &s_row, &eh, &erow, &etile_rev);
+    if (sort_rows) {
+        erow = s_row;
+    }
+    const int64_t eq0 = (tiles_per_row - 1 - etile_rev) * H90_BM;
+    int64_t erow_start, erow_len;
+    row_span(a, erow, &erow_start, &erow_len);
+    const int64_t t0 = erow_start + eq0;
+    const int64_t tile_rows = erow_len - eq0;
+    uint16_t *out = (uint16_t *)a.out + eh * a.o_stride_head;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int r = wg * 64 + w4 * 16 + hf * 8 + g;
+        if (r >= tile_rows) {
+            continue;
+        }
+        if (a.lse != NULL && tq == 0) {
+            a.lse[(t0 + r) * a.lse_stride_token + eh * a.lse_stride_head] =
+                sum > 0.0f ? (__fmul_rn(m[hf], scale_log2) + log2f(sum)) / LOG2E : -INFINITY;
+        }
+        uint16_t *orow = out + (t0 + r) * a.o_stride_token;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            const int64_t d = dt * 8 + 2 * tq;
+            const float v0 = o[4 * dt + 2 * hf] * inv;
+            const float v1 = o[4 * dt + 2 * hf + 1] * inv;
+            if (o_vec) {
+                *reinterpret_cast<uint32_t *>(orow + d) = half_ops<T>::pack(v0, v1);
+            }
+            else {
+                orow[d * a.o_stride_dim] = half_ops<T>::bits(v0);
+                orow[(d + 1) * a.o_stride_dim] = half_ops<T>::bits(v1);
+            }
+        }
+    }
+#else
+    (void)a;
+    (void)tiles_per_row;
+    (void)head_group;
+    (void)scale_log2;
+    (void)neg_q;
+    (void)q_vec;
+    (void)kv_vec;
+    (void)o_vec;
+    (void)sort_rows;
+    __trap(); /* launched only where the sm_90a code exists (dk_cuda_attention_sm90_ready) */
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int D>
+static cudaError_t
+h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+           float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+{
+    static volatile bool attr_set[ATTN_MAX_DEVICES];
+    const size_t smem = h90_tile<D>::SMEM;
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    if (!cached || !attr_set[dev]) {
+        e = cudaFuncSetAttribute(attention_sm90_kernel<T, D>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) {
+            return e;
+        }
+        if (cached) {
+            attr_set[dev] = true;
+        }
+    }
+    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
+    attention_sm90_kernel<T, D><<<blocks, H90_THREADS, smem, s>>>(
+        *a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, sort_rows);
+    return cudaSuccess;
+}
+
+/* 1 when the current device is compute capability 9.x and this binary carries the kernel's
+ * sm_90a code (a build without that target would run the trapping stub), cached per device;
+ * DIFFKV_ATTENTION_KERNEL=sm80 in the environment turns it off. */
+extern "C" int
+dk_cuda_attention_sm90_ready(void)
+{
+    static volatile int state[ATTN_MAX_DEVICES]; /* 0 unknown, 1 yes, 2 no */
+    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
+    if (force != NULL && strcmp(force, "sm80") == 0) {
+        return 0;
+    }
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        return 0;
+    }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    if (cached && state[dev] != 0) {
+        return state[dev] == 1;
+    }
+    int major = 0;
+    cudaFuncAttributes attr;
+    memset(&attr, 0, sizeof(attr));
+    int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+                 cudaSuccess &&
+             major == 9 &&
+             cudaFuncGetAttributes(&attr, attention_sm90_kernel<__nv_bfloat16, 128>) ==
+                 cudaSuccess &&
+             attr.binaryVersion == 90 && attr.ptxVersion == 90;
+    if (cached) {
+        state[dev] = ok ? 1 : 2;
+    }
+    return ok;
+}
+
+extern "C" dk_status
+dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+                       float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
+                       void *stream, dk_error *err)
+{
+    const bool bf16 = a->dtype == DK_BF16;
+    cudaStream_t s = (cudaStream_t)stream;
+    cudaError_t e;
+    if (a->head_size == 64) {
+        e = bf16 ? h90_launch<__nv_bfloat16, 64>(a, tiles_per_row, head_group, scale_log2, neg_q,
+                                                 q_vec, kv_vec, o_vec, s)
+                 : h90_launch<__half, 64>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
+                                          kv_vec, o_vec, s);
+    }
+    else {
+        e = bf16 ? h90_launch<__nv_bfloat16, 128>(a, tiles_per_row, head_group, scale_log2, neg_q,
+                                                  q_vec, kv_vec, o_vec, s)
+                 : h90_launch<__half, 128>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
+                                           kv_vec, o_vec, s);
+    }
+    if (e != cudaSuccess) {
+        return dk_fail(err, DK_ERR_CUDA, "paged_attention(): CUDA error %s (%d)",
+                       cudaGetErrorString(e), (int)e);
+    }
+    return dk_cuda_after_launch("paged_attention()", stream, err);
+}
