@@ -15,13 +15,16 @@
  *     through the block table (any block_size) into a double-buffered shared array; K and V
  *     chunks are 16-byte cp.async (element loads for odd strides); rows past the last
  *     visible key are zero-filled.
- *   - Per key tile: wait for the tile, fence the generic-proxy writes for the async proxy,
- *     one barrier, issue the next tile's loads, then each warpgroup: S = Q K^T as D/16
- *     wgmma.m64n128k16 from shared memory, online softmax in fp32 registers (exp2 with the
- *     scale folded in), P packed to fp16/bf16 in registers as the A operand of
- *     O += P V (BN/16 wgmma.m64nDk16 with V from shared memory).  The accumulator layouts
- *     are those of mma.sync m16n8 per 16-row slice, so masking, softmax and the epilogue are
- *     the sm80 kernel's.  A warpgroup skips tiles past all of its rows' limits.
+ *   - Per key tile kt: wait for the loads, fence the generic-proxy writes for wgmma's async
+ *     proxy, one barrier, issue the loads of K_{kt+1} and V_kt, then each warpgroup issues
+ *     S_kt = Q K_kt^T (D/16 wgmma.m64n128k16 from shared memory) and O += P_{kt-1} V_{kt-1}
+ *     (BN/16 wgmma.m64nDk16, P from registers, V the transposed B operand), waits for S_kt
+ *     only and runs its online softmax (fp32, exp2 with the scale folded in) while the P V
+ *     product is still on the tensor cores; then waits for that, rescales O and packs P_kt
+ *     to fp16/bf16 registers.  The accumulator layouts are those of mma.sync m16n8 per
+ *     16-row slice, so masking, softmax and the epilogue are the sm80 kernel's.  A
+ *     warpgroup skips the tiles past all of its rows' limits; masks are applied only on
+ *     tiles that reach past the smallest limit of the warpgroup's rows.
  * Register use and shared memory: `nvcc -Xptxas -v` (README, "Hopper kernel").
  */
 #include "attention_common.cuh"
@@ -39,11 +42,11 @@
 #endif
 
 template <int D> struct h90_tile {
-    /* bytes: Q, 2 stages of K and V, 2 x BN key offsets, and slack to align the tiles to
+    /* bytes: Q, 2 stages of K and V, 3 x BN key offsets, and slack to align the tiles to
      * 1024 bytes (the swizzle repeats every 8 rows of 128 bytes) */
     static constexpr uint32_t Q_BYTES = H90_BM * D * 2;
     static constexpr uint32_t KV_BYTES = H90_BN * D * 2; /* one K or one V tile */
-    static constexpr size_t SMEM = (size_t)Q_BYTES + 4 * KV_BYTES + 2 * H90_BN * 8 + 1024;
+    static constexpr size_t SMEM = (size_t)Q_BYTES + 4 * KV_BYTES + 3 * H90_BN * 8 + 1024;
 };
 
 #ifdef H90_DEVICE_CODE
@@ -79,6 +82,12 @@ static __device__ __forceinline__ void
 wgmma_wait_all(void)
 {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+wgmma_wait_1(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
 
 /* Generic-proxy shared-memory writes (stores, cp.async) made visible to wgmma's async proxy. */
@@ -299,6 +308,18 @@ h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_
     }
 }
 
+/* Issues O += P V for one key tile (no commit): keys 16 kk .. 16 kk + 15 of P (registers) times
+ * V rows 16 kk .. (the transposed B operand at shared address sv: 8-key groups 1024 bytes
+ * apart, the stride; 64-dim panels BN * 128 bytes apart, the leading offset). */
+template <typename T, int D, int BN>
+static __device__ __forceinline__ void
+h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
+{
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+        h90_mma<T, D>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
+    }
+}
 #endif /* H90_DEVICE_CODE */
 
 /*
@@ -330,7 +351,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     const uint32_t sq = raw + pad;    /* Q tile */
     const uint32_t skv = sq + QB;     /* stage s: K at skv + 2s KVB, V at skv + (2s+1) KVB */
     int64_t *const s_off = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(h90_smem) + pad +
-                                                       QB + 4 * KVB); /* [2][BN] */
+                                                       QB + 4 * KVB); /* [3][BN]: tile t's in slot t % 3 */
 
     int64_t h, row, tile_rev;
     attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
@@ -435,11 +456,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
+    /* K_0 now; then iteration kt loads K_{kt+1} and V_kt (see the loop). */
     if (n_tiles > 0) {
         h90_load_tile<D, BN>(skv, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
-        h90_load_tile<D, BN>(skv + KVB, vc, s_off, kv_end, a.cache_stride_dim, kv_vec);
-        cp_async_commit();
     }
+    cp_async_commit();
 
     float o[D / 2];
 #pragma unroll
@@ -448,24 +469,33 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     }
     float m[2] = {-INFINITY, -INFINITY}; /* running max of the raw scores, rows g, g + 8 */
     float l[2] = {0.0f, 0.0f};           /* running sums, this thread's columns only */
+    uint32_t pa[BN / 16][4];             /* P of the previous tile, the A operand of P V */
     /* this warpgroup's 64-row slab of Q: panel p at p * BM * 128, rows 64 wg .. */
     const uint32_t q_slab = sq + (uint32_t)wg * 64u * 128u;
     const int lim_row = wg * 64 + w4 * 16 + g; /* s_lim index of this thread's row g */
+    /* key tiles this warpgroup computes: its rows see keys [0, g_max) at most */
+    const int32_t n_wg = (g_max + BN - 1) / BN;
 
+    /*
+     * Software pipeline over key tiles, per warpgroup: iteration kt issues S_kt = Q K_kt^T and
+     * then O += P_{kt-1} V_{kt-1}, waits for S_kt only, runs the softmax of S_kt while the
+     * P V product is still on the tensor cores, then waits for it, rescales O and packs P_kt.
+     * Shared memory: K tile kt in K slot kt & 1 and V tile kt in V slot kt & 1; iteration kt
+     * loads K_{kt+1} (its slot held K_{kt-1}, used in iteration kt - 1) and V_kt (its slot held
+     * V_{kt-2}, used in iteration kt - 1), so every load has a whole iteration to land.
+     */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
-        const uint32_t sk = skv + (uint32_t)(kt & 1) * 2u * KVB;
-        const uint32_t sv = sk + KVB;
-        cp_async_wait_all(); /* tile kt (and Q) landed for this thread */
-        fence_proxy_async(); /* ... and is visible to wgmma */
+        cp_async_wait_all(); /* K_kt and V_{kt-1} (and Q) landed for this thread */
+        fence_proxy_async(); /* ... and are visible to wgmma */
         __syncthreads();     /* ... for every thread; every warpgroup is done with kt - 1 */
         if (kt + 1 < n_tiles) {
-            const uint32_t next = skv + (uint32_t)((kt + 1) & 1) * 2u * KVB;
-            const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
-            h90_load_tile<D, BN>(next, kc, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
-            h90_load_tile<D, BN>(next + KVB, vc, noff, kv_end - j0 - BN, a.cache_stride_dim,
-                             kv_vec);
+            h90_load_tile<D, BN>(skv + (uint32_t)((kt + 1) & 1) * 2u * KVB, kc,
+                                 s_off + ((kt + 1) % 3) * BN, kv_end - j0 - BN,
+                                 a.cache_stride_dim, kv_vec);
         }
+        h90_load_tile<D, BN>(skv + (uint32_t)(kt & 1) * 2u * KVB + KVB, vc, s_off + (kt % 3) * BN,
+                             kv_end - j0, a.cache_stride_dim, kv_vec);
         cp_async_commit();
         const int32_t j2 = j0 + 2 * BN + tid;
         const bool want_off = tid < BN && kt + 2 < n_tiles;
@@ -473,10 +503,12 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                                  ? dk_safe_block(a, bt[(uint32_t)j2 / (uint32_t)a.block_size])
                                  : 0;
 
-        if (j0 < g_max) {
+        if (kt < n_wg) {
+            const uint32_t sk = skv + (uint32_t)(kt & 1) * 2u * KVB;
             /* S = Q K^T over D / 16 k-steps of 16 head dims (32 bytes of a 128-byte row). */
             float s[NT * 4];
             fence_regs(s);
+            fence_regs(o);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
@@ -488,7 +520,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                 h90_mma<T, D>::qk(s, da, db, kk > 0);
             }
             wgmma_commit();
-            wgmma_wait_all();
+            if (kt > 0) {
+                h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
+            }
+            wgmma_commit();
+            wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
             fence_regs(s);
 
             /* s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1). */
@@ -533,6 +569,8 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                 }
                 l[hf] = l[hf] * alpha[hf] + sum;
             }
+            wgmma_wait_all(); /* P_{kt-1} V_{kt-1} is in O (relative to the old max) */
+            fence_regs(o);
             if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
                 for (int dt = 0; dt < DT; dt++) {
@@ -542,11 +580,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                     o[4 * dt + 3] *= alpha[1];
                 }
             }
-
-            /* O += P V: keys 16 kk .. 16 kk + 15 as the A operand (the mma.sync A layout per
-             * warp), V rows 16 kk .. as the transposed B operand: 8-key groups 1024 bytes
-             * apart (stride), 64-dim panels BN * 128 bytes apart (leading). */
-            uint32_t pa[BN / 16][4];
+            /* P_kt as A fragments: keys 16 kk .. 16 kk + 15 (the mma.sync A layout per warp) */
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
                 pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
@@ -554,20 +588,19 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                 pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
                 pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
             }
+        }
+        else if (kt == n_wg && kt > 0) {
+            /* this warpgroup's rows end before tile kt: only the last P V is left */
             fence_regs(o);
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                const uint64_t dv = wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u);
-                h90_mma<T, D>::pv(o, pa[kk], dv);
-            }
+            h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
             wgmma_commit();
             wgmma_wait_all();
             fence_regs(o);
         }
 
         if (want_off) {
-            s_off[(kt & 1) * BN + tid] =
+            s_off[((kt + 2) % 3) * BN + tid] =
                 j2 < kv_end
                     ? ((int64_t)blk2 * a.cache_stride_block +
                        (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
@@ -576,7 +609,17 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                     : 0;
         }
     }
-    cp_async_wait_all();
+    cp_async_wait_all(); /* V of the last tile (every thread loaded part of it) */
+    fence_proxy_async();
+    __syncthreads();
+    if (n_wg == n_tiles && n_wg > 0) {
+        fence_regs(o);
+        wgmma_fence();
+        h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((n_tiles - 1) & 1) * 2u * KVB + KVB);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(o);
+    }
 
     /* Epilogue: row sums over the quad; a row that saw no key writes zeros (and lse -inf). */
     int64_t eh, erow, etile_rev;
