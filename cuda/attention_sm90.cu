@@ -320,6 +320,86 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
         h90_mma<T, D>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
     }
 }
+/* What the softmax of a warpgroup's S tile needs about this thread's two rows. */
+struct h90_rows {
+    uint32_t q_slab; /* shared address of the warpgroup's 64 rows of Q */
+    int32_t lim0;    /* key limit of row g */
+    int32_t lim1;    /* key limit of row g + 8 */
+    int32_t g_min;   /* smallest key limit of the warpgroup's rows */
+    int tq;          /* lane % 4 */
+    float scale_log2;
+};
+
+/* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
+ * dims, 32 bytes apart within a 128-byte row, 64-dim panels BM * 128 (Q) or BN * 128 (K)
+ * bytes apart; 8-row groups 1024 bytes apart. */
+template <typename T, int D>
+static __device__ __forceinline__ void
+h90_qk(float (&s)[64], uint32_t q_slab, uint32_t sk)
+{
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const uint32_t koff = (uint32_t)(kk & 3) * 32u;
+        const uint64_t da = wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (H90_BM * 128u) + koff, 16u,
+                                       1024u);
+        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * (H90_BN * 128u) + koff, 16u,
+                                       1024u);
+        h90_mma<T, D>::qk(s, da, db, kk > 0);
+    }
+}
+
+/*
+ * Online softmax of one S tile in place (s becomes P, fp32): masks keys at or past each row's
+ * limit (only on a tile reaching past the warpgroup's smallest limit), updates the running
+ * max m (raw scores) and this thread's partial sums l, and returns the factor alpha by which
+ * O must be rescaled.  s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1).
+ * p = 2^(s * scale_log2 - m * scale_log2); a row with no visible key so far keeps max -inf
+ * and subtracts 0 instead, so that 2^-inf = 0 rather than nan.
+ */
+template <int NT>
+static __device__ __forceinline__ void
+h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
+            const h90_rows &r)
+{
+    if (j0 + NT * 8 > r.g_min) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (j0 + nt * 8 + 2 * r.tq + (e & 1) >= (e < 2 ? r.lim0 : r.lim1)) {
+                    s[4 * nt + e] = -INFINITY;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = fmaxf(s[2 * hf], s[2 * hf + 1]);
+#pragma unroll
+        for (int nt = 1; nt < NT; nt++) {
+            mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[hf], mx);
+        const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, r.scale_log2);
+        alpha[hf] = fast_exp2(__fmul_rn(m[hf], r.scale_log2) - base);
+        m[hf] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], r.scale_log2, -base));
+            const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], r.scale_log2, -base));
+            s[4 * nt + 2 * hf] = p0;
+            s[4 * nt + 2 * hf + 1] = p1;
+            sum += p0 + p1;
+        }
+        l[hf] = l[hf] * alpha[hf] + sum;
+    }
+}
+
 #endif /* H90_DEVICE_CODE */
 
 /*
@@ -445,7 +525,6 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     }
     __syncthreads();
     const int32_t kv_end = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
-    const int32_t g_max = max(s_wmax[2 * wg], s_wmax[2 * wg + 1]); /* this warpgroup's */
     const int32_t g_min = min(s_wmin[2 * wg], s_wmin[2 * wg + 1]);
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
     if (tid < BN) {
@@ -470,108 +549,65 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     float m[2] = {-INFINITY, -INFINITY}; /* running max of the raw scores, rows g, g + 8 */
     float l[2] = {0.0f, 0.0f};           /* running sums, this thread's columns only */
     uint32_t pa[BN / 16][4];             /* P of the previous tile, the A operand of P V */
-    /* this warpgroup's 64-row slab of Q: panel p at p * BM * 128, rows 64 wg .. */
-    const uint32_t q_slab = sq + (uint32_t)wg * 64u * 128u;
-    const int lim_row = wg * 64 + w4 * 16 + g; /* s_lim index of this thread's row g */
-    /* key tiles this warpgroup computes: its rows see keys [0, g_max) at most */
-    const int32_t n_wg = (g_max + BN - 1) / BN;
+    float s[NT * 4];                     /* S of the current tile, then its P (fp32) */
+    h90_rows rows;
+    rows.q_slab = sq + (uint32_t)wg * 64u * 128u; /* this warpgroup's 64 rows of Q */
+    rows.lim0 = s_lim[wg * 64 + w4 * 16 + g];     /* key limits of this thread's rows */
+    rows.lim1 = s_lim[wg * 64 + w4 * 16 + 8 + g];
+    rows.g_min = g_min;
+    rows.tq = tq;
+    rows.scale_log2 = scale_log2;
 
     /*
-     * Software pipeline over key tiles, per warpgroup: iteration kt issues S_kt = Q K_kt^T and
-     * then O += P_{kt-1} V_{kt-1}, waits for S_kt only, runs the softmax of S_kt while the
-     * P V product is still on the tensor cores, then waits for it, rescales O and packs P_kt.
+     * Software pipeline over key tiles, the same in every warpgroup (a warpgroup whose rows
+     * end earlier computes the CTA's last tiles fully masked, so that no wgmma sits in a
+     * branch ptxas cannot prove uniform -- it would serialize every wgmma).  Iteration kt
+     * issues S_kt = Q K_kt^T and then O += P_{kt-1} V_{kt-1}, waits for S_kt only, runs the
+     * softmax of S_kt while the P V product is still on the tensor cores, then waits for it,
+     * rescales O and packs P_kt.  Tile 0 (no P V yet) and the last P V are peeled off.
      * Shared memory: K tile kt in K slot kt & 1 and V tile kt in V slot kt & 1; iteration kt
      * loads K_{kt+1} (its slot held K_{kt-1}, used in iteration kt - 1) and V_kt (its slot held
      * V_{kt-2}, used in iteration kt - 1), so every load has a whole iteration to land.
      */
-    for (int32_t kt = 0; kt < n_tiles; kt++) {
-        const int32_t j0 = kt * BN;
-        cp_async_wait_all(); /* K_kt and V_{kt-1} (and Q) landed for this thread */
-        fence_proxy_async(); /* ... and are visible to wgmma */
-        __syncthreads();     /* ... for every thread; every warpgroup is done with kt - 1 */
-        if (kt + 1 < n_tiles) {
-            h90_load_tile<D, BN>(skv + (uint32_t)((kt + 1) & 1) * 2u * KVB, kc,
-                                 s_off + ((kt + 1) % 3) * BN, kv_end - j0 - BN,
-                                 a.cache_stride_dim, kv_vec);
-        }
-        h90_load_tile<D, BN>(skv + (uint32_t)(kt & 1) * 2u * KVB + KVB, vc, s_off + (kt % 3) * BN,
-                             kv_end - j0, a.cache_stride_dim, kv_vec);
-        cp_async_commit();
-        const int32_t j2 = j0 + 2 * BN + tid;
-        const bool want_off = tid < BN && kt + 2 < n_tiles;
-        const int32_t blk2 = want_off && j2 < kv_end
-                                 ? dk_safe_block(a, bt[(uint32_t)j2 / (uint32_t)a.block_size])
-                                 : 0;
+    if (n_tiles > 0) {
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const int32_t j0 = kt * BN;
+            cp_async_wait_all(); /* K_kt and V_{kt-1} (and Q) landed for this thread */
+            fence_proxy_async(); /* ... and are visible to wgmma */
+            __syncthreads();     /* ... for every thread; every warpgroup is done with kt - 1 */
+            if (kt + 1 < n_tiles) {
+                h90_load_tile<D, BN>(skv + (uint32_t)((kt + 1) & 1) * 2u * KVB, kc,
+                                     s_off + ((kt + 1) % 3) * BN, kv_end - j0 - BN,
+                                     a.cache_stride_dim, kv_vec);
+            }
+            h90_load_tile<D, BN>(skv + (uint32_t)(kt & 1) * 2u * KVB + KVB, vc,
+                                 s_off + (kt % 3) * BN, kv_end - j0, a.cache_stride_dim, kv_vec);
+            cp_async_commit();
+            const int32_t j2 = j0 + 2 * BN + tid;
+            const bool want_off = tid < BN && kt + 2 < n_tiles;
+            const int32_t blk2 =
+                want_off && j2 < kv_end ? dk_safe_block(a, bt[(uint32_t)j2 / (uint32_t)a.block_size])
+                                        : 0;
 
-        if (kt < n_wg) {
             const uint32_t sk = skv + (uint32_t)(kt & 1) * 2u * KVB;
-            /* S = Q K^T over D / 16 k-steps of 16 head dims (32 bytes of a 128-byte row). */
-            float s[NT * 4];
-            fence_regs(s);
-            fence_regs(o);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                const uint32_t koff = (uint32_t)(kk & 3) * 32u; /* within the 128-byte row */
-                const uint64_t da =
-                    wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (H90_BM * 128u) + koff, 16u, 1024u);
-                const uint64_t db =
-                    wgmma_desc(sk + (uint32_t)(kk >> 2) * (BN * 128u) + koff, 16u, 1024u);
-                h90_mma<T, D>::qk(s, da, db, kk > 0);
-            }
-            wgmma_commit();
-            if (kt > 0) {
-                h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
-            }
-            wgmma_commit();
-            wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
-            fence_regs(s);
-
-            /* s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1). */
-            if (j0 + BN > g_min) {
-                const int32_t lim0 = s_lim[lim_row];
-                const int32_t lim1 = s_lim[lim_row + 8];
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        if (j0 + nt * 8 + 2 * tq + (e & 1) >= (e < 2 ? lim0 : lim1)) {
-                            s[4 * nt + e] = -INFINITY;
-                        }
-                    }
-                }
-            }
-
             float alpha[2];
-            bool grew = false;
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float mx = fmaxf(s[2 * hf], s[2 * hf + 1]);
-#pragma unroll
-                for (int nt = 1; nt < NT; nt++) {
-                    mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m[hf], mx);
-                grew |= mn != m[hf];
-                const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, scale_log2);
-                alpha[hf] = fast_exp2(__fmul_rn(m[hf], scale_log2) - base);
-                m[hf] = mn;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], scale_log2, -base));
-                    const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], scale_log2, -base));
-                    s[4 * nt + 2 * hf] = p0;
-                    s[4 * nt + 2 * hf + 1] = p1;
-                    sum += p0 + p1;
-                }
-                l[hf] = l[hf] * alpha[hf] + sum;
+            if (kt == 0) {
+                h90_qk<T, D>(s, rows.q_slab, sk);
+                wgmma_commit();
+                wgmma_wait_all();
+                fence_regs(s);
+                h90_softmax<NT>(s, m, l, alpha, j0, rows);
             }
-            wgmma_wait_all(); /* P_{kt-1} V_{kt-1} is in O (relative to the old max) */
-            fence_regs(o);
-            if (__any_sync(0xffffffffu, grew)) {
+            else {
+                h90_qk<T, D>(s, rows.q_slab, sk);
+                wgmma_commit();
+                h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
+                wgmma_commit();
+                wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
+                fence_regs(s);
+                h90_softmax<NT>(s, m, l, alpha, j0, rows);
+                wgmma_wait_all(); /* P_{kt-1} V_{kt-1} is in O (relative to the old max) */
+                fence_regs(o);
 #pragma unroll
                 for (int dt = 0; dt < DT; dt++) {
                     o[4 * dt + 0] *= alpha[0];
@@ -588,31 +624,19 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                 pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
                 pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
             }
+            if (want_off) {
+                s_off[((kt + 2) % 3) * BN + tid] =
+                    j2 < kv_end
+                        ? ((int64_t)blk2 * a.cache_stride_block +
+                           (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
+                           kv_head * a.cache_stride_head) *
+                              2
+                        : 0;
+            }
         }
-        else if (kt == n_wg && kt > 0) {
-            /* this warpgroup's rows end before tile kt: only the last P V is left */
-            fence_regs(o);
-            wgmma_fence();
-            h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_regs(o);
-        }
-
-        if (want_off) {
-            s_off[((kt + 2) % 3) * BN + tid] =
-                j2 < kv_end
-                    ? ((int64_t)blk2 * a.cache_stride_block +
-                       (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
-                       kv_head * a.cache_stride_head) *
-                          2
-                    : 0;
-        }
-    }
-    cp_async_wait_all(); /* V of the last tile (every thread loaded part of it) */
-    fence_proxy_async();
-    __syncthreads();
-    if (n_wg == n_tiles && n_wg > 0) {
+        cp_async_wait_all(); /* V of the last tile (every thread loaded part of it) */
+        fence_proxy_async();
+        __syncthreads();
         fence_regs(o);
         wgmma_fence();
         h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((n_tiles - 1) & 1) * 2u * KVB + KVB);
@@ -620,6 +644,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
         wgmma_wait_all();
         fence_regs(o);
     }
+    cp_async_wait_all();
 
     /* Epilogue: row sums over the quad; a row that saw no key writes zeros (and lse -inf). */
     int64_t eh, erow, etile_rev;
