@@ -5,7 +5,8 @@
  *
  * fp16/bf16, head_size 64 or 128, every mask, GQA, any block size.  One CTA of two
  * warpgroups (256 threads) per (query tile of 128 tokens of one batch row, head); warpgroup w
- * owns query rows 64w .. 64w + 63.  Key tiles of 128 keys.
+ * owns query rows 64w .. 64w + 63.  Key tiles of 128 keys (head 128) or 64 keys
+ * (head 64, two CTAs per SM).
  *   - Shared memory holds Q, and two stages of (K tile, V tile), in the layout wgmma reads
  *     with 128-byte swizzling: a tile of R rows is cut into panels of 64 columns (128 bytes
  *     per row), panel p at p * R * 128 bytes; 16-byte chunk c of row r of a panel sits at
@@ -34,19 +35,32 @@
 #include <string.h>
 
 #define H90_BM 128     /* query rows per CTA */
-#define H90_BN 128     /* keys per K/V tile */
 #define H90_THREADS 256 /* two warpgroups */
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define H90_DEVICE_CODE 1
 #endif
 
+/* Keys per K/V tile and CTAs per SM: head 128 takes 128-key tiles (S, P and O of one CTA
+ * fill the register file), head 64 takes 64-key tiles so that two CTAs fit on an SM (the
+ * softmax, not the MMAs, bounds head 64; more warps hide its latency). */
+template <int D> struct h90_cfg;
+template <> struct h90_cfg<128> {
+    static constexpr int BN = 128;
+    static constexpr int CTAS_PER_SM = 1;
+};
+template <> struct h90_cfg<64> {
+    static constexpr int BN = 64;
+    static constexpr int CTAS_PER_SM = 2;
+};
+
 template <int D> struct h90_tile {
+    static constexpr int BN = h90_cfg<D>::BN;
     /* bytes: Q, 2 stages of K and V, 3 x BN key offsets, and slack to align the tiles to
      * 1024 bytes (the swizzle repeats every 8 rows of 128 bytes) */
     static constexpr uint32_t Q_BYTES = H90_BM * D * 2;
-    static constexpr uint32_t KV_BYTES = H90_BN * D * 2; /* one K or one V tile */
-    static constexpr size_t SMEM = (size_t)Q_BYTES + 4 * KV_BYTES + 3 * H90_BN * 8 + 1024;
+    static constexpr uint32_t KV_BYTES = BN * D * 2; /* one K or one V tile */
+    static constexpr size_t SMEM = (size_t)Q_BYTES + 4 * KV_BYTES + 3 * BN * 8 + 1024;
 };
 
 #ifdef H90_DEVICE_CODE
@@ -215,43 +229,69 @@ wgmma_rs_m64n64_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
-/* S (m64 x 128 keys) += Q K^T and O (m64 x D) += P V for element type T. */
-template <typename T, int D> struct h90_mma;
+static __device__ __forceinline__ void
+wgmma_ss_m64n64_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
 
-template <> struct h90_mma<__nv_bfloat16, 128> {
+static __device__ __forceinline__ void
+wgmma_ss_m64n64_f16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+/* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T. */
+template <typename T> struct h90_mma;
+
+template <> struct h90_mma<__nv_bfloat16> {
     static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
     {
         wgmma_ss_m64n128_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n64_bf16(s, a, b, acc);
     }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_bf16(o, p, b, 1);
-    }
-};
-template <> struct h90_mma<__nv_bfloat16, 64> {
-    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n128_bf16(s, a, b, acc);
     }
     static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n64_bf16(o, p, b, 1);
     }
 };
-template <> struct h90_mma<__half, 128> {
+template <> struct h90_mma<__half> {
     static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
     {
         wgmma_ss_m64n128_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n64_f16(s, a, b, acc);
     }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_f16(o, p, b, 1);
-    }
-};
-template <> struct h90_mma<__half, 64> {
-    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n128_f16(s, a, b, acc);
     }
     static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
     {
@@ -317,7 +357,7 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
 {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) {
-        h90_mma<T, D>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
+        h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
     }
 }
 /* What the softmax of a warpgroup's S tile needs about this thread's two rows. */
@@ -333,9 +373,9 @@ struct h90_rows {
 /* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
  * dims, 32 bytes apart within a 128-byte row, 64-dim panels BM * 128 (Q) or BN * 128 (K)
  * bytes apart; 8-row groups 1024 bytes apart. */
-template <typename T, int D>
+template <typename T, int D, int BN>
 static __device__ __forceinline__ void
-h90_qk(float (&s)[64], uint32_t q_slab, uint32_t sk)
+h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
 {
     fence_regs(s);
     wgmma_fence();
@@ -344,9 +384,9 @@ h90_qk(float (&s)[64], uint32_t q_slab, uint32_t sk)
         const uint32_t koff = (uint32_t)(kk & 3) * 32u;
         const uint64_t da = wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (H90_BM * 128u) + koff, 16u,
                                        1024u);
-        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * (H90_BN * 128u) + koff, 16u,
+        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * (BN * 128u) + koff, 16u,
                                        1024u);
-        h90_mma<T, D>::qk(s, da, db, kk > 0);
+        h90_mma<T>::qk(s, da, db, kk > 0);
     }
 }
 
@@ -409,14 +449,14 @@ h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2],
  */
 template <typename T, int D>
 /* clang-format off */
-static __global__ void __launch_bounds__(H90_THREADS, 1)
+static __global__ void __launch_bounds__(H90_THREADS, h90_cfg<D>::CTAS_PER_SM)
 attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t head_group,
                       float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
                       bool sort_rows)
 /* clang-format on */
 {
 #ifdef H90_DEVICE_CODE
-    constexpr int BN = H90_BN;
+    constexpr int BN = h90_cfg<D>::BN;
     constexpr int NT = BN / 8; /* n8 blocks of S */
     constexpr int DT = D / 8;  /* n8 blocks of O */
     constexpr uint32_t QB = h90_tile<D>::Q_BYTES;
@@ -592,14 +632,14 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
             const uint32_t sk = skv + (uint32_t)(kt & 1) * 2u * KVB;
             float alpha[2];
             if (kt == 0) {
-                h90_qk<T, D>(s, rows.q_slab, sk);
+                h90_qk<T, D, BN>(s, rows.q_slab, sk);
                 wgmma_commit();
                 wgmma_wait_all();
                 fence_regs(s);
                 h90_softmax<NT>(s, m, l, alpha, j0, rows);
             }
             else {
-                h90_qk<T, D>(s, rows.q_slab, sk);
+                h90_qk<T, D, BN>(s, rows.q_slab, sk);
                 wgmma_commit();
                 h90_pv<T, D, BN>(o, pa, skv + (uint32_t)((kt - 1) & 1) * 2u * KVB + KVB);
                 wgmma_commit();
