@@ -714,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         f"diffkv paged attention vs torch on {env.get('gpu', device)} (torch {env['torch']}, "
         f"diffkv {env['diffkv']}); bf16; median of {args.reps} after {args.warmup} warm-up"
         + (", L2 flushed before each" if device.type == "cuda" else "")
+        + (f"; diffkv kernel: {env['diffkv_build']['attention_kernel']}" if device.type == "cuda" else "")
     )
     results: list[dict[str, Any]] = []
     for case in cases:

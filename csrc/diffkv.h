@@ -470,6 +470,10 @@ int dk_cuda_device_count(void);
 int dk_cuda_capability(int32_t device);
 /* The CUDA runtime version this build links (e.g. 13000), 0 in a CPU-only build. */
 int dk_cuda_runtime_version(void);
+/* Which tensor-core attention kernel fp16/bf16 calls run on the current device: "sm90" (wgmma,
+ * compute capability 9.x with the sm_90a code built in, unless DIFFKV_ATTENTION_KERNEL=sm80),
+ * "sm80" (mma.sync) or "none" (no device, or a CPU-only build).  Cannot fail. */
+const char *dk_cuda_attention_kernel(void);
 
 #ifdef __cplusplus
 }

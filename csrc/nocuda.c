@@ -6,7 +6,8 @@
  *
  * Entry points: dk_cuda_slots, dk_cuda_kv_write, dk_cuda_attention, dk_cuda_rows_gather,
  * dk_cuda_rows_scatter, dk_cuda_compiled, dk_cuda_device_enter, dk_cuda_device_exit,
- * dk_cuda_copy_to_host, dk_cuda_device_count, dk_cuda_capability, dk_cuda_runtime_version.
+ * dk_cuda_copy_to_host, dk_cuda_device_count, dk_cuda_capability, dk_cuda_runtime_version,
+ * dk_cuda_attention_kernel.
  */
 #ifndef DIFFKV_WITH_CUDA
 
@@ -111,6 +112,12 @@ int
 dk_cuda_runtime_version(void)
 {
     return 0;
+}
+
+const char *
+dk_cuda_attention_kernel(void)
+{
+    return "none";
 }
 
 #endif /* DIFFKV_WITH_CUDA */

@@ -671,6 +671,17 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     return cudaSuccess;
 }
 
+extern "C" const char *
+dk_cuda_attention_kernel(void)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        return "none";
+    }
+    return dk_cuda_attention_sm90_ready() ? "sm90" : "sm80";
+}
+
 extern "C" dk_status
 dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
 {

@@ -69,6 +69,7 @@ def _check_record(record, *, quick=True):
     assert {"benchmark", "schema", "config", "env", "points", "notes", "files"} <= set(record)
     assert ENV_KEYS <= set(record["env"])
     assert record["env"]["diffkv_build"]["limited_api"]
+    assert record["env"]["diffkv_build"]["attention_kernel"] in ("sm90", "sm80", "none")
     cfg = record["config"]
     assert {"seq_lens", "rows", "block_sizes", "heads", "kv_heads", "head_size", "dtype", "mask"} <= set(cfg)
     expected = {(s, r, b) for s in cfg["seq_lens"] for r in cfg["rows"] for b in cfg["block_sizes"]}

@@ -171,3 +171,26 @@ def test_kv_write_cuda_matches_cpu():
         _C.kv_write(key.to(device), value.to(device), cache, slots.to(device))
         caches.append(cache.cpu())
     assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sm80"])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monkeypatch):
+    """The kernel choice is visible (build_info), DIFFKV_ATTENTION_KERNEL=sm80 forces the
+    mma.sync kernel on a Hopper GPU, and either kernel meets the reference on three rows of
+    different lengths (one shorter than a tile) with a piecewise span, GQA 8/2, block 16."""
+    if kernel == "sm80":
+        monkeypatch.setenv("DIFFKV_ATTENTION_KERNEL", "sm80")
+    hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
+    assert _C.build_info()["attention_kernel"] == ("sm90" if hopper and kernel == "auto" else "sm80")
+    seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
+    spans = [(1000, 1500), (0, 40), (100, 2400)]
+    p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
+    limits = []
+    for s, n, (a, b) in zip(seq_lens, query_lens, spans, strict=True):
+        pos = torch.arange(s - n, s, dtype=torch.int32)
+        limits.append(torch.where((pos >= a) & (pos < b), torch.tensor(b, dtype=torch.int32), pos + 1))
+    scale = head**-0.5
+    out = _run(p, _C.MASK_LIMITS, torch.cat(limits), scale)
+    _check(out, p, limits, scale)

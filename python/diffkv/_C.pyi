@@ -40,7 +40,9 @@ def bridge_noop4(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
 def cuda_compiled() -> bool: ...
 def build_info() -> dict[str, Any]:
     """{'cuda_compiled': bool, 'cuda_runtime_version': int, 'device_count': int,
-    'archs': str, 'limited_api': str}"""
+    'archs': str, 'limited_api': str, 'attention_kernel': 'sm90' | 'sm80' | 'none'} (the
+    fp16/bf16 attention kernel on the current device; DIFFKV_ATTENTION_KERNEL=sm80 forces the
+    mma.sync one)"""
 
 # --- rows / metadata / layer (the seed's messages) -------------------------------------------
 

@@ -638,8 +638,11 @@ def _title(record: dict[str, Any]) -> str:
     where = env.get("gpu") or env["device"]
     heads = f"{cfg['heads']}/{cfg['kv_heads']}" if cfg["heads"] != cfg["kv_heads"] else f"{cfg['heads']}"
     mask = "causal" if cfg["mask"] == "causal" else "non-causal"
+    kernel = env.get("diffkv_build", {}).get("attention_kernel", "none")
+    kernel = f" ({kernel} kernel)" if kernel != "none" else ""
     return (
-        f"diffkv paged attention vs torch: {where}, {heads} heads x {cfg['head_size']} {cfg['dtype']}, {mask}"
+        f"diffkv paged attention vs torch: {where}{kernel}, {heads} heads x {cfg['head_size']} "
+        f"{cfg['dtype']}, {mask}"
     )
 
 
