@@ -496,10 +496,11 @@ py_build_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int compiled = dk_cuda_compiled();
     int devices = compiled ? dk_cuda_device_count() : 0;
-    return Py_BuildValue("{s:O,s:i,s:i,s:s,s:s,s:s}", "cuda_compiled", compiled ? Py_True : Py_False,
-                         "cuda_runtime_version", dk_cuda_runtime_version(), "device_count", devices,
-                         "archs", DIFFKV_CUDA_ARCHS, "limited_api", "cp310-abi3",
-                         "attention_kernel", devices > 0 ? dk_cuda_attention_kernel() : "none");
+    return Py_BuildValue("{s:O,s:i,s:i,s:s,s:s,s:s}", "cuda_compiled",
+                         compiled ? Py_True : Py_False, "cuda_runtime_version",
+                         dk_cuda_runtime_version(), "device_count", devices, "archs",
+                         DIFFKV_CUDA_ARCHS, "limited_api", "cp310-abi3", "attention_kernel",
+                         devices > 0 ? dk_cuda_attention_kernel() : "none");
 }
 
 /* ------------------------------------------------------------------------------------------ */

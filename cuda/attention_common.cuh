@@ -254,7 +254,6 @@ attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, i
     *row = *s_row;
 }
 
-
 /* The Hopper kernel (attention_sm90.cu): whether it can run on the current device, and its
  * launcher (arguments as computed by dk_cuda_attention). */
 extern "C" int dk_cuda_attention_sm90_ready(void);

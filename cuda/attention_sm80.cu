@@ -68,7 +68,6 @@
 #define F32_WARPS 4 /* warps per CTA of the fp32 kernel */
 #define F32_MAX_HEAD 256
 
-
 /* Keys per K/V tile: 64 for head 128 (S, P and O of two m-tiles per warp fit the register
  * file), 128 for head 64 (measured on H200: 14 % faster than 64). */
 template <int D> struct attn_tile {
