@@ -409,6 +409,9 @@ typedef struct dk_attention_args {
      * keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
     float *lse;                                /* [num_tokens, num_heads] or NULL */
     int64_t lse_stride_token, lse_stride_head; /* element strides of lse */
+    /* 1: block_table is dense_attention's key_index (blocks of one key token); only the
+     * check's messages differ */
+    int32_t dense;
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,

@@ -2301,17 +2301,40 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  */
 static int
 parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
-                const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out)
+                const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out,
+                const dk_tensor *dense_kv)
 {
     dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
     int64_t mask = 0;
+    /* the block table is dense_attention's key_index */
+    const char *bt_name = dense_kv != NULL ? "key_index" : "block_table";
+    const char *hbt_name = dense_kv != NULL ? "host_key_index" : "host_block_table";
+    if (dense_kv != NULL) {
+        /* key/value [num_keys, num_kv_heads, head_size] with one stride set (checked by the
+         * caller): a cache of num_keys blocks of one token whose V half starts at value. */
+        c = dense_kv[0];
+        c.ndim = 5;
+        c.shape[0] = 2;
+        c.shape[1] = dense_kv[0].shape[0];
+        c.shape[2] = 1;
+        c.shape[3] = dense_kv[0].shape[1];
+        c.shape[4] = dense_kv[0].shape[2];
+        c.strides[0] = 0;
+        c.strides[1] = dense_kv[0].strides[0];
+        c.strides[2] = 0;
+        c.strides[3] = dense_kv[0].strides[1];
+        c.strides[4] = dense_kv[0].strides[2];
+    }
     if (tensor_arg(module, args[0], op, "query", &q) != 0 || want_float(&q, op, "query") ||
-        want_ndim(&q, 3, op, "query") || tensor_arg(module, args[1], op, "kv_cache", &c) != 0 ||
-        want_dtype(&c, q.dtype, op, "kv_cache") || want_ndim(&c, 5, op, "kv_cache") ||
-        same_device(&q, &c, op, "kv_cache") ||
-        tensor_arg(module, args[2], op, "block_table", &bt) != 0 ||
-        want_dtype(&bt, DK_I32, op, "block_table") || want_ndim(&bt, 2, op, "block_table") ||
-        same_device(&q, &bt, op, "block_table") ||
+        want_ndim(&q, 3, op, "query") ||
+        (dense_kv == NULL &&
+         (tensor_arg(module, args[1], op, "kv_cache", &c) != 0 ||
+          want_dtype(&c, q.dtype, op, "kv_cache") || want_ndim(&c, 5, op, "kv_cache"))) ||
+        (dense_kv != NULL && want_dtype(&c, q.dtype, op, "key")) ||
+        same_device(&q, &c, op, dense_kv != NULL ? "key" : "kv_cache") ||
+        tensor_arg(module, args[2], op, bt_name, &bt) != 0 ||
+        want_dtype(&bt, DK_I32, op, bt_name) || want_ndim(&bt, 2, op, bt_name) ||
+        same_device(&q, &bt, op, bt_name) ||
         tensor_arg(module, args[3], op, "query_start_loc", &qsl) != 0 ||
         want_dtype(&qsl, DK_I32, op, "query_start_loc") ||
         want_contiguous_1d(&qsl, op, "query_start_loc") ||
@@ -2332,9 +2355,9 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     const int trusted = n_none == 3;
     if (n_none != 0 && !trusted) {
         PyErr_Format(PyExc_TypeError,
-                     "%s(): host_block_table, host_query_start_loc and host_seq_lens must all be "
-                     "tensors or all be None, got %d None",
-                     op, n_none);
+                     "%s(): %s, host_query_start_loc and host_seq_lens must all be tensors or all "
+                     "be None, got %d None",
+                     op, hbt_name, n_none);
         return -1;
     }
     if (trusted) {
@@ -2342,10 +2365,8 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         hqsl = qsl;
         hsl = sl;
     }
-    else if (tensor_arg(module, args[9], op, "host_block_table", &hbt) != 0 ||
-             want_cpu(&hbt, op, "host_block_table") ||
-             want_dtype(&hbt, DK_I32, op, "host_block_table") ||
-             want_ndim(&hbt, 2, op, "host_block_table") ||
+    else if (tensor_arg(module, args[9], op, hbt_name, &hbt) != 0 || want_cpu(&hbt, op, hbt_name) ||
+             want_dtype(&hbt, DK_I32, op, hbt_name) || want_ndim(&hbt, 2, op, hbt_name) ||
              tensor_arg(module, args[10], op, "host_query_start_loc", &hqsl) != 0 ||
              want_cpu(&hqsl, op, "host_query_start_loc") ||
              want_dtype(&hqsl, DK_I32, op, "host_query_start_loc") ||
@@ -2371,6 +2392,14 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         return -1;
     }
     int64_t n = q.shape[0], h = q.shape[1], d = q.shape[2], r = sl.shape[0];
+    if (dense_kv != NULL && (c.shape[4] != d || c.shape[3] <= 0 || h % c.shape[3] != 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key must have shape [num_keys, num_kv_heads, %lld] with num_heads "
+                     "(%lld) divisible by num_kv_heads, got [%lld, %lld, %lld]",
+                     op, (long long)d, (long long)h, (long long)c.shape[1], (long long)c.shape[3],
+                     (long long)c.shape[4]);
+        return -1;
+    }
     if (c.shape[0] != 2 || c.shape[4] != d || c.shape[3] <= 0 || h % c.shape[3] != 0) {
         PyErr_Format(
             PyExc_ValueError,
@@ -2392,14 +2421,13 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     if (qsl.shape[0] != r + 1 || bt.shape[0] < r || hqsl.shape[0] != r + 1 || hsl.shape[0] != r ||
         hbt.shape[0] != bt.shape[0] || hbt.shape[1] != bt.shape[1]) {
         PyErr_Format(PyExc_ValueError,
-                     "%s(): query_start_loc must have num_rows + 1 = %lld entries, block_table at "
-                     "least num_rows rows, and the host_* copies the shapes of their device "
-                     "tensors",
-                     op, (long long)(r + 1));
+                     "%s(): query_start_loc must have num_rows + 1 = %lld entries, %s at least "
+                     "num_rows rows, and the host_* copies the shapes of their device tensors",
+                     op, (long long)(r + 1), bt_name);
         return -1;
     }
     if ((bt.shape[1] > 1 && bt.strides[1] != 1) || (hbt.shape[1] > 1 && hbt.strides[1] != 1)) {
-        PyErr_Format(PyExc_ValueError, "%s(): block_table must have unit column stride", op);
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have unit column stride", op, bt_name);
         return -1;
     }
     if (mask == DK_MASK_LIMITS) {
@@ -2414,12 +2442,14 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
             return -1;
         }
     }
-    if (no_overlap(&o, "out", &q, "query", op) || no_overlap(&o, "out", &c, "kv_cache", op) ||
-        no_overlap(&o, "out", &bt, "block_table", op) ||
+    if (no_overlap(&o, "out", &q, "query", op) ||
+        no_overlap(&o, "out", &c, dense_kv != NULL ? "key" : "kv_cache", op) ||
+        (dense_kv != NULL && no_overlap(&o, "out", &dense_kv[1], "value", op)) ||
+        no_overlap(&o, "out", &bt, bt_name, op) ||
         no_overlap(&o, "out", &qsl, "query_start_loc", op) ||
         no_overlap(&o, "out", &sl, "seq_lens", op) ||
         (mask == DK_MASK_LIMITS && no_overlap(&o, "out", &kl, "key_limits", op)) ||
-        no_overlap(&o, "out", &hbt, "host_block_table", op) ||
+        no_overlap(&o, "out", &hbt, hbt_name, op) ||
         no_overlap(&o, "out", &hqsl, "host_query_start_loc", op) ||
         no_overlap(&o, "out", &hsl, "host_seq_lens", op)) {
         return -1;
@@ -2447,8 +2477,10 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->q_stride_head = q.strides[1];
     a->q_stride_dim = q.strides[2];
     a->key_cache = c.data;
-    a->value_cache =
-        c.data == NULL ? NULL : (const void *)((const char *)c.data + (size_t)c.strides[0] * es);
+    a->value_cache = dense_kv != NULL ? dense_kv[1].data
+                     : c.data == NULL
+                         ? NULL
+                         : (const void *)((const char *)c.data + (size_t)c.strides[0] * es);
     a->cache_stride_block = c.strides[1];
     a->cache_stride_token = c.strides[2];
     a->cache_stride_head = c.strides[3];
@@ -2473,6 +2505,7 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->num_blocks = c.shape[1];
     a->scale = (float)scale;
     a->dtype = q.dtype;
+    a->dense = dense_kv != NULL;
     if (trusted && q.device_type == DK_CUDA) {
         /* Device metadata cannot be read here: launch for the bounds (tiles past a row's end
          * exit at once) and skip the host check. */
@@ -2549,7 +2582,7 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     dk_attention_args a;
     dk_tensor q, o;
-    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o) != 0 ||
+    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL) != 0 ||
         run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
@@ -2600,7 +2633,7 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *result = NULL;
     dk_attention_args a;
     dk_tensor q, o, kl, lse, in;
-    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o) != 0) {
+    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL) != 0) {
         goto done;
     }
     if (mask == DK_MASK_LIMITS) {
@@ -2655,6 +2688,119 @@ done:
     return result;
 }
 
+/*
+ * dense_attention: attention over keys and values held in two plain tensors
+ * key/value [num_keys, num_kv_heads, head_size] (one stride set), addressed per row through
+ * key_index [num_rows, cols] int32: key j of row r is key token key_index[r, j] (a block table
+ * over blocks of one token).  Serves DiffKVAttentionImpl.forward: dense, key-padded and
+ * packed varlen batches all become rows of key indices, so the paged kernels run them with
+ * no copy of K or V.  As in paged_attention_lse, a row may have fewer keys than queries in
+ * every mask mode (a key-padding mask leaves fewer keys; a token that sees none gets zeros).
+ * args: query, key, value, key_index, query_start_loc, seq_lens, key_limits, mask, scale, out,
+ *       host_key_index, host_query_start_loc, host_seq_lens, max_query_len
+ * max_query_len (> 0) sizes the launch when the host copies are None (CUDA, trusted metadata:
+ * the caller vouches that no row has more queries); 0 = up to every query token, as in
+ * paged_attention.  With host copies it is ignored (the checked copies give the exact max).
+ */
+static PyObject *
+py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "dense_attention";
+    if (check_nargs(op, nargs, 14) != 0) {
+        return NULL;
+    }
+    int64_t max_query_len = 0;
+    if (get_i64(args[13], op, "max_query_len", &max_query_len) != 0) {
+        return NULL;
+    }
+    if (max_query_len < 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): max_query_len must be >= 0, got %lld", op,
+                     (long long)max_query_len);
+        return NULL;
+    }
+    dk_tensor kv[2], q, o, kl;
+    if (tensor_arg(module, args[1], op, "key", &kv[0]) != 0 || want_float(&kv[0], op, "key") ||
+        want_ndim(&kv[0], 3, op, "key") || tensor_arg(module, args[2], op, "value", &kv[1]) != 0 ||
+        want_dtype(&kv[1], kv[0].dtype, op, "value") || want_ndim(&kv[1], 3, op, "value") ||
+        same_device(&kv[0], &kv[1], op, "value")) {
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (kv[1].shape[i] != kv[0].shape[i] ||
+            (kv[0].shape[i] > 1 && kv[1].strides[i] != kv[0].strides[i])) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): value must have the key's shape and strides, got shape [%lld, "
+                         "%lld, %lld] strides [%lld, %lld, %lld] for key shape [%lld, %lld, %lld] "
+                         "strides [%lld, %lld, %lld]",
+                         op, (long long)kv[1].shape[0], (long long)kv[1].shape[1],
+                         (long long)kv[1].shape[2], (long long)kv[1].strides[0],
+                         (long long)kv[1].strides[1], (long long)kv[1].strides[2],
+                         (long long)kv[0].shape[0], (long long)kv[0].shape[1],
+                         (long long)kv[0].shape[2], (long long)kv[0].strides[0],
+                         (long long)kv[0].strides[1], (long long)kv[0].strides[2]);
+            return NULL;
+        }
+    }
+    if (kv[0].shape[0] > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s(): key must have at most %d tokens, got %lld", op,
+                     INT32_MAX, (long long)kv[0].shape[0]);
+        return NULL;
+    }
+    int64_t mask = 0;
+    if (get_i64(args[7], op, "mask", &mask) != 0) {
+        return NULL;
+    }
+    if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
+                     (long long)mask);
+        return NULL;
+    }
+    /* parse_attention's argument order (kv_cache slot unused), mask replaced by MASK_NONE: its
+     * host check holds rows with fewer keys than queries to the bottom-right rule otherwise. */
+    PyObject *none_mask = PyLong_FromLong(DK_MASK_NONE);
+    if (none_mask == NULL) {
+        return NULL;
+    }
+    PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
+                               none_mask, args[8], args[9], args[10], args[11], args[12]};
+    dk_attention_args a;
+    int rc = parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv);
+    Py_DECREF(none_mask);
+    if (rc != 0) {
+        return NULL;
+    }
+    if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op)) {
+        return NULL;
+    }
+    if (mask == DK_MASK_LIMITS) {
+        if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[6], op, "key_limits", &kl)) {
+            return NULL;
+        }
+        if (kl.ndim < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
+            return NULL;
+        }
+        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
+            want_contiguous_1d(&kl, op, "key_limits") || same_device(&q, &kl, op, "key_limits") ||
+            want_min_len(&kl, a.num_tokens, op, "key_limits") ||
+            no_overlap(&o, "out", &kl, "key_limits", op)) {
+            return NULL;
+        }
+        a.key_limits = (const int32_t *)kl.data;
+    }
+    a.mask = (int32_t)mask;
+    if (q.device_type == DK_CUDA && args[10] == Py_None && max_query_len > 0 &&
+        max_query_len < a.max_query_len) {
+        a.max_query_len = max_query_len;
+    }
+    if (run_attention(module, args[0], &q, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2672,7 +2818,7 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor kv[4], q, o;
     const dk_tensor *k = &kv[0];
     if (parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
-        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o) != 0) {
+        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL) != 0) {
         return NULL;
     }
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
@@ -2844,6 +2990,7 @@ static PyMethodDef module_methods[] = {
     FAST(kv_write, "KV cache write (CPU or CUDA)."),
     FAST(paged_attention, "Paged attention (CPU or CUDA)."),
     FAST(paged_attention_lse, "Paged attention + log-sum-exp per (token, head)."),
+    FAST(dense_attention, "Attention over key/value tensors addressed per row by key indices."),
     FAST(forward_paged, "KV write + paged attention in one call."),
     FAST(rows_gather, "dst[n] = src[index[n]]."),
     FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),

@@ -188,53 +188,56 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
 dk_status
 dk_attention_check(const dk_attention_args *a, dk_error *err)
 {
+    /* dense_attention's table holds key tokens (blocks of one token): its own names */
+    const char *op = a->dense ? "dense_attention" : "paged_attention";
+    const char *bt = a->dense ? "key_index" : "block_table";
+    const char *nb = a->dense ? "num_keys" : "num_blocks";
     if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): mask must be MASK_NONE (0), MASK_CAUSAL (1) or "
-                       "MASK_LIMITS (2), got %d",
-                       (int)a->mask);
+                       "%s(): mask must be MASK_NONE (0), MASK_CAUSAL (1) or MASK_LIMITS (2), "
+                       "got %d",
+                       op, (int)a->mask);
     }
     if (a->num_rows < 0 || a->num_tokens < 0 || a->head_size < 0) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): num_rows, num_tokens and head_size must be >= 0, "
-                       "got %lld, %lld and %lld",
-                       (long long)a->num_rows, (long long)a->num_tokens, (long long)a->head_size);
+                       "%s(): num_rows, num_tokens and head_size must be >= 0, got %lld, %lld and "
+                       "%lld",
+                       op, (long long)a->num_rows, (long long)a->num_tokens,
+                       (long long)a->head_size);
     }
     if (a->block_size < 1 || a->num_blocks < 0 || a->bt_cols < 0) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): block_size must be >= 1 with num_blocks and "
-                       "block_table columns >= 0, got block_size=%lld num_blocks=%lld "
-                       "columns=%lld",
-                       (long long)a->block_size, (long long)a->num_blocks, (long long)a->bt_cols);
+                       "%s(): block_size must be >= 1 with %s and %s columns >= 0, got "
+                       "block_size=%lld %s=%lld columns=%lld",
+                       op, nb, bt, (long long)a->block_size, nb, (long long)a->num_blocks,
+                       (long long)a->bt_cols);
     }
     if (a->num_kv_heads < 1 || a->num_heads < 1 || a->num_heads % a->num_kv_heads != 0) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): num_heads must be a positive multiple of "
-                       "num_kv_heads >= 1, got num_heads=%lld num_kv_heads=%lld",
-                       (long long)a->num_heads, (long long)a->num_kv_heads);
+                       "%s(): num_heads must be a positive multiple of num_kv_heads >= 1, got "
+                       "num_heads=%lld num_kv_heads=%lld",
+                       op, (long long)a->num_heads, (long long)a->num_kv_heads);
     }
     if (a->mask == DK_MASK_LIMITS && a->key_limits == NULL && a->num_tokens > 0) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): key_limits must be given when mask is MASK_LIMITS, "
-                       "got None");
+                       "%s(): key_limits must be given when mask is MASK_LIMITS, got None", op);
     }
     const int32_t *qsl = a->query_start_loc;
     if (qsl[0] != 0) {
-        return dk_fail(err, DK_ERR_VALUE, "paged_attention(): query_start_loc[0] must be 0, got %d",
+        return dk_fail(err, DK_ERR_VALUE, "%s(): query_start_loc[0] must be 0, got %d", op,
                        (int)qsl[0]);
     }
     for (int64_t r = 0; r < a->num_rows; r++) {
         if (qsl[r + 1] < qsl[r]) {
             return dk_fail(err, DK_ERR_VALUE,
-                           "paged_attention(): query_start_loc must be non-decreasing, got "
+                           "%s(): query_start_loc must be non-decreasing, got "
                            "query_start_loc[%lld]=%d after query_start_loc[%lld]=%d",
-                           (long long)(r + 1), (int)qsl[r + 1], (long long)r, (int)qsl[r]);
+                           op, (long long)(r + 1), (int)qsl[r + 1], (long long)r, (int)qsl[r]);
         }
     }
     if ((int64_t)qsl[a->num_rows] != a->num_tokens) {
         return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): query_start_loc[%lld] must equal num_tokens=%lld, "
-                       "got %d",
+                       "%s(): query_start_loc[%lld] must equal num_tokens=%lld, got %d", op,
                        (long long)a->num_rows, (long long)a->num_tokens, (int)qsl[a->num_rows]);
     }
     /* Saturating: a zero-stride cache view may claim a block_size near INT64_MAX. */
@@ -243,26 +246,31 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
     for (int64_t r = 0; r < a->num_rows; r++) {
         const int64_t seq_len = a->seq_lens[r];
         if (seq_len < 0 || seq_len > capacity) {
+            if (a->dense) {
+                return dk_fail(err, DK_ERR_VALUE,
+                               "%s(): seq_lens[%lld] must be in [0, %lld] (key_index columns), "
+                               "got %lld",
+                               op, (long long)r, (long long)capacity, (long long)seq_len);
+            }
             return dk_fail(err, DK_ERR_VALUE,
-                           "paged_attention(): seq_lens[%lld] must be in [0, %lld] (block_table "
-                           "columns * block_size), got %lld",
-                           (long long)r, (long long)capacity, (long long)seq_len);
+                           "%s(): seq_lens[%lld] must be in [0, %lld] (block_table columns * "
+                           "block_size), got %lld",
+                           op, (long long)r, (long long)capacity, (long long)seq_len);
         }
         const int64_t query_len = (int64_t)qsl[r + 1] - qsl[r];
         if (a->mask != DK_MASK_NONE && query_len > seq_len) {
             return dk_fail(err, DK_ERR_VALUE,
-                           "paged_attention(): seq_lens[%lld] must be >= the row's query length "
-                           "%lld for a causal or limits mask (bottom-right alignment), got %lld",
-                           (long long)r, (long long)query_len, (long long)seq_len);
+                           "%s(): seq_lens[%lld] must be >= the row's query length %lld for a "
+                           "causal or limits mask (bottom-right alignment), got %lld",
+                           op, (long long)r, (long long)query_len, (long long)seq_len);
         }
         const int64_t reach = seq_len / a->block_size + (seq_len % a->block_size != 0);
         const int32_t *row = a->block_table + r * a->bt_stride_row;
         for (int64_t b = 0; b < reach; b++) {
             if (row[b] < 0 || (int64_t)row[b] >= a->num_blocks) {
-                return dk_fail(err, DK_ERR_VALUE,
-                               "paged_attention(): block_table[%lld][%lld] must be in [0, "
-                               "num_blocks=%lld), got %d",
-                               (long long)r, (long long)b, (long long)a->num_blocks, (int)row[b]);
+                return dk_fail(
+                    err, DK_ERR_VALUE, "%s(): %s[%lld][%lld] must be in [0, %s=%lld), got %d", op,
+                    bt, (long long)r, (long long)b, nb, (long long)a->num_blocks, (int)row[b]);
             }
         }
     }

@@ -376,20 +376,18 @@ def test_impl_constructor_errors(kwargs, error, message):
         diffkv.DiffKVAttentionImpl(4, 64, **kwargs)
 
 
-def test_dense_forward_is_explicitly_unimplemented():
+def test_dense_forward_on_other_platforms_is_explicitly_unsupported():
+    """forward/forward_cuda run the dense path (tests/test_dense.py); the other platforms'
+    entry points say that diffkv does not run there."""
     impl = diffkv.DiffKVAttentionImpl(4, 64, 0.125)
-    message = (
-        r"^DiffKVAttentionImpl: dense \(non-paged\) attention is not implemented yet; use forward_paged$"
-    )
     x = torch.zeros(1, 4, 64)
-    for method in (
-        impl.forward,
-        impl.forward_cuda,
-        impl.forward_npu,
-        impl.forward_xpu,
-        impl.forward_hip,
-        impl.forward_musa,
+    for method, name in (
+        (impl.forward_npu, "NPU"),
+        (impl.forward_xpu, "XPU"),
+        (impl.forward_hip, "ROCm"),
+        (impl.forward_musa, "MUSA"),
     ):
+        message = f"^DiffKVAttentionImpl: diffkv runs on CPU and CUDA tensors only, not on {name}$"
         with pytest.raises(NotImplementedError, match=message):
             method(x, x, x, None)
 

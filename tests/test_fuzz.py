@@ -259,6 +259,27 @@ def _lse_args(p: AttentionProblem) -> list[Any]:
     return [*a[:9], torch.zeros(p.query.shape[0], p.query.shape[1]), *a[9:]]
 
 
+def _dense_args() -> list[Any]:
+    """The 14 arguments of _C.dense_attention: two rows over 5 key tokens (row 1 with fewer
+    keys than queries), limits mask."""
+    return [
+        torch.randn(5, 2, 4),
+        torch.randn(5, 1, 4),
+        torch.randn(5, 1, 4),
+        torch.tensor([[4, 0, 2], [1, 3, 0]], dtype=torch.int32),
+        torch.tensor([0, 2, 5], dtype=torch.int32),
+        torch.tensor([3, 2], dtype=torch.int32),
+        torch.tensor([1, 3, 1, 2, 0], dtype=torch.int32),
+        2,
+        0.5,
+        torch.zeros(5, 2, 4),
+        None,
+        None,
+        None,
+        0,
+    ]
+
+
 def _pool_state(allocated: int = 2) -> list[torch.Tensor]:
     state = [
         torch.zeros(1, dtype=torch.int64),
@@ -371,6 +392,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "kv_write": (p.kv_write_args(), ()),
         "paged_attention": (p.attention_args(), ()),
         "paged_attention_lse": (_lse_args(p), ()),
+        "dense_attention": (_dense_args(), ()),
         "forward_paged": (p.forward_args(), ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],

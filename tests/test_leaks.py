@@ -1092,6 +1092,13 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def attn_lse(b=bt, s=sl, kl=None, mask=_C.MASK_NONE, o=out, lo=lse):
         return (q, cache, b, qsl, s, kl, mask, 0.5, o, lo, b, qsl, s)
 
+    dense_k = torch.randn(3, HKV, D)
+    dense_v = torch.randn(3, HKV, D)
+    key_index = torch.tensor([[2, 0, 1]], dtype=I32)
+
+    def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out):
+        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0)
+
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
         return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
 
@@ -1253,6 +1260,30 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 *attn_lse(lo=[1.0]),
             ),
             bad("paged_attention_lse nargs", TypeError, "takes 13 arguments", _C.paged_attention_lse, q),
+        ],
+        "dense_attention": [
+            ok("dense_attention none", _C.dense_attention, *dense()),
+            ok("dense_attention causal", _C.dense_attention, *dense(mask=_C.MASK_CAUSAL)),
+            ok(
+                "dense_attention limits, fewer keys than queries",
+                _C.dense_attention,
+                *dense(s=torch.tensor([1], dtype=I32), kl=limits, mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "dense_attention key index",
+                ValueError,
+                "key_index",
+                _C.dense_attention,
+                *dense(ki=torch.tensor([[7, 0, 1]], dtype=I32)),
+            ),
+            bad(
+                "dense_attention value strides",
+                ValueError,
+                "value must have the key's shape and strides",
+                _C.dense_attention,
+                *dense(v=torch.randn(3, HKV, 2 * D)[:, :, :D]),
+            ),
+            bad("dense_attention nargs", TypeError, "takes 14 arguments", _C.dense_attention, q),
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),

@@ -3,9 +3,10 @@
 Entry points: ``DiffKVAttentionBackend`` (the backend class the adapter selects) and
 ``DiffKVAttentionImpl`` with ``forward_paged(context)`` (KV write + attention in the layer's
 mask mode + output in the caller's layout) and ``do_kv_cache_update`` (the write alone, vLLM's
-``reshape_and_cache_flash`` contract).  Dense (non-paged) attention is not implemented yet and
-says so.  Eager calls go straight to diffkv._C; under torch.compile (``is_compiling()``, a
-constant to Dynamo) they go through the ``torch.ops.diffkv`` operators of ``diffkv.ops``.
+``reshape_and_cache_flash`` contract), and ``forward`` (dense attention, ``diffkv.dense``,
+the same kernels over contiguous K/V).  Eager calls go straight to diffkv._C; under
+torch.compile (``is_compiling()``, a constant to Dynamo) the paged path goes through the
+``torch.ops.diffkv`` operators of ``diffkv.ops``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any
 import torch
 
 from .. import _C, ops
+from ..dense import dense_forward
 from ..native import PagedAttentionMetadata, PagedMetadataBuilder
 from .abstract import AttentionBackend, AttentionImpl
 
 __all__ = ["DiffKVAttentionBackend", "DiffKVAttentionImpl", "DiffKVMetadataBuilder"]
 
-_DENSE_MESSAGE = "DiffKVAttentionImpl: dense (non-paged) attention is not implemented yet; use forward_paged"
+_PLATFORM_MESSAGE = "DiffKVAttentionImpl: diffkv runs on CPU and CUDA tensors only, not on {}"
 
 # kv_cache_dtype values meaning "the cache holds the model dtype" (the paged path is unquantized).
 _UNQUANTIZED_CACHE_DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
@@ -41,6 +43,8 @@ class DiffKVAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = False
     supports_piecewise_spans: bool = True
     supports_paged_kv: bool = True
+    # extra["valid_kv_length"]: the valid prefix becomes the rows' key count (no copy)
+    supports_prefix_kv_slicing: bool = True
     # The layer write is explicit (do_kv_cache_update / inside forward_paged), as with vLLM's
     # FLASH_ATTN: the adapter requires do_kv_cache_update when this is False.
     forward_includes_kv_cache_update: bool = False
@@ -65,6 +69,24 @@ class DiffKVAttentionBackend(AttentionBackend):
     def get_supported_head_sizes() -> list[int]:
         """Head sizes the CUDA kernels are built for (the CPU reference takes any size up to 1024)."""
         return [64, 128]
+
+    @classmethod
+    def supports_attention_mask(cls, attention_spec: object | None = None) -> bool:
+        """Boolean key-padding masks ([B, S_k] or [B, 1, 1, S_k], any pattern) are honoured by
+        the dense forward; per-query or additive masks raise NotImplementedError."""
+        del attention_spec
+        return True
+
+    @classmethod
+    def supports_packed_mask_free(cls) -> bool:
+        """``packed_padding`` [real, pad] rows run without a mask on every platform diffkv runs on."""
+        return True
+
+    @classmethod
+    def supports_multi_doc_packed_varlen(cls) -> bool:
+        """cu_seqlens_q/cu_seqlens_k documents are separate rows of the kernels: no attention
+        crosses a document boundary."""
+        return True
 
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
@@ -191,25 +213,40 @@ class DiffKVAttentionImpl(AttentionImpl):
         caller's layout (``context.restore_output``; padded rows are zeros)."""
         return run_forward_paged(paged_kv_context)
 
-    # --- dense path (not implemented: explicit, never silent) --------------------------------
+    # --- dense path (diffkv.dense: the same kernels over contiguous K/V) ---------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any | None = None,
+    ) -> torch.Tensor:
+        """Dense attention, ``[B, S_q, H, D]`` x ``[B, S_k, Hkv, D]`` -> ``[B, S_q, H, D]``, on
+        the CPU reference or the CUDA kernels (the tensors' device; no platform dispatch is
+        needed).  See ``diffkv.dense`` for the metadata fields honoured."""
+        return dense_forward(self, query, key, value, attn_metadata)
 
-    def forward_cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
-
-    def forward_npu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
-
-    def forward_xpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
+    def forward_cuda(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any | None = None,
+    ) -> torch.Tensor:
+        return dense_forward(self, query, key, value, attn_metadata)
 
     def forward_hip(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
+        raise NotImplementedError(_PLATFORM_MESSAGE.format("ROCm"))
+
+    def forward_npu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_PLATFORM_MESSAGE.format("NPU"))
+
+    def forward_xpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(_PLATFORM_MESSAGE.format("XPU"))
 
     def forward_musa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError(_DENSE_MESSAGE)
+        raise NotImplementedError(_PLATFORM_MESSAGE.format("MUSA"))
 
 
 def run_forward_paged(

@@ -1,0 +1,307 @@
+"""Dense (non-paged) diffusion attention through diffkv's kernels: ``DiffKVAttentionImpl.forward``.
+
+Contiguous K/V is a cache of one-token blocks: every attention row (a batch row, or a document
+of a packed varlen batch) gets a row of key indices into ``key``/``value`` viewed as
+``[num_keys, Hkv, D]``, and ``_C.dense_attention`` runs the paged kernels over it -- no copy of
+K or V, and a key-padding mask only reorders indices (the kept keys first, in order).  Every
+mask becomes what the kernels take: a row length, causal (bottom-right), or an exclusive key
+limit per query token.
+
+Supported ``AttentionMetadata`` fields:
+
+- ``attn_mask``: boolean key padding, ``[B, S_k]`` or ``[B, 1, 1, S_k]`` (``True`` = attend,
+  SDPA's convention; any pattern, not only a suffix);
+- ``extra["valid_kv_length"]``: keys ``[0, valid)`` only (prefix slicing, free);
+- ``extra["cu_seqlens_q"]`` / ``["cu_seqlens_k"]`` (+ ``max_seqlen_q``/``max_seqlen_k``):
+  packed documents ``[1, total, H, D]``, no attention across document boundaries;
+- ``packed_padding``: ``[real, pad]`` rows without a mask: queries ``[0, q_length)`` attend
+  keys ``[0, kv_length)``, pad queries get zeros;
+- ``full_attn_spans``: piecewise masks of a causal layer (causal outside the spans, full inside),
+  per batch row, ``S_q == S_k``;
+- the impl's ``causal`` flag: bottom-right aligned (FlashAttention's convention; the same as
+  top-left when ``S_q == S_k``).
+
+``joint_query``/``joint_key``/``joint_value``/``joint_attn_mask`` and ``query_ranges`` raise
+``NotImplementedError`` naming the field (never a silent dense fallback); ``video_layout`` is
+geometry a dense backend may ignore; unknown ``extra`` keys are ignored, as the contract says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _C
+
+__all__ = ["dense_forward"]
+
+_OP = "DiffKVAttentionImpl.forward()"
+_JOINT_FIELDS = ("joint_query", "joint_key", "joint_value", "joint_attn_mask")
+_UNQUANTIZED = (None, "auto", "float32", "float", "float16", "half", "bfloat16")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_unsupported(meta: Any) -> None:
+    for name in _JOINT_FIELDS:
+        if getattr(meta, name, None) is not None:
+            raise NotImplementedError(
+                f"{_OP}: {name} is not supported by the DIFFKV backend yet (joint text+image "
+                "attention); run the joint tokens through another backend"
+            )
+    if getattr(meta, "query_ranges", None) is not None:
+        raise NotImplementedError(f"{_OP}: query_ranges is not supported by the DIFFKV backend")
+    extra = getattr(meta, "extra", None) or {}
+    kv_dtype = extra.get("kv_cache_dtype")
+    if kv_dtype not in _UNQUANTIZED:
+        raise NotImplementedError(
+            f"{_OP}: extra['kv_cache_dtype'] must be unquantized ({[d for d in _UNQUANTIZED if d]}), "
+            f"got {kv_dtype!r}"
+        )
+
+
+def _check_qkv(impl: Any, query: Any, key: Any, value: Any) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{_OP}: {name} must be 4-D [B, S, heads, head_size], got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{_OP}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"{_OP}: key and value must have the query's dtype {query.dtype}, got {key.dtype}, {value.dtype}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"{_OP}: key and value must be on the query's device {query.device}")
+    heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
+    if query.shape[2] != heads or query.shape[3] != head:
+        raise ValueError(
+            f"{_OP}: query must have [{heads}, {head}] heads x head_size, got {list(query.shape[2:])}"
+        )
+    if key.shape[2:] != (kv_heads, head) or value.shape != key.shape:
+        raise ValueError(
+            f"{_OP}: key and value must have shape [B, S_k, {kv_heads}, {head}] (equal), got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"{_OP}: key must have the query's batch size {query.shape[0]}, got {key.shape[0]}")
+
+
+def _int_extra(extra: dict, name: str) -> int | None:
+    value = extra.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{_OP}: extra[{name!r}] must be an int, got {value!r}")
+    return value
+
+
+def _key_padding(mask: Any, batch: int, keys: int, device: torch.device) -> torch.Tensor:
+    """attn_mask -> bool [B, S_k] (True = attend)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{_OP}: attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise NotImplementedError(
+            f"{_OP}: attn_mask must be boolean (True = attend); additive float masks are not "
+            f"supported, got {mask.dtype}"
+        )
+    if mask.dim() == 4:
+        if mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise NotImplementedError(
+                f"{_OP}: attn_mask must be a key-padding mask [B, S_k] or [B, 1, 1, S_k]; per-head or "
+                f"per-query masks are not supported, got shape {tuple(mask.shape)}"
+            )
+        mask = mask[:, 0, 0]
+    if mask.dim() != 2 or mask.shape[0] not in (1, batch) or mask.shape[1] < keys:
+        raise ValueError(
+            f"{_OP}: attn_mask must have shape [B={batch}, S_k>={keys}] or [B, 1, 1, S_k], got "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(f"{_OP}: attn_mask must be on the query's device {device}, got {mask.device}")
+    return mask[:, :keys].expand(batch, keys)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[B, S, heads, D] -> [B*S, heads, D] (a view whenever the batch and token strides allow)."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def _key_value(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = _flat(key), _flat(value)
+    if k.stride() != v.stride():
+        # the kernels address K and V with one set of strides
+        k, v = k.contiguous(), v.contiguous()
+    return k, v
+
+
+def _spans_limits(spans: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """full_attn_spans -> exclusive key limit per (row, position): the span end inside a span,
+    position + 1 elsewhere (int64 [B, S])."""
+    if not isinstance(spans, (list, tuple)) or len(spans) != batch:
+        raise ValueError(
+            f"{_OP}: full_attn_spans must hold one list of spans per batch row ({batch}), got {spans!r}"
+        )
+    pos = torch.arange(length, device=device, dtype=torch.int64)
+    limits = (pos + 1).expand(batch, length).clone()
+    for b, row_spans in enumerate(spans):
+        for span in row_spans:
+            if (
+                not isinstance(span, (list, tuple))
+                or len(span) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+                or not 0 <= span[0] < span[1] <= length
+            ):
+                raise ValueError(
+                    f"{_OP}: full_attn_spans[{b}] must hold (start, end) int pairs with "
+                    f"0 <= start < end <= {length}, got {span!r}"
+                )
+            start, end = span
+            limits[b, start:end] = end
+    return limits
+
+
+def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tensor:
+    cu_q, cu_k = extra.get("cu_seqlens_q"), extra.get("cu_seqlens_k")
+    if cu_q is None or cu_k is None:
+        raise ValueError(f"{_OP}: extra must hold both cu_seqlens_q and cu_seqlens_k, or neither")
+    for name in ("attn_mask", "full_attn_spans", "packed_padding"):
+        if getattr(meta, name, None) is not None:
+            raise NotImplementedError(
+                f"{_OP}: {name} together with cu_seqlens_q/cu_seqlens_k is not supported"
+            )
+    if extra.get("valid_kv_length") is not None:
+        raise NotImplementedError(
+            f"{_OP}: valid_kv_length together with cu_seqlens_q/cu_seqlens_k is not supported"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"{_OP}: packed varlen query must be [1, total_q, H, D], got {tuple(query.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{_OP}: extra[{name!r}] must be a 1-D int32/int64 tensor, got {cu!r}")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{_OP}: extra[{name!r}] must have at least 2 entries, got {cu.shape[0]}")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(
+            f"{_OP}: cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.shape[0]} and "
+            f"{cu_k.shape[0]}"
+        )
+    device = query.device
+    total_k = key.shape[1]
+    qsl = cu_q.to(device=device, dtype=torch.int32)
+    cuk = cu_k.to(device=device, dtype=torch.int64)
+    seq_lens = (cuk[1:] - cuk[:-1]).to(torch.int32)
+    max_k = _int_extra(extra, "max_seqlen_k")
+    cols = total_k if max_k is None or cu_k.device.type != "cpu" else max(1, min(max_k, total_k))
+    key_index = (cuk[:-1, None] + torch.arange(cols, device=device)).clamp_(max=max(total_k - 1, 0))
+    max_q = 0
+    if cu_q.device.type == "cpu":
+        max_q = int((cu_q[1:] - cu_q[:-1]).max())
+        if cu_k.device.type == "cpu" and max_k is not None and int(seq_lens.max()) > cols:
+            raise ValueError(f"{_OP}: extra['max_seqlen_k']={max_k} is below the longest key document")
+    q = query[0]
+    k, v = _key_value(key, value)
+    # tokens past cu_seqlens_q[-1] belong to no document: zeros
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    mask = _C.MASK_CAUSAL if impl.causal else _C.MASK_NONE
+    _C.dense_attention(
+        q, k, v, key_index.to(torch.int32), qsl, seq_lens, None, mask, impl.softmax_scale, out,
+        None, None, None, max_q,
+    )  # fmt: skip
+    return out.view(query.shape)
+
+
+def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: Any = None) -> torch.Tensor:
+    """``DiffKVAttentionImpl.forward``: query ``[B, S_q, H, D]``, key/value ``[B, S_k, Hkv, D]``
+    -> ``[B, S_q, H, D]`` (see the module docstring for the metadata honoured)."""
+    meta = attn_metadata
+    if meta is not None:
+        _check_unsupported(meta)
+    _check_qkv(impl, query, key, value)
+    extra = (getattr(meta, "extra", None) or {}) if meta is not None else {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"{_OP}: attn_metadata.extra must be a dict, got {type(extra).__name__}")
+    if extra.get("cu_seqlens_q") is not None or extra.get("cu_seqlens_k") is not None:
+        return _varlen(impl, query, key, value, extra, meta)
+
+    device = query.device
+    batch, s_q, heads, head = query.shape
+    s_k = key.shape[1]
+    keys = s_k
+    valid = _int_extra(extra, "valid_kv_length")
+    if valid is not None:
+        if not 0 <= valid <= s_k:
+            raise ValueError(f"{_OP}: extra['valid_kv_length'] must be in [0, {s_k}], got {valid}")
+        keys = valid
+    q_real = s_q
+    packed = getattr(meta, "packed_padding", None) if meta is not None else None
+    if packed is not None:
+        q_len, kv_len = getattr(packed, "q_length", None), getattr(packed, "kv_length", None)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (q_len, kv_len)):
+            raise TypeError(
+                f"{_OP}: packed_padding.q_length and kv_length must be ints, got {q_len!r}, {kv_len!r}"
+            )
+        if not (0 <= q_len <= s_q and 0 <= kv_len <= keys):
+            raise ValueError(
+                f"{_OP}: packed_padding must have 0 <= q_length <= {s_q} and 0 <= kv_length <= {keys}, "
+                f"got {q_len} and {kv_len}"
+            )
+        q_real, keys = q_len, kv_len
+    keep = None
+    if meta is not None and getattr(meta, "attn_mask", None) is not None:
+        keep = _key_padding(meta.attn_mask, batch, keys, device)
+    spans = getattr(meta, "full_attn_spans", None) if meta is not None else None
+    if spans is not None:
+        if s_q != keys:
+            raise ValueError(f"{_OP}: full_attn_spans need S_q == S_k (self-attention), got {s_q} and {keys}")
+        span_limits = _spans_limits(spans, batch, s_q, device)  # validates them in any layer
+    if keys == 0 or s_q == 0 or batch == 0:
+        return query.new_zeros(query.shape)  # no key visible to any query (or no query)
+
+    # Exclusive key limit of every query in original key positions (None: the whole row).
+    limits = None
+    if impl.causal:
+        if spans is not None:
+            limits = span_limits
+        else:
+            # bottom-right over the real queries (all of them without packed_padding)
+            pos = torch.arange(s_q, device=device, dtype=torch.int64) + (keys - q_real + 1)
+            limits = pos.clamp(0, keys).expand(batch, s_q)
+    if q_real < s_q:
+        if limits is None:
+            limits = torch.full((batch, s_q), keys, device=device, dtype=torch.int64)
+        limits = limits.clone()
+        limits[:, q_real:] = 0  # pad queries see nothing: zeros
+
+    rows = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * s_k
+    if keep is None:
+        key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
+        seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)
+    else:
+        # kept keys first, in order (a stable sort of "not kept"): the indices, not the data
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+        key_index = rows + order
+        seq_lens = keep.sum(dim=1, dtype=torch.int32)
+        if limits is not None:
+            # a limit in original positions -> the number of kept keys below it
+            prefix = keep.to(torch.int32).cumsum(dim=1)
+            limits = torch.where(limits > 0, prefix.gather(1, (limits - 1).clamp(min=0)), 0)
+
+    if limits is None:
+        mask, key_limits = _C.MASK_NONE, None
+    elif impl.causal and spans is None and keep is None and q_real == s_q:
+        mask, key_limits = _C.MASK_CAUSAL, None
+    else:
+        mask, key_limits = _C.MASK_LIMITS, limits.reshape(-1).to(torch.int32)
+    q = _flat(query)
+    k, v = _key_value(key, value)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
+    _C.dense_attention(
+        q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
+        None, None, None, s_q,
+    )  # fmt: skip
+    return out.view(batch, s_q, heads, head)

@@ -1,0 +1,359 @@
+"""Dense (non-paged) attention: ``DiffKVAttentionImpl.forward`` (diffkv.dense) against a float64
+reference with the explicit boolean mask, for every AttentionMetadata field the backend
+honours and their combinations, on CPU and (``-m gpu``) CUDA; the capability answers; and the
+fields it refuses, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffkv
+from diffkv import _C
+from diffkv.backends.abstract import AttentionMetadata, PackedPaddingMetadata, QueryRange
+from diffkv.backends.diffkv import DiffKVAttentionBackend
+
+H, HKV = 8, 2
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _impl(head=64, causal=False, scale=None):
+    return diffkv.DiffKVAttentionImpl(
+        H, head, softmax_scale=scale if scale is not None else head**-0.5, causal=causal, num_kv_heads=HKV
+    )
+
+
+def _qkv(b, sq, sk, head, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, H, head, generator=g).to(dtype)
+    k = torch.randn(b, sk, HKV, head, generator=g).to(dtype)
+    v = torch.randn(b, sk, HKV, head, generator=g).to(dtype)
+    return q.to(device), k.to(device), v.to(device)
+
+
+def _reference(q, k, v, visible, scale):
+    """float64 [B, Sq, H, D] with a bool visible [B, Sq, Sk] (rows that see nothing: zeros)."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~visible.cpu()[:, None], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _causal(b, sq, sk):
+    """Bottom-right causal: query i sees keys j <= i + sk - sq."""
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    return (j <= i + sk - sq).expand(b, sq, sk)
+
+
+def _close(out, ref, dtype):
+    err = (out.detach().cpu().double() - ref).abs().max().item()
+    assert err <= ATOL[dtype], f"max error {err:.3g} > {ATOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 37, 37), (1, 130, 300), (3, 200, 77)])
+@pytest.mark.parametrize("head", [64, 128])
+def test_plain_and_causal(device, dtype, causal, shape, head):
+    b, sq, sk = shape
+    q, k, v = _qkv(b, sq, sk, head, dtype, device, seed=sq + sk)
+    impl = _impl(head, causal)
+    out = impl.forward(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
+    visible = _causal(b, sq, sk) if causal else torch.ones(b, sq, sk, dtype=torch.bool)
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    # metadata with nothing set is the same call
+    assert torch.equal(impl.forward(q, k, v, AttentionMetadata()), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("four_d", [False, True])
+def test_key_padding_mask_any_pattern(device, dtype, causal, four_d):
+    """Scattered kept keys (not only a suffix of padding), one row keeping no key at all."""
+    b, sq, sk = 3, 90, 150
+    q, k, v = _qkv(b, sq, sk, 64, dtype, device, seed=3)
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(b, sk, generator=g) < 0.6
+    keep[1, 100:] = False  # suffix padding too
+    keep[2] = False  # nothing to attend to: zeros
+    mask = keep[:, None, None, :] if four_d else keep
+    impl = _impl(64, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(attn_mask=mask.to(device)))
+    visible = keep[:, None, :].expand(b, sq, sk)
+    if causal:
+        visible = visible & _causal(b, sq, sk)
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_valid_kv_length_with_and_without_mask(device, causal):
+    b, sq, sk, valid = 2, 64, 160, 97
+    q, k, v = _qkv(b, sq, sk, 64, torch.float32, device, seed=5)
+    impl = _impl(64, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(extra={"valid_kv_length": valid}))
+    visible = torch.zeros(b, sq, sk, dtype=torch.bool)
+    visible[:, :, :valid] = _causal(b, sq, valid) if causal else True
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+    # the same as slicing K/V by hand
+    sliced = impl.forward(q, k[:, :valid], v[:, :valid])
+    assert torch.allclose(out, sliced, atol=1e-6)
+    keep = torch.ones(b, sk, dtype=torch.bool)
+    keep[0, 10:20] = False
+    masked = impl.forward(
+        q, k, v, AttentionMetadata(attn_mask=keep.to(device), extra={"valid_kv_length": valid})
+    )
+    visible2 = visible & keep[:, None, :]
+    if causal:
+        # positions are original ones; the mask removes keys inside the causal window
+        visible2 = keep[:, None, :valid].expand(b, sq, valid) & _causal(b, sq, valid)
+        visible2 = torch.cat([visible2, torch.zeros(b, sq, sk - valid, dtype=torch.bool)], dim=2)
+    _close(masked, _reference(q, k, v, visible2, impl.softmax_scale), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cu_on_cpu", [True, False])
+def test_packed_varlen_documents_stay_apart(device, dtype, causal, cu_on_cpu):
+    lens_q, lens_k = [50, 130, 7, 64], [50, 130, 7, 64]
+    if not causal:
+        lens_k = [80, 10, 33, 64]  # cross-length documents
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = _qkv(1, tq, tk, 64, dtype, device, seed=8)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    cu_dev = "cpu" if cu_on_cpu else device
+    extra = {
+        "cu_seqlens_q": cu_q.to(cu_dev),
+        "cu_seqlens_k": cu_k.to(cu_dev),
+        "max_seqlen_q": max(lens_q),
+        "max_seqlen_k": max(lens_k),
+    }
+    impl = _impl(64, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
+    visible = torch.zeros(1, tq, tk, dtype=torch.bool)
+    for r in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
+        block = _causal(1, q1 - q0, k1 - k0)[0] if causal else True
+        visible[0, q0:q1, k0:k1] = block
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+
+
+def test_packed_padding_mask_free(device):
+    b, s = 2, 96
+    q, k, v = _qkv(b, s, s, 64, torch.float32, device, seed=9)
+    pp = PackedPaddingMetadata(
+        q_length=70,
+        kv_length=70,
+        cu_seqlens_q=torch.tensor([0, 70], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 70], dtype=torch.int32),
+    )
+    for causal in (False, True):
+        impl = _impl(64, causal)
+        out = impl.forward(q, k, v, AttentionMetadata(packed_padding=pp))
+        visible = torch.zeros(b, s, s, dtype=torch.bool)
+        visible[:, :70, :70] = _causal(b, 70, 70) if causal else True
+        _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+        assert (out[:, 70:] == 0).all()
+
+
+def _span_visible(b, s, spans):
+    pos = torch.arange(s)
+    visible = torch.zeros(b, s, s, dtype=torch.bool)
+    for r in range(b):
+        limit = pos + 1
+        for a, e in spans[r]:
+            limit = torch.where((pos >= a) & (pos < e), torch.tensor(e), limit)
+        visible[r] = pos[None, :] < limit[:, None]
+    return visible
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_full_attn_spans_piecewise(device, dtype, with_mask):
+    b, s = 2, 300
+    spans = [[(20, 140), (200, 260)], [(0, 50)]]
+    q, k, v = _qkv(b, s, s, 128, dtype, device, seed=12)
+    impl = _impl(128, causal=True)
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[1, 30:45] = False
+    meta = AttentionMetadata(full_attn_spans=spans, attn_mask=keep.to(device) if with_mask else None)
+    out = impl.forward(q, k, v, meta)
+    visible = _span_visible(b, s, spans)
+    if with_mask:
+        visible = visible & keep[:, None, :]
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    # a non-causal layer attends to everything: the spans change nothing
+    full = _impl(128, causal=False)
+    assert torch.equal(full.forward(q, k, v, AttentionMetadata(full_attn_spans=spans)), full.forward(q, k, v))
+
+
+def test_strided_inputs_from_a_fused_projection(device):
+    """q/k/v as views of one [B, S, H + 2 Hkv, D] projection, and V with other strides than K."""
+    b, s, head = 2, 70, 64
+    g = torch.Generator().manual_seed(4)
+    fused = torch.randn(b, s, H + 2 * HKV, head, generator=g).to(device)
+    q, k, v = fused[:, :, :H], fused[:, :, H : H + HKV], fused[:, :, H + HKV :]
+    impl = _impl(head, causal=True)
+    out = impl.forward(q, k, v)
+    ref = _reference(q, k, v, _causal(b, s, s), impl.softmax_scale)
+    _close(out, ref, torch.float32)
+    out2 = impl.forward(q, k, v.contiguous())
+    _close(out2, ref, torch.float32)
+
+
+def test_capabilities_are_true_and_honoured():
+    backend = DiffKVAttentionBackend
+    assert backend.supports_attention_mask() is True
+    assert backend.supports_attention_mask(object()) is True
+    assert backend.supports_packed_mask_free() is True
+    assert backend.supports_multi_doc_packed_varlen() is True
+    assert backend.supports_prefix_kv_slicing is True
+    assert backend.supports_piecewise_spans is True
+    assert backend.accept_output_buffer is False  # forward allocates its output
+    assert backend.get_supported_head_sizes() == [64, 128]
+    assert backend.supports_head_size(128) and not backend.supports_head_size(96)
+
+
+def _raises(exc, text, fn):
+    with pytest.raises(exc) as info:
+        fn()
+    assert str(info.value) == text
+
+
+def test_refused_fields_are_named():
+    impl = _impl(64)
+    q, k, v = _qkv(1, 4, 4, 64, torch.float32, "cpu")
+    op = "DiffKVAttentionImpl.forward()"
+    for name in ("joint_query", "joint_key", "joint_value", "joint_attn_mask"):
+        _raises(
+            NotImplementedError,
+            f"{op}: {name} is not supported by the DIFFKV backend yet (joint text+image attention); run "
+            "the joint tokens through another backend",
+            lambda name=name: impl.forward(q, k, v, AttentionMetadata(**{name: torch.zeros(1, 2, H, 64)})),
+        )
+    _raises(
+        NotImplementedError,
+        f"{op}: query_ranges is not supported by the DIFFKV backend",
+        lambda: impl.forward(q, k, v, AttentionMetadata(query_ranges=(QueryRange(0, 4, 0),))),
+    )
+    _raises(
+        NotImplementedError,
+        f"{op}: attn_mask must be boolean (True = attend); additive float masks are not supported, got "
+        "torch.float32",
+        lambda: impl.forward(q, k, v, AttentionMetadata(attn_mask=torch.zeros(1, 4))),
+    )
+    _raises(
+        NotImplementedError,
+        f"{op}: attn_mask must be a key-padding mask [B, S_k] or [B, 1, 1, S_k]; per-head or per-query "
+        "masks are not supported, got shape (1, 1, 4, 4)",
+        lambda: impl.forward(q, k, v, AttentionMetadata(attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))),
+    )
+    _raises(
+        NotImplementedError,
+        f"{op}: extra['kv_cache_dtype'] must be unquantized (['auto', 'float32', 'float', 'float16', "
+        "'half', 'bfloat16']), got 'fp8'",
+        lambda: impl.forward(q, k, v, AttentionMetadata(extra={"kv_cache_dtype": "fp8"})),
+    )
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    _raises(
+        NotImplementedError,
+        f"{op}: attn_mask together with cu_seqlens_q/cu_seqlens_k is not supported",
+        lambda: impl.forward(
+            q,
+            k,
+            v,
+            AttentionMetadata(
+                attn_mask=torch.ones(1, 4, dtype=torch.bool), extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu}
+            ),
+        ),
+    )
+
+
+def test_bad_inputs_raise_before_anything_runs():
+    impl = _impl(64, causal=True)
+    q, k, v = _qkv(2, 4, 4, 64, torch.float32, "cpu")
+    op = "DiffKVAttentionImpl.forward()"
+    _raises(
+        ValueError,
+        f"{op}: query must be 4-D [B, S, heads, head_size], got shape (4, 8, 64)",
+        lambda: impl.forward(q[0], k, v),
+    )
+    _raises(
+        ValueError,
+        f"{op}: query must have [{H}, 64] heads x head_size, got [4, 64]",
+        lambda: impl.forward(q[:, :, :4], k, v),
+    )
+    _raises(
+        TypeError,
+        f"{op}: key and value must have the query's dtype torch.float32, got torch.bfloat16, torch.float32",
+        lambda: impl.forward(q, k.bfloat16(), v),
+    )
+    _raises(
+        ValueError,
+        f"{op}: key and value must have shape [B, S_k, {HKV}, 64] (equal), got (2, 4, 2, 64) and "
+        "(2, 3, 2, 64)",
+        lambda: impl.forward(q, k, v[:, :3]),
+    )
+    _raises(
+        ValueError,
+        f"{op}: extra['valid_kv_length'] must be in [0, 4], got 5",
+        lambda: impl.forward(q, k, v, AttentionMetadata(extra={"valid_kv_length": 5})),
+    )
+    _raises(
+        ValueError,
+        f"{op}: full_attn_spans[0] must hold (start, end) int pairs with 0 <= start < end <= 4, got (3, 9)",
+        lambda: impl.forward(q, k, v, AttentionMetadata(full_attn_spans=[[(3, 9)], []])),
+    )
+    _raises(
+        ValueError,
+        f"{op}: full_attn_spans need S_q == S_k (self-attention), got 4 and 3",
+        lambda: impl.forward(q, k[:, :3], v[:, :3], AttentionMetadata(full_attn_spans=[[], []])),
+    )
+    _raises(
+        ValueError,
+        f"{op}: attn_mask must have shape [B=2, S_k>=4] or [B, 1, 1, S_k], got (2, 3)",
+        lambda: impl.forward(q, k, v, AttentionMetadata(attn_mask=torch.ones(2, 3, dtype=torch.bool))),
+    )
+
+
+def test_dense_attention_binding_checks_key_index():
+    q = torch.randn(3, 2, 4)
+    k = torch.randn(4, 1, 4)
+    index = torch.tensor([[0, 9, 1]], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    sl = torch.tensor([3], dtype=torch.int32)
+    out = torch.zeros(3, 2, 4)
+    _raises(
+        ValueError,
+        "dense_attention(): key_index[0][1] must be in [0, num_keys=4), got 9",
+        lambda: _C.dense_attention(q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0),
+    )
+    assert (out == 0).all()
+    _raises(
+        ValueError,
+        "dense_attention(): seq_lens[0] must be in [0, 3] (key_index columns), got 4",
+        lambda: _C.dense_attention(
+            q,
+            k,
+            k.clone(),
+            index,
+            qsl,
+            torch.tensor([4], dtype=torch.int32),
+            None,
+            0,
+            0.5,
+            out,
+            None,
+            None,
+            None,
+            0,
+        ),
+    )
