@@ -357,3 +357,15 @@ def test_dense_attention_binding_checks_key_index():
             0,
         ),
     )
+
+
+def test_varlen_max_seqlen_k_below_a_document_is_an_error():
+    impl = _impl(64)
+    q, k, v = _qkv(1, 10, 10, 64, torch.float32, "cpu")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    extra = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 6, "max_seqlen_k": 3}
+    _raises(
+        ValueError,
+        "DiffKVAttentionImpl.forward(): extra['max_seqlen_k']=3 is below the longest key document",
+        lambda: impl.forward(q, k, v, AttentionMetadata(extra=extra)),
+    )

@@ -200,7 +200,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     max_q = 0
     if cu_q.device.type == "cpu":
         max_q = int((cu_q[1:] - cu_q[:-1]).max())
-        if cu_k.device.type == "cpu" and max_k is not None and int(seq_lens.max()) > cols:
+        if cu_k.device.type == "cpu" and max_k is not None and int((cu_k[1:] - cu_k[:-1]).max()) > cols:
             raise ValueError(f"{_OP}: extra['max_seqlen_k']={max_k} is below the longest key document")
     q = query[0]
     k, v = _key_value(key, value)
