@@ -2309,7 +2309,12 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     /* the block table is dense_attention's key_index */
     const char *bt_name = dense_kv != NULL ? "key_index" : "block_table";
     const char *hbt_name = dense_kv != NULL ? "host_key_index" : "host_block_table";
-    if (dense_kv != NULL) {
+    if (written != NULL) {
+        /* forward_paged: the cache its KV write parsed is this call's kv_cache (the same
+         * argument), not parsed a second time */
+        c = *written;
+    }
+    else if (dense_kv != NULL) {
         /* key/value [num_keys, num_kv_heads, head_size] with one stride set (checked by the
          * caller): a cache of num_keys blocks of one token whose V half starts at value. */
         c = dense_kv[0];
@@ -2328,7 +2333,7 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     if (tensor_arg(module, args[0], op, "query", &q) != 0 || want_float(&q, op, "query") ||
         want_ndim(&q, 3, op, "query") ||
         (dense_kv == NULL &&
-         (tensor_arg(module, args[1], op, "kv_cache", &c) != 0 ||
+         ((written == NULL && tensor_arg(module, args[1], op, "kv_cache", &c) != 0) ||
           want_dtype(&c, q.dtype, op, "kv_cache") || want_ndim(&c, 5, op, "kv_cache"))) ||
         (dense_kv != NULL && want_dtype(&c, q.dtype, op, "key")) ||
         same_device(&q, &c, op, dense_kv != NULL ? "key" : "kv_cache") ||
