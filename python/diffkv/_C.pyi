@@ -223,11 +223,34 @@ def paged_attention_lse(
     host_query_start_loc: torch.Tensor | None,
     host_seq_lens: torch.Tensor | None,
 ) -> None:
-    """CPU only (a CUDA query raises NotImplementedError: the CUDA LSE path is not built yet).
-    paged_attention plus lse_out float32 [N, H]: lse_out[t, h] = log(sum over t's visible keys
+    """paged_attention plus lse_out float32 [N, H] (CPU reference and CUDA kernels):
+    lse_out[t, h] = log(sum over t's visible keys
     j of exp(scale * q[t, h] . k[j])), -inf when t sees no key.  Unlike paged_attention, a row's
     seq_len may be below its query length in every mask mode (a context-parallel rank's local
     share of the keys): tokens then see fewer keys, possibly none (zeros in out)."""
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_index: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_limits: torch.Tensor | None,
+    mask: int,
+    scale: float,
+    out: torch.Tensor,
+    host_key_index: torch.Tensor | None,
+    host_query_start_loc: torch.Tensor | None,
+    host_seq_lens: torch.Tensor | None,
+    max_query_len: int,
+) -> None:
+    """Attention over plain key/value tensors [num_keys, Hkv, D] (one stride set): key j of row
+    r is key token key_index[r, j] (int32 [R, cols]; a block table over one-token blocks).
+    Serves DiffKVAttentionImpl.forward (diffkv.dense).  As in paged_attention_lse, a row may
+    have fewer keys than queries in every mask mode.  max_query_len > 0 sizes the CUDA launch
+    when the host copies are None (the caller vouches no row has more queries); 0 = every
+    query token."""
 
 def forward_paged(
     query: torch.Tensor,
