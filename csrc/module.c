@@ -2595,13 +2595,61 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /*
+ * paged_attention_lse and dense_attention allow rows with fewer keys than queries in every mask
+ * mode (a context-parallel rank's share of the keys, a key-padding mask), so they run
+ * parse_attention with MASK_NONE, whose host check has no bottom-right rule, reading the real
+ * mask before (short_rows_mask) and attaching it, with its key_limits checked, after
+ * (short_rows_set_mask).  Both return 0, or -1 with an exception set.
+ */
+static int
+short_rows_mask(PyObject *obj, const char *op, int64_t *mask)
+{
+    if (get_i64(obj, op, "mask", mask) != 0) {
+        return -1;
+    }
+    if (*mask < DK_MASK_NONE || *mask > DK_MASK_LIMITS) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
+                     (long long)*mask);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+short_rows_set_mask(PyObject *module, PyObject *key_limits, const char *op, int64_t mask,
+                    const dk_tensor *q, const dk_tensor *o, dk_attention_args *a)
+{
+    if (mask == DK_MASK_LIMITS) {
+        dk_tensor kl;
+        if (dk_bridge_optional_tensor(&state_of(module)->bridge, key_limits, op, "key_limits",
+                                      &kl)) {
+            return -1;
+        }
+        if (kl.ndim < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
+            return -1;
+        }
+        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
+            want_contiguous_1d(&kl, op, "key_limits") || same_device(q, &kl, op, "key_limits") ||
+            want_min_len(&kl, a->num_tokens, op, "key_limits") ||
+            no_overlap(o, "out", &kl, "key_limits", op)) {
+            return -1;
+        }
+        a->key_limits = (const int32_t *)kl.data;
+    }
+    a->mask = (int32_t)mask;
+    return 0;
+}
+
+/*
  * paged_attention_lse: paged_attention that also fills lse_out[t, h], the log-sum-exp of every
  * (token, head), on the CPU and on CUDA (the same kernels, which then also write the LSE).
  * Unlike paged_attention, a row's seq_len may be below its query length
  * in every mask mode: a context-parallel rank holds a share of each row's keys, so its local
  * key count is usually below the query length; a token then sees fewer keys, possibly none
- * (zeros in out, -inf in lse).  parse_attention therefore runs with the mask replaced by
- * MASK_NONE, whose host check has no such rule, and the mask and key_limits are checked here.
+ * (zeros in out, -inf in lse): see short_rows_mask.
  * args: query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
  *       lse_out, host_block_table, host_query_start_loc, host_seq_lens
  */
@@ -2620,13 +2668,7 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     int64_t mask = 0;
-    if (get_i64(args[6], op, "mask", &mask) != 0) {
-        return NULL;
-    }
-    if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
-                     (long long)mask);
+    if (short_rows_mask(args[6], op, &mask) != 0) {
         return NULL;
     }
     PyObject *none_mask = PyLong_FromLong(DK_MASK_NONE);
@@ -2637,28 +2679,11 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                                none_mask, args[7], args[8], args[10], args[11], args[12]};
     PyObject *result = NULL;
     dk_attention_args a;
-    dk_tensor q, o, kl, lse, in;
-    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL) != 0) {
+    dk_tensor q, o, lse, in;
+    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL) != 0 ||
+        short_rows_set_mask(module, args[5], op, mask, &q, &o, &a) != 0) {
         goto done;
     }
-    if (mask == DK_MASK_LIMITS) {
-        if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl)) {
-            goto done;
-        }
-        if (kl.ndim < 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
-            goto done;
-        }
-        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
-            want_contiguous_1d(&kl, op, "key_limits") || same_device(&q, &kl, op, "key_limits") ||
-            want_min_len(&kl, a.num_tokens, op, "key_limits") ||
-            no_overlap(&o, "out", &kl, "key_limits", op)) {
-            goto done;
-        }
-        a.key_limits = (const int32_t *)kl.data;
-    }
-    a.mask = (int32_t)mask;
     if (tensor_arg(module, args[9], op, "lse_out", &lse) != 0 ||
         want_dtype(&lse, DK_F32, op, "lse_out") || want_ndim(&lse, 2, op, "lse_out") ||
         same_device(&q, &lse, op, "lse_out")) {
@@ -2699,8 +2724,8 @@ done:
  * key_index [num_rows, cols] int32: key j of row r is key token key_index[r, j] (a block table
  * over blocks of one token).  Serves DiffKVAttentionImpl.forward: dense, key-padded and
  * packed varlen batches all become rows of key indices, so the paged kernels run them with
- * no copy of K or V.  As in paged_attention_lse, a row may have fewer keys than queries in
- * every mask mode (a key-padding mask leaves fewer keys; a token that sees none gets zeros).
+ * no copy of K or V.  A row may have fewer keys than queries in every mask mode (a key-padding
+ * mask leaves fewer keys; a token that sees none gets zeros): see short_rows_mask.
  * args: query, key, value, key_index, query_start_loc, seq_lens, key_limits, mask, scale, out,
  *       host_key_index, host_query_start_loc, host_seq_lens, max_query_len
  * max_query_len (> 0) sizes the launch when the host copies are None (CUDA, trusted metadata:
@@ -2723,7 +2748,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      (long long)max_query_len);
         return NULL;
     }
-    dk_tensor kv[2], q, o, kl;
+    dk_tensor kv[2], q, o;
     if (tensor_arg(module, args[1], op, "key", &kv[0]) != 0 || want_float(&kv[0], op, "key") ||
         want_ndim(&kv[0], 3, op, "key") || tensor_arg(module, args[2], op, "value", &kv[1]) != 0 ||
         want_dtype(&kv[1], kv[0].dtype, op, "value") || want_ndim(&kv[1], 3, op, "value") ||
@@ -2752,17 +2777,10 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int64_t mask = 0;
-    if (get_i64(args[7], op, "mask", &mask) != 0) {
+    if (short_rows_mask(args[7], op, &mask) != 0) {
         return NULL;
     }
-    if (mask < DK_MASK_NONE || mask > DK_MASK_LIMITS) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): mask must be 0 (none), 1 (causal) or 2 (limits), got %lld", op,
-                     (long long)mask);
-        return NULL;
-    }
-    /* parse_attention's argument order (kv_cache slot unused), mask replaced by MASK_NONE: its
-     * host check holds rows with fewer keys than queries to the bottom-right rule otherwise. */
+    /* parse_attention's argument order (kv_cache slot unused), mask replaced by MASK_NONE */
     PyObject *none_mask = PyLong_FromLong(DK_MASK_NONE);
     if (none_mask == NULL) {
         return NULL;
@@ -2775,27 +2793,10 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rc != 0) {
         return NULL;
     }
-    if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op)) {
+    if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
+        short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {
         return NULL;
     }
-    if (mask == DK_MASK_LIMITS) {
-        if (dk_bridge_optional_tensor(&state_of(module)->bridge, args[6], op, "key_limits", &kl)) {
-            return NULL;
-        }
-        if (kl.ndim < 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
-            return NULL;
-        }
-        if (want_dtype(&kl, DK_I32, op, "key_limits") ||
-            want_contiguous_1d(&kl, op, "key_limits") || same_device(&q, &kl, op, "key_limits") ||
-            want_min_len(&kl, a.num_tokens, op, "key_limits") ||
-            no_overlap(&o, "out", &kl, "key_limits", op)) {
-            return NULL;
-        }
-        a.key_limits = (const int32_t *)kl.data;
-    }
-    a.mask = (int32_t)mask;
     if (q.device_type == DK_CUDA && args[10] == Py_None && max_query_len > 0 &&
         max_query_len < a.max_query_len) {
         a.max_query_len = max_query_len;
