@@ -254,6 +254,89 @@ attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, i
     *row = *s_row;
 }
 
+/* Where a CTA's output tile lands, recomputed after the key loop (arithmetic and loads rather
+ * than registers held across it): the head, the packed token of the tile's first query row and
+ * the number of the tile's rows inside its batch row (bm: query rows per CTA). */
+static __device__ __forceinline__ void
+attn_out_tile(const dk_attention_args &a, int64_t tiles_per_row, int64_t head_group, bool sort_rows,
+              int32_t *s_row, int64_t bm, int64_t *h, int64_t *t0, int64_t *tile_rows)
+{
+    int64_t row, tile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, false, s_row, h, &row, &tile_rev);
+    if (sort_rows) {
+        row = *s_row;
+    }
+    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * bm;
+    int64_t start, len;
+    row_span(a, row, &start, &len);
+    *t0 = start + q0;
+    *tile_rows = len - q0;
+}
+
+/*
+ * Writes output row t of head h from the accumulator layout both tensor-core kernels share:
+ * l is this thread's partial row sum (summed over the quad here, so every lane must call),
+ * m the row's running max of the raw scores, o[4 dt] and o[4 dt + 1] this thread's columns
+ * 8 dt + 2 tq and + 1.  A row that saw no key (sum 0) writes zeros and lse -inf; nothing is
+ * written when !in_tile.  sum = sum_j 2^(s_j * scale_log2 - m * scale_log2), so the natural
+ * log-sum-exp of the scaled scores is (m * scale_log2 + log2(sum)) * ln 2.
+ */
+template <typename T, int DT>
+static __device__ __forceinline__ void
+attn_store_row(const dk_attention_args &a, int64_t h, int64_t t, bool in_tile, float l, float m,
+               float scale_log2, const float *o, int tq, bool o_vec)
+{
+    float sum = l;
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    if (!in_tile) {
+        return;
+    }
+    if (a.lse != NULL && tq == 0) {
+        a.lse[t * a.lse_stride_token + h * a.lse_stride_head] =
+            sum > 0.0f ? (__fmul_rn(m, scale_log2) + log2f(sum)) / LOG2E : -INFINITY;
+    }
+    uint16_t *orow = (uint16_t *)a.out + h * a.o_stride_head + t * a.o_stride_token;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+        const int64_t d = dt * 8 + 2 * tq;
+        const float v0 = o[4 * dt] * inv;
+        const float v1 = o[4 * dt + 1] * inv;
+        if (o_vec) {
+            *reinterpret_cast<uint32_t *>(orow + d) = half_ops<T>::pack(v0, v1);
+        }
+        else {
+            orow[d * a.o_stride_dim] = half_ops<T>::bits(v0);
+            orow[(d + 1) * a.o_stride_dim] = half_ops<T>::bits(v1);
+        }
+    }
+}
+
+/* Sets `kernel`'s dynamic shared-memory limit to `smem` once per device (done: the kernel's
+ * flags, one per device; a race sets the same value twice, which is harmless).  Returns the
+ * cudaGetDevice / cudaFuncSetAttribute error. */
+static inline cudaError_t
+attn_allow_smem(const void *kernel, size_t smem, volatile bool *done)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    if (!cached || !done[dev]) {
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) {
+            return e;
+        }
+        if (cached) {
+            done[dev] = true;
+        }
+    }
+    return cudaSuccess;
+}
+
 /* The Hopper kernel (attention_sm90.cu): whether it can run on the current device, and its
  * launcher (arguments as computed by dk_cuda_attention). */
 extern "C" int dk_cuda_attention_sm90_ready(void);

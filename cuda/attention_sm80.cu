@@ -476,52 +476,15 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     cp_async_wait_all(); /* nothing may land after the CTA exits (Q when there is no tile) */
 
     /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
-    /* the CTA's place again (pure arithmetic and loads) rather than registers held across
-     * the key loop */
-    int64_t eh, erow, etile_rev;
-    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, false, &s_row, &eh, &erow, &etile_rev);
-    if (sort_rows) {
-        erow = s_row;
-    }
-    const int64_t eq0 = (tiles_per_row - 1 - etile_rev) * ATTN_BM;
-    int64_t erow_start, erow_len;
-    row_span(a, erow, &erow_start, &erow_len);
-    const int64_t t0 = erow_start + eq0;
-    const int64_t tile_rows = erow_len - eq0;
-    uint16_t *out = (uint16_t *)a.out + eh * a.o_stride_head;
+    int64_t eh, t0, tile_rows;
+    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, ATTN_BM, &eh, &t0, &tile_rows);
 #pragma unroll
     for (int mt = 0; mt < ATTN_MT; mt++) {
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            float sum = l[mt][hf];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             const int r = warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
-            if (r >= tile_rows) {
-                continue;
-            }
-            if (a.lse != NULL && tq == 0) {
-                /* sum = sum_j 2^(s_j * scale_log2 - m * scale_log2), so the natural log-sum-exp
-                 * of the scaled scores is (m * scale_log2 + log2(sum)) * ln 2 */
-                a.lse[(t0 + r) * a.lse_stride_token + eh * a.lse_stride_head] =
-                    sum > 0.0f ? (__fmul_rn(m[mt][hf], scale_log2) + log2f(sum)) / LOG2E
-                               : -INFINITY;
-            }
-            uint16_t *orow = out + (t0 + r) * a.o_stride_token;
-#pragma unroll
-            for (int dt = 0; dt < DTILES; dt++) {
-                const int64_t d = dt * 8 + 2 * tq;
-                const float v0 = o[mt][dt][2 * hf] * inv;
-                const float v1 = o[mt][dt][2 * hf + 1] * inv;
-                if (o_vec) {
-                    *reinterpret_cast<uint32_t *>(orow + d) = half_ops<T>::pack(v0, v1);
-                }
-                else {
-                    orow[d * a.o_stride_dim] = half_ops<T>::bits(v0);
-                    orow[(d + 1) * a.o_stride_dim] = half_ops<T>::bits(v1);
-                }
-            }
+            attn_store_row<T, DTILES>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf],
+                                      scale_log2, &o[mt][0][2 * hf], tq, o_vec);
         }
     }
 }
@@ -647,21 +610,9 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     const size_t smem = attn_tile<D>::SMEM;
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
+    const cudaError_t e = attn_allow_smem((const void *)attention_mma_kernel<T, D>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
-    }
-    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
-    if (!cached || !attr_set[dev]) {
-        e = cudaFuncSetAttribute(attention_mma_kernel<T, D>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) {
-            return e;
-        }
-        if (cached) {
-            attr_set[dev] = true;
-        }
     }
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
