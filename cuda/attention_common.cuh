@@ -150,17 +150,33 @@ cp_async_wait_all(void)
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-/* One 16-byte chunk (8 elements, element stride `stride`) loaded now, with plain loads. */
-static __device__ void
-load_chunk_sync(uint16_t *dst, const uint16_t *src, int64_t stride)
+/* One 16-byte chunk of 8 fp16/bf16 elements `stride` elements apart, read now with plain loads
+ * (element 2e in the low half of word e, as in memory: little endian). */
+static __device__ __forceinline__ uint4
+gather_chunk(const uint16_t *src, int64_t stride)
 {
     uint32_t w[4];
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-        /* element 2e in the low half, as in memory (little endian) */
         w[e] = (uint32_t)src[2 * e * stride] | ((uint32_t)src[(2 * e + 1) * stride] << 16);
     }
-    *reinterpret_cast<uint4 *>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* gather_chunk into shared memory at generic address dst. */
+static __device__ void
+load_chunk_sync(uint16_t *dst, const uint16_t *src, int64_t stride)
+{
+    *reinterpret_cast<uint4 *>(dst) = gather_chunk(src, stride);
+}
+
+/* 16 bytes to shared address `addr`. */
+static __device__ __forceinline__ void
+st_shared16(uint32_t addr, uint4 v)
+{
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
 }
 
 static __device__ void

@@ -252,15 +252,10 @@ h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_
             const uint32_t a = d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if ((int32_t)r < valid_rows) {
-                const uint16_t *e = (const uint16_t *)(src + offs[r]) + (int64_t)c * 8 * stride_dim;
-                v.x = (uint32_t)e[0] | ((uint32_t)e[stride_dim] << 16);
-                v.y = (uint32_t)e[2 * stride_dim] | ((uint32_t)e[3 * stride_dim] << 16);
-                v.z = (uint32_t)e[4 * stride_dim] | ((uint32_t)e[5 * stride_dim] << 16);
-                v.w = (uint32_t)e[6 * stride_dim] | ((uint32_t)e[7 * stride_dim] << 16);
+                v = gather_chunk((const uint16_t *)(src + offs[r]) + (int64_t)c * 8 * stride_dim,
+                                 stride_dim);
             }
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
-                         "r"(v.z), "r"(v.w)
-                         : "memory");
+            st_shared16(a, v);
         }
     }
 }
@@ -427,20 +422,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                     cp_async16(dst, src, 16u);
                 }
                 else {
-                    uint32_t w[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        w[e] = (uint32_t)src[2 * e * a.q_stride_dim] |
-                               ((uint32_t)src[(2 * e + 1) * a.q_stride_dim] << 16);
-                    }
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w[0]),
-                                 "r"(w[1]), "r"(w[2]), "r"(w[3])
-                                 : "memory");
+                    st_shared16(dst, gather_chunk(src, a.q_stride_dim));
                 }
             }
             else {
-                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u)
-                             : "memory");
+                st_shared16(dst, make_uint4(0u, 0u, 0u, 0u));
             }
         }
         cp_async_commit();
@@ -455,9 +441,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                              : "r"(dst)
                              : "memory");
                 const uint32_t f = 0x80008000u;
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v0 ^ f),
-                             "r"(v1 ^ f), "r"(v2 ^ f), "r"(v3 ^ f)
-                             : "memory");
+                st_shared16(dst, make_uint4(v0 ^ f, v1 ^ f, v2 ^ f, v3 ^ f));
             }
         }
     }
