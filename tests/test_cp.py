@@ -614,8 +614,11 @@ GPU_ROWS_SHORT = {"seq_lens": [700, 90], "query_lens": [300, 150], "spans": [[(4
 
 
 def _check_lse_case(dev, block_size, mode, dtype, dims, rows, seed, lse_atol):
+    """CUDA paged_attention_lse on _lse_problem(...) against float64; returns (out, lse) on the
+    CPU and the problem (cache, bt, q, qsl, sl, kl)."""
     heads = dims[0]
-    cache, bt, q, qsl, sl, kl, visibles = _lse_problem(block_size, mode, dtype, seed, dims=dims, rows=rows)
+    problem = _lse_problem(block_size, mode, dtype, seed, dims=dims, rows=rows)
+    cache, bt, q, qsl, sl, kl, visibles = problem
     mask = MASK_OF[mode]
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=dev)
     lse = torch.full((q.shape[0], heads), float("nan"), device=dev)
@@ -648,7 +651,7 @@ def _check_lse_case(dev, block_size, mode, dtype, dims, rows, seed, lse_atol):
         out_atol = 1e-5 if dtype == torch.float32 else ATOL_BY_DTYPE[dtype]
         err = (out[t0:t1].double() - ref_out).abs().max().item()
         assert err <= out_atol, (r, mode, err)
-    return out, lse
+    return out, lse, problem[:6]
 
 
 ATOL_BY_DTYPE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -665,12 +668,11 @@ def test_cuda_lse_tensor_cores_match_float64_reference(dtype, head_size, mode, b
     products of fp16/bf16 inputs accumulated in fp32, so the lse is good to ~1e-4."""
     dev = torch.device("cuda")
     rows = GPU_ROWS_SHORT if short_row else GPU_ROWS
-    out, lse = _check_lse_case(dev, block_size, mode, dtype, (8, 2, head_size), rows, 3 + block_size, 2e-4)
+    out, _, (cache, bt, q, qsl, sl, kl) = _check_lse_case(
+        dev, block_size, mode, dtype, (8, 2, head_size), rows, 3 + block_size, 2e-4
+    )
     if not short_row:
         # The output is the very paged_attention output (same kernel, same launch shapes).
-        cache, bt, q, qsl, sl, kl, _ = _lse_problem(
-            block_size, mode, dtype, 3 + block_size, dims=(8, 2, head_size), rows=rows
-        )
         mask = MASK_OF[mode]
         plain = torch.empty(q.shape, dtype=dtype, device=dev)
         _C.paged_attention(
@@ -695,10 +697,9 @@ def test_cuda_lse_tensor_cores_match_float64_reference(dtype, head_size, mode, b
 @pytest.mark.parametrize("short_row", [False, True])
 def test_cuda_lse_fp32_kernel_matches_cpu(mode, short_row):
     dev = torch.device("cuda")
-    out, lse = _check_lse_case(
+    out, lse, (cache, bt, q, qsl, sl, kl) = _check_lse_case(
         dev, 16, mode, torch.float32, (H, HKV, D), None if not short_row else SMALL_ROWS_SHORT, 9, 1e-5
     )
-    cache, bt, q, qsl, sl, kl, _ = _lse_problem(16, mode, torch.float32, 9, short_row)
     cpu_out, cpu_lse = torch.empty_like(q), torch.empty(q.shape[0], H)
     mask = MASK_OF[mode]
     _C.paged_attention_lse(
