@@ -473,6 +473,7 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
     diffkv_run = _diffkv_fn(case, data, paged, data.mask_code, data.key_limits, out)
     t = time_us(diffkv_run, device, **timing)
     us = t["median_us"]
+    kernel = _C.last_attention_kernel()  # the kernel this case's calls launched
     result: dict[str, Any] = {
         "case": case.name,
         "what": case.what,
@@ -485,6 +486,7 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
         "row_kinds": data.kinds,
         "block_size": case.block_size,
         "layout": paged.layout,
+        "kernel": kernel,
         "dtype": "bfloat16",
         "pairs": data.pairs,
         "flops": 4 * case.heads * case.head_size * data.pairs,
@@ -744,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         "case",
         "shape",
         "mask",
+        "kernel",
         "diffkv us",
         "TFLOP/s",
         "vs flash",
@@ -757,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
             r["case"],
             r["shape"],
             r["mask"],
+            r["kernel"],
             fmt(r["diffkv_us"]),
             fmt(r["diffkv_tflops"], 1 if r["diffkv_tflops"] >= 10 else 3),
             *(_ratio_cell(r["baselines"][b]) for b in BASELINES),

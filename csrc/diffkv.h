@@ -473,10 +473,16 @@ int dk_cuda_device_count(void);
 int dk_cuda_capability(int32_t device);
 /* The CUDA runtime version this build links (e.g. 13000), 0 in a CPU-only build. */
 int dk_cuda_runtime_version(void);
-/* Which tensor-core attention kernel fp16/bf16 calls run on the current device: "sm90" (wgmma,
- * compute capability 9.x with the sm_90a code built in, unless DIFFKV_ATTENTION_KERNEL=sm80),
- * "sm80" (mma.sync) or "none" (no device, or a CPU-only build).  Cannot fail. */
+/* Which tensor-core attention kernel fp16/bf16 calls run on the current device: "sm90-tma"
+ * (compute capability 9.x with the sm_90a code built in and a driver that encodes TMA tensor
+ * maps: head 128 on a cache with power-of-two blocks of 16+ keys and 16-byte rows takes the
+ * TMA kernel, other calls the cp.async wgmma kernel), "sm90" (the cp.async wgmma kernel only;
+ * also DIFFKV_ATTENTION_KERNEL=sm90), "sm80" (mma.sync; also DIFFKV_ATTENTION_KERNEL=sm80) or
+ * "none" (no device, or a CPU-only build).  Cannot fail. */
 const char *dk_cuda_attention_kernel(void);
+/* The kernel the last CUDA attention call of this process launched: "sm90-tma", "sm90",
+ * "sm80", "f32" (fp32 inputs), or "none" before the first.  Cannot fail. */
+const char *dk_cuda_last_attention_kernel(void);
 
 #ifdef __cplusplus
 }

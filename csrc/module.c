@@ -503,6 +503,17 @@ py_build_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                          devices > 0 ? dk_cuda_attention_kernel() : "none");
 }
 
+static PyObject *
+py_last_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (check_nargs("last_attention_kernel", nargs, 0) != 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(dk_cuda_last_attention_kernel());
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Rows, metadata, layer heads (the seed's rules R*, M*, L*)                                   */
 /* ------------------------------------------------------------------------------------------ */
@@ -2975,6 +2986,8 @@ static PyMethodDef module_methods[] = {
     FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
     FAST(cuda_compiled, "cuda_compiled() -> bool."),
     FAST(build_info, "build_info() -> dict."),
+    FAST(last_attention_kernel,
+         "last_attention_kernel() -> str: the kernel the last CUDA attention call launched."),
     FAST(check_row, "Row rules R1..R8."),
     FAST(check_metadata, "Metadata rules M1, M2."),
     FAST(check_step, "rows_for_step rule M3."),

@@ -120,4 +120,10 @@ dk_cuda_attention_kernel(void)
     return "none";
 }
 
+const char *
+dk_cuda_last_attention_kernel(void)
+{
+    return "none";
+}
+
 #endif /* DIFFKV_WITH_CUDA */

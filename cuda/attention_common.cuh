@@ -353,9 +353,13 @@ attn_allow_smem(const void *kernel, size_t smem, volatile bool *done)
     return cudaSuccess;
 }
 
-/* The Hopper kernel (attention_sm90.cu): whether it can run on the current device, and its
- * launcher (arguments as computed by dk_cuda_attention). */
+/* The Hopper kernels (attention_sm90.cu): whether they can run on the current device (the
+ * TMA one: also a driver that encodes tensor maps, unless DIFFKV_ATTENTION_KERNEL=sm90), and
+ * their launcher (arguments as computed by dk_cuda_attention). */
 extern "C" int dk_cuda_attention_sm90_ready(void);
+extern "C" int dk_cuda_attention_sm90_tma_ready(void);
+/* Records the kernel a call launched (dk_cuda_last_attention_kernel). */
+extern "C" void dk_cuda_attention_note(const char *kernel);
 extern "C" dk_status dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row,
                                             int64_t head_group, float scale_log2, bool neg_q,
                                             bool q_vec, bool kv_vec, bool o_vec, void *stream,

@@ -629,7 +629,24 @@ dk_cuda_attention_kernel(void)
         (void)cudaGetLastError();
         return "none";
     }
-    return dk_cuda_attention_sm90_ready() ? "sm90" : "sm80";
+    if (!dk_cuda_attention_sm90_ready()) {
+        return "sm80";
+    }
+    return dk_cuda_attention_sm90_tma_ready() ? "sm90-tma" : "sm90";
+}
+
+static const char *volatile attn_last_kernel = "none";
+
+extern "C" void
+dk_cuda_attention_note(const char *kernel)
+{
+    attn_last_kernel = kernel;
+}
+
+extern "C" const char *
+dk_cuda_last_attention_kernel(void)
+{
+    return attn_last_kernel;
 }
 
 extern "C" dk_status
@@ -705,6 +722,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                            (long long)(a->num_tokens * a->num_heads));
         }
         attention_f32_kernel<<<(unsigned)blocks, F32_WARPS * 32, 0, s>>>(*a, scale_log2);
+        dk_cuda_attention_note("f32");
         return dk_cuda_after_launch(op, stream, err);
     }
 
@@ -762,5 +780,6 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
         return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
                        (int)e);
     }
+    dk_cuda_attention_note("sm80");
     return dk_cuda_after_launch(op, stream, err);
 }

@@ -31,6 +31,7 @@
 #include "attention_common.cuh"
 #include "cuda_common.cuh"
 
+#include <cuda.h> /* CUtensorMap and its encoder's types (header only) */
 #include <stdlib.h>
 #include <string.h>
 
@@ -109,6 +110,65 @@ static __device__ __forceinline__ void
 fence_proxy_async(void)
 {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* ---- mbarriers (64-bit, in shared memory at shared address `bar`) and TMA ---- */
+static __device__ __forceinline__ void
+mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+/* Makes the barrier initialisations visible to the async proxy (TMA's complete_tx). */
+static __device__ __forceinline__ void
+mbar_init_fence(void)
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+/* Arrives and adds `bytes` to the transactions the current phase waits for. */
+static __device__ __forceinline__ void
+mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+/* Waits until the phase of parity `parity` of the barrier has completed. */
+static __device__ __forceinline__ void
+mbar_wait(uint32_t bar, uint32_t parity)
+{
+    asm volatile("{\n.reg .pred done;\n"
+                 "H90_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra H90_WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* One TMA box of a 4-d tensor map (coordinates innermost first) into shared memory at dst,
+ * completing `bar`'s transactions by its size. */
+static __device__ __forceinline__ void
+tma_load_4d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
+            int32_t c3)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+
+/* Barrier `id` (1..15) over `n` threads. */
+static __device__ __forceinline__ void
+named_barrier(uint32_t id, uint32_t n)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
 /* Keeps the compiler from moving accumulator reads or writes across a wgmma issue or wait. */
@@ -610,6 +670,322 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 #endif
 }
 
+/*
+ * TMA variant for head 128 (attention_sm90_tma_kernel): the same per-warpgroup pipeline, fed
+ * by a producer.  384 threads, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg gives it
+ * 40 registers; one warp works), warpgroups 1 and 2 the consumers (232 registers) with query
+ * rows 64 (w - 1) ...  K and V each have H90T_STAGES slots with a "full" mbarrier (the
+ * producer's arrive.expect_tx plus the TMA bytes) and an "empty" one (one arrive per consumer
+ * warp).  The producer brings a key tile in as TMA boxes of the cache's tensor map, one box per
+ * (cache block, 64-dim half) -- BN / block_size blocks per tile for blocks up to BN keys, a
+ * BN-key slice of one block for larger ones -- each landing 1024-byte aligned, so the TMA's
+ * 128-byte swizzle is the layout wgmma reads.  Only blocks that start before the CTA's last
+ * visible key are fetched; on the last tile the consumers zero the V rows past it (stale or
+ * unwritten data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot
+ * as soon as S = Q K^T is done and a V slot when P V is, so the producer refills K one
+ * softmax before V.  No CTA-wide barrier inside the key loop.
+ */
+#define H90T_THREADS 384
+#define H90T_STAGES 2
+
+/* The tensor map's dimension order: which of dims 1..3 is the token within a block, the kv
+ * head and the block (dims sorted by stride; dim 0 is head_size). */
+struct h90_tma_dims {
+    int32_t token, head, block;
+    int32_t box; /* keys per box: min(block_size, 128) */
+};
+
+template <typename T, int ST>
+/* clang-format off */
+static __global__ void __launch_bounds__(H90T_THREADS, 1)
+attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
+                          const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
+                          h90_tma_dims dims, int64_t tiles_per_row, int64_t head_group,
+                          float scale_log2, bool neg_q, bool q_vec, bool o_vec, bool sort_rows)
+/* clang-format on */
+{
+#ifdef H90_DEVICE_CODE
+    constexpr int D = 128;
+    constexpr int BN = 128;
+    constexpr int NT = BN / 8;
+    constexpr int DT = D / 8;
+    constexpr uint32_t QB = H90_BM * D * 2;
+    constexpr uint32_t KVB = BN * D * 2;
+
+    extern __shared__ uint4 h90_smem[];
+    __shared__ int32_t s_lim[H90_BM];
+    __shared__ int32_t s_wmax[4], s_wmin[4];
+    __shared__ int32_t s_row;
+    /* full K[ST], full V[ST], empty K[ST], empty V[ST] */
+    __shared__ __align__(8) uint64_t s_bar[4 * ST];
+    const uint32_t raw = smem_addr(h90_smem);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sq = raw + pad;       /* Q tile */
+    const uint32_t sk0 = sq + QB;        /* K slot i at sk0 + i KVB */
+    const uint32_t sv0 = sk0 + ST * KVB; /* V slot i at sv0 + i KVB */
+    const uint32_t full_k = smem_addr(s_bar);
+    const uint32_t full_v = full_k + 8u * ST;
+    const uint32_t empty_k = full_v + 8u * ST;
+    const uint32_t empty_v = empty_k + 8u * ST;
+
+    int64_t h, row, tile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
+                   &tile_rev);
+    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * H90_BM;
+    int64_t q_start, query_len;
+    row_span(a, row, &q_start, &query_len);
+    if (q0 >= query_len) {
+        return; /* uniform over the CTA, after attn_cta_place's barrier */
+    }
+    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
+    const int tid = (int)threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
+    const int lane = tid % 32;
+
+    /* Key limits of the 128 query rows (the producer warpgroup's threads), barriers. */
+    if (wg == 0) {
+        const int64_t my_i = q0 + tid;
+        const int32_t my_lim =
+            my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
+        int32_t wmax = my_lim, wmin = my_lim;
+#pragma unroll
+        for (int sh = 16; sh > 0; sh >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
+        }
+        s_lim[tid] = my_lim;
+        if (lane == 0) {
+            s_wmax[tid / 32] = wmax;
+            s_wmin[tid / 32] = wmin;
+        }
+        if (tid == 0) {
+#pragma unroll
+            for (int i = 0; i < 2 * ST; i++) {
+                mbar_init(full_k + 8u * (uint32_t)i, 1u);  /* the producer's expect_tx */
+                mbar_init(empty_k + 8u * (uint32_t)i, 8u); /* the consumers' warps */
+            }
+            mbar_init_fence();
+        }
+    }
+    __syncthreads();
+    const int32_t kv_end = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
+
+    if (wg == 0) {
+        /* ---------------- producer: warp 0 ---------------- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid >= 32) {
+            return;
+        }
+        const int32_t bs = (int32_t)a.block_size;
+        const int32_t box = dims.box;                    /* keys per box */
+        const int32_t pages = BN / box;                  /* boxes per tile and half */
+        const uint32_t box_bytes = (uint32_t)box * 128u; /* one half (64 dims) */
+        const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
+        const int32_t *bt = a.block_table + row * a.bt_stride_row;
+        const int32_t p = lane >> 1;   /* this lane's block within the tile ... */
+        const int32_t half = lane & 1; /* ... and 64-dim half */
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const int32_t j0 = kt * BN;
+            const int32_t jp = j0 + p * box; /* first key of the lane's box */
+            const bool mine = p < pages && jp < kv_end;
+            int32_t blk = 0;
+            if (mine) {
+                blk = dk_safe_block(a, bt[jp / bs]);
+            }
+            const int32_t tok = jp % bs;
+            const int32_t c1 = dims.token == 1 ? tok : dims.head == 1 ? kvh : blk;
+            const int32_t c2 = dims.token == 2 ? tok : dims.head == 2 ? kvh : blk;
+            const int32_t c3 = dims.token == 3 ? tok : dims.head == 3 ? kvh : blk;
+            const int32_t boxes = min(pages, (kv_end - j0 + box - 1) / box);
+            const uint32_t bytes = (uint32_t)boxes * 2u * box_bytes;
+            const uint32_t slot = (uint32_t)(kt % ST);
+            const uint32_t off =
+                slot * KVB + (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
+            const uint32_t ph = (uint32_t)((kt / ST - 1) & 1); /* the phase its last use ended */
+#pragma unroll
+            for (int kv = 0; kv < 2; kv++) {
+                const uint32_t full = (kv == 0 ? full_k : full_v) + 8u * slot;
+                if (kt >= ST) {
+                    mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, ph);
+                }
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(full, bytes);
+                }
+                __syncwarp();
+                if (mine) {
+                    tma_load_4d((kv == 0 ? sk0 : sv0) + off, kv == 0 ? &tmk : &tmv, full, half * 64,
+                                c1, c2, c3);
+                }
+            }
+        }
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
+    const int wt = tid - 128 * wg; /* thread within the warpgroup */
+    const int w4 = wt / 32;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+
+    /* This warpgroup's 64 Q rows (zeros past the row's end), negated for a negative scale. */
+    {
+        constexpr int CHUNKS = D / 8;
+        constexpr int ROWS_PER_PASS = 128 / CHUNKS;
+        const uint32_t c = (uint32_t)(wt % CHUNKS);
+        const uint32_t r0 = (uint32_t)(cw * 64 + wt / CHUNKS);
+#pragma unroll
+        for (int pass = 0; pass < 64 / ROWS_PER_PASS; pass++) {
+            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+            const uint32_t dst = sq + sw128(H90_BM, r, c);
+            if (q0 + r < query_len) {
+                const uint16_t *src = (const uint16_t *)a.query +
+                                      (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
+                                      (int64_t)c * 8 * a.q_stride_dim;
+                if (q_vec) {
+                    cp_async16(dst, src, 16u);
+                }
+                else {
+                    st_shared16(dst, gather_chunk(src, a.q_stride_dim));
+                }
+            }
+            else {
+                st_shared16(dst, make_uint4(0u, 0u, 0u, 0u));
+            }
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        if (neg_q) {
+#pragma unroll
+            for (int pass = 0; pass < 64 / ROWS_PER_PASS; pass++) {
+                const uint32_t dst = sq + sw128(H90_BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
+                uint32_t v0, v1, v2, v3;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(dst)
+                             : "memory");
+                const uint32_t f = 0x80008000u;
+                st_shared16(dst, make_uint4(v0 ^ f, v1 ^ f, v2 ^ f, v3 ^ f));
+            }
+        }
+        fence_proxy_async();
+        named_barrier(1u + (uint32_t)cw, 128u);
+    }
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        o[i] = 0.0f;
+    }
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
+    uint32_t pa[BN / 16][4];
+    float s[NT * 4];
+    h90_rows rows;
+    rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
+    rows.lim0 = s_lim[cw * 64 + w4 * 16 + g];
+    rows.lim1 = s_lim[cw * 64 + w4 * 16 + 8 + g];
+    rows.g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
+    rows.tq = tq;
+    rows.scale_log2 = scale_log2;
+
+    if (n_tiles > 0) {
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const int32_t j0 = kt * BN;
+            const uint32_t slot = (uint32_t)(kt % ST);
+            mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+            float alpha[2];
+            if (kt == 0) {
+                h90_qk<T, D, BN>(s, rows.q_slab, sk0);
+                wgmma_commit();
+                wgmma_wait_all();
+                fence_regs(s);
+                if (lane == 0) {
+                    mbar_arrive(empty_k + 8u * slot);
+                }
+                h90_softmax<NT>(s, m, l, alpha, j0, rows);
+            }
+            else {
+                const uint32_t pslot = (uint32_t)((kt - 1) % ST);
+                mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / ST) & 1)); /* V_{kt-1} */
+                h90_qk<T, D, BN>(s, rows.q_slab, sk0 + slot * KVB);
+                wgmma_commit();
+                h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
+                wgmma_commit();
+                wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
+                fence_regs(s);
+                if (lane == 0) {
+                    mbar_arrive(empty_k + 8u * slot);
+                }
+                h90_softmax<NT>(s, m, l, alpha, j0, rows);
+                wgmma_wait_all();
+                fence_regs(o);
+                if (lane == 0) {
+                    mbar_arrive(empty_v + 8u * pslot);
+                }
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) {
+                    o[4 * dt + 0] *= alpha[0];
+                    o[4 * dt + 1] *= alpha[0];
+                    o[4 * dt + 2] *= alpha[1];
+                    o[4 * dt + 3] *= alpha[1];
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = half_ops<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+        }
+        /* The last tile's V: rows past kv_end become zeros (by both warpgroups: the same
+         * values), then P V. */
+        const uint32_t lslot = (uint32_t)((n_tiles - 1) % ST);
+        const uint32_t sv = sv0 + lslot * KVB;
+        mbar_wait(full_v + 8u * lslot, (uint32_t)(((n_tiles - 1) / ST) & 1));
+        const int32_t valid = kv_end - (n_tiles - 1) * BN;
+        for (int i = valid * (D / 8) + wt; i < BN * (D / 8); i += 128) {
+            st_shared16(sv + sw128(BN, (uint32_t)(i / (D / 8)), (uint32_t)(i % (D / 8))),
+                        make_uint4(0u, 0u, 0u, 0u));
+        }
+        fence_proxy_async();
+        named_barrier(1u + (uint32_t)cw, 128u);
+        fence_regs(o);
+        wgmma_fence();
+        h90_pv<T, D, BN>(o, pa, sv);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(o);
+    }
+
+    /* Epilogue: this warpgroup's rows. */
+    int64_t eh, t0, tile_rows;
+    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, H90_BM, &eh, &t0, &tile_rows);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = cw * 64 + w4 * 16 + hf * 8 + g;
+        attn_store_row<T, DT>(a, eh, t0 + r, r < tile_rows, l[hf], m[hf], scale_log2, &o[2 * hf],
+                              tq, o_vec);
+    }
+#else
+    (void)tmk;
+    (void)tmv;
+    (void)a;
+    (void)dims;
+    (void)tiles_per_row;
+    (void)head_group;
+    (void)scale_log2;
+    (void)neg_q;
+    (void)q_vec;
+    (void)o_vec;
+    (void)sort_rows;
+    __trap();
+#endif
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Host side                                                                                   */
 /* ------------------------------------------------------------------------------------------ */
@@ -630,6 +1006,120 @@ h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
     attention_sm90_kernel<T, D><<<blocks, H90_THREADS, smem, s>>>(
         *a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, sort_rows);
+    return cudaSuccess;
+}
+
+/* cuTensorMapEncodeTiled, fetched from the driver once (the extension links no libcuda);
+ * NULL when the driver has none. */
+typedef CUresult (*h90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static h90_encode_fn
+h90_encoder(void)
+{
+    static h90_encode_fn volatile fn;
+    static volatile int tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess) {
+            fn = (h90_encode_fn)p;
+        }
+        tried = 1; /* a race fetches the same pointer twice */
+    }
+    return fn;
+}
+
+/* Whether the TMA kernel can read this cache: head 128, 16-byte chunks (kv_vec), a
+ * power-of-two block_size of at least 16, and a driver that encodes the tensor maps, which are
+ * written to mk and mv (dims 1..3 ordered by stride, as dims records). */
+static bool
+h90_tma_maps(const dk_attention_args *a, bool kv_vec, CUtensorMap *mk, CUtensorMap *mv,
+             h90_tma_dims *dims)
+{
+    const int64_t bs = a->block_size;
+    if (a->head_size != 128 || !kv_vec || bs < 16 || (bs & (bs - 1)) != 0 || a->num_blocks < 1) {
+        return false;
+    }
+    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
+    if (force != NULL && strcmp(force, "sm90") == 0) {
+        return false;
+    }
+    const h90_encode_fn encode = h90_encoder();
+    if (encode == NULL) {
+        return false;
+    }
+    /* 0: token within the block, 1: kv head, 2: block -- sorted by element stride */
+    const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
+    const int64_t extent[3] = {bs, a->num_kv_heads, a->num_blocks};
+    int order[3] = {0, 1, 2};
+    for (int i = 1; i < 3; i++) {
+        for (int k = i; k > 0 && stride[order[k]] < stride[order[k - 1]]; k--) {
+            const int t = order[k];
+            order[k] = order[k - 1];
+            order[k - 1] = t;
+        }
+    }
+    cuuint64_t gdim[4] = {128, 0, 0, 0};
+    cuuint64_t gstride[3];
+    cuuint32_t box[4] = {64, 1, 1, 1};
+    const cuuint32_t estride[4] = {1, 1, 1, 1};
+    for (int k = 0; k < 3; k++) {
+        const int which = order[k];
+        if (stride[which] <= 0 || stride[which] * 2 >= ((int64_t)1 << 40) ||
+            extent[which] > (int64_t)UINT32_MAX) {
+            return false;
+        }
+        gdim[k + 1] = (cuuint64_t)extent[which];
+        gstride[k] = (cuuint64_t)(stride[which] * 2);
+        if (which == 0) {
+            dims->box = (int32_t)(bs < 128 ? bs : 128);
+            box[k + 1] = (cuuint32_t)dims->box;
+            dims->token = k + 1;
+        }
+        else if (which == 1) {
+            dims->head = k + 1;
+        }
+        else {
+            dims->block = k + 1;
+        }
+    }
+    const CUtensorMapDataType ty =
+        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    for (int kv = 0; kv < 2; kv++) {
+        const CUresult r = encode(
+            kv == 0 ? mk : mv, ty, 4, (void *)(kv == 0 ? a->key_cache : a->value_cache), gdim,
+            gstride, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS) {
+            return false;
+        }
+    }
+    return true;
+}
+
+template <typename T, int ST>
+static cudaError_t
+h90_launch_tma(const dk_attention_args *a, const CUtensorMap &mk, const CUtensorMap &mv,
+               h90_tma_dims dims, int64_t tiles_per_row, int64_t head_group, float scale_log2,
+               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
+{
+    static volatile bool attr_set[ATTN_MAX_DEVICES];
+    /* Q, H90T_STAGES K and V slots of 128 x 128, alignment slack */
+    const size_t smem = (size_t)H90_BM * 128 * 2 + 2 * ST * (size_t)128 * 128 * 2 + 1024;
+    const cudaError_t e =
+        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST>, smem, attr_set);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
+    attention_sm90_tma_kernel<T, ST><<<blocks, H90T_THREADS, smem, s>>>(
+        mk, mv, *a, dims, tiles_per_row, head_group, scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
 }
 
@@ -666,6 +1156,14 @@ dk_cuda_attention_sm90_ready(void)
     return ok;
 }
 
+extern "C" int
+dk_cuda_attention_sm90_tma_ready(void)
+{
+    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
+    return dk_cuda_attention_sm90_ready() && h90_encoder() != NULL &&
+           !(force != NULL && strcmp(force, "sm90") == 0);
+}
+
 extern "C" dk_status
 dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                        float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
@@ -674,11 +1172,21 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     const bool bf16 = a->dtype == DK_BF16;
     cudaStream_t s = (cudaStream_t)stream;
     cudaError_t e;
+    CUtensorMap mk, mv;
+    h90_tma_dims dims = {0, 0, 0, 0};
+    bool tma = false;
     if (a->head_size == 64) {
         e = bf16 ? h90_launch<__nv_bfloat16, 64>(a, tiles_per_row, head_group, scale_log2, neg_q,
                                                  q_vec, kv_vec, o_vec, s)
                  : h90_launch<__half, 64>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
                                           kv_vec, o_vec, s);
+    }
+    else if ((tma = h90_tma_maps(a, kv_vec, &mk, &mv, &dims))) {
+        e = bf16 ? h90_launch_tma<__nv_bfloat16, H90T_STAGES>(a, mk, mv, dims, tiles_per_row,
+                                                              head_group, scale_log2, neg_q, q_vec,
+                                                              o_vec, s)
+                 : h90_launch_tma<__half, H90T_STAGES>(a, mk, mv, dims, tiles_per_row, head_group,
+                                                       scale_log2, neg_q, q_vec, o_vec, s);
     }
     else {
         e = bf16 ? h90_launch<__nv_bfloat16, 128>(a, tiles_per_row, head_group, scale_log2, neg_q,
@@ -690,5 +1198,6 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         return dk_fail(err, DK_ERR_CUDA, "paged_attention(): CUDA error %s (%d)",
                        cudaGetErrorString(e), (int)e);
     }
+    dk_cuda_attention_note(tma ? "sm90-tma" : "sm90");
     return dk_cuda_after_launch("paged_attention()", stream, err);
 }

@@ -173,17 +173,23 @@ def test_kv_write_cuda_matches_cpu():
     assert torch.equal(caches[0], caches[1])
 
 
-@pytest.mark.parametrize("kernel", ["auto", "sm80"])
+@pytest.mark.parametrize("kernel", ["auto", "sm90", "sm80"])
 @pytest.mark.parametrize("head", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monkeypatch):
-    """The kernel choice is visible (build_info), DIFFKV_ATTENTION_KERNEL=sm80 forces the
-    mma.sync kernel on a Hopper GPU, and either kernel meets the reference on three rows of
-    different lengths (one shorter than a tile) with a piecewise span, GQA 8/2, block 16."""
-    if kernel == "sm80":
-        monkeypatch.setenv("DIFFKV_ATTENTION_KERNEL", "sm80")
+    """The kernel choice is visible (build_info, last_attention_kernel),
+    DIFFKV_ATTENTION_KERNEL=sm90 keeps a Hopper GPU off the TMA kernel and =sm80 on mma.sync,
+    and every kernel meets the reference on three rows of different lengths (one shorter than a
+    tile) with a piecewise span, GQA 8/2, block 16."""
+    if kernel == "auto":
+        monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("DIFFKV_ATTENTION_KERNEL", kernel)
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
-    assert _C.build_info()["attention_kernel"] == ("sm90" if hopper and kernel == "auto" else "sm80")
+    built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
+    assert _C.build_info()["attention_kernel"] == built
+    # head 64 has no TMA kernel: it runs the cp.async wgmma kernel
+    launched = "sm90" if built == "sm90-tma" and head == 64 else built
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
@@ -193,4 +199,56 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         limits.append(torch.where((pos >= a) & (pos < b), torch.tensor(b, dtype=torch.int32), pos + 1))
     scale = head**-0.5
     out = _run(p, _C.MASK_LIMITS, torch.cat(limits), scale)
+    assert _C.last_attention_kernel() == launched
     _check(out, p, limits, scale)
+
+
+@pytest.mark.parametrize(
+    ("block", "layout", "kernel"),
+    [
+        (16, "nhd", "sm90-tma"),
+        (32, "hnd", "sm90-tma"),
+        (64, "nhd", "sm90-tma"),
+        (128, "hnd", "sm90-tma"),
+        (256, "nhd", "sm90-tma"),
+        (1024, "layers", "sm90-tma"),
+        (8, "nhd", "sm90"),
+        (48, "nhd", "sm90"),
+    ],
+)
+def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch):
+    """Head 128 on Hopper: power-of-two blocks of 16+ keys take the TMA kernel in any layout
+    (block/token/head dims in any stride order, a layer-strided view), other blocks the cp.async
+    wgmma kernel.  Cache slots past each row's end -- the tail of its last block and the spare
+    blocks -- hold NaN, so a kernel that lets them meet a zero probability poisons the row."""
+    monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
+    if _C.build_info()["attention_kernel"] != "sm90-tma":
+        pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
+    seq_lens, query_lens = [1000, 77, 2333], [1000, 77, 300]
+    p = _paged_problem(seq_lens, query_lens, 8, 2, 128, block, torch.bfloat16, seed=block)
+    cache = p["cache"]
+    used = torch.zeros(cache.shape[1], dtype=torch.bool)
+    for r, s in enumerate(seq_lens):
+        n = -(-s // block)
+        ids = p["table"][r, :n].long()
+        used[ids] = True
+        cache[:, ids[-1], s - (n - 1) * block :] = float("nan")
+    cache[:, ~used.cuda()] = float("nan")
+    if layout == "hnd":  # [2, blocks, heads, block, D] in memory
+        cache = cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    elif layout == "layers":  # one layer of a [blocks, layers, 2, block, heads, D] buffer
+        buf = torch.zeros(cache.shape[1], 3, 2, *cache.shape[2:], dtype=cache.dtype, device="cuda")
+        buf[:, 1] = cache.permute(1, 0, 2, 3, 4)
+        cache = buf[:, 1].permute(1, 0, 2, 3, 4)
+    p["cache"] = cache
+    limits = []
+    for s, n in zip(seq_lens, query_lens, strict=True):
+        pos = torch.arange(s - n, s, dtype=torch.int32)
+        limits.append(torch.where(pos % 300 < 150, pos + 1, torch.full_like(pos, s)))
+    scale = 128**-0.5
+    full = [torch.full((n,), s, dtype=torch.int32) for s, n in zip(seq_lens, query_lens, strict=True)]
+    for code, lim in ((_C.MASK_NONE, full), (_C.MASK_LIMITS, limits)):
+        out = _run(p, code, torch.cat(lim) if code == _C.MASK_LIMITS else None, scale)
+        assert _C.last_attention_kernel() == kernel
+        assert not out.isnan().any()
+        _check(out, p, lim, scale)

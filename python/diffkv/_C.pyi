@@ -40,9 +40,15 @@ def bridge_noop4(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
 def cuda_compiled() -> bool: ...
 def build_info() -> dict[str, Any]:
     """{'cuda_compiled': bool, 'cuda_runtime_version': int, 'device_count': int,
-    'archs': str, 'limited_api': str, 'attention_kernel': 'sm90' | 'sm80' | 'none'} (the
-    fp16/bf16 attention kernel on the current device; DIFFKV_ATTENTION_KERNEL=sm80 forces the
-    mma.sync one)"""
+    'archs': str, 'limited_api': str, 'attention_kernel': 'sm90-tma' | 'sm90' | 'sm80' |
+    'none'} (the fp16/bf16 attention kernels on the current device: sm90-tma = head 128 on a
+    cache of power-of-two blocks of 16+ keys takes the TMA kernel, other calls the cp.async
+    wgmma one; DIFFKV_ATTENTION_KERNEL=sm90 keeps calls off the TMA kernel, =sm80 forces
+    mma.sync)"""
+
+def last_attention_kernel() -> str:
+    """The kernel the last CUDA attention call of this process launched: 'sm90-tma', 'sm90',
+    'sm80', 'f32', or 'none' before the first."""
 
 # --- rows / metadata / layer (the seed's messages) -------------------------------------------
 

@@ -222,7 +222,12 @@ def info(args):
     print(f"C extension: {build['limited_api']}, CUDA compiled in: {build['cuda_compiled']}")
     if build["cuda_compiled"]:
         print(f"  CUDA runtime {build['cuda_runtime_version']}, targets {build['archs']}")
-        kernels = {"sm90": "sm90 (wgmma, Hopper)", "sm80": "sm80 (mma.sync)", "none": "none (no device)"}
+        kernels = {
+            "sm90-tma": "sm90-tma (wgmma + TMA producer for head 128, block_size 16+; wgmma otherwise)",
+            "sm90": "sm90 (wgmma, Hopper)",
+            "sm80": "sm80 (mma.sync)",
+            "none": "none (no device)",
+        }
         print(f"  fp16/bf16 attention kernel on the current device: {kernels[build['attention_kernel']]}")
     print(f"tensor bridge: {_C.bridge_path(torch.empty(0))} (DLPack C exchange API or to_dlpack capsules)")
     if torch.cuda.is_available():
