@@ -671,22 +671,90 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 }
 
 /*
- * TMA variant for head 128 (attention_sm90_tma_kernel): the same per-warpgroup pipeline, fed
- * by a producer.  384 threads, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg gives it
- * 40 registers; one warp works), warpgroups 1 and 2 the consumers (232 registers) with query
- * rows 64 (w - 1) ...  K and V each have H90T_STAGES slots with a "full" mbarrier (the
- * producer's arrive.expect_tx plus the TMA bytes) and an "empty" one (one arrive per consumer
- * warp).  The producer brings a key tile in as TMA boxes of the cache's tensor map, one box per
- * (cache block, 64-dim half) -- BN / block_size blocks per tile for blocks up to BN keys, a
- * BN-key slice of one block for larger ones -- each landing 1024-byte aligned, so the TMA's
- * 128-byte swizzle is the layout wgmma reads.  Only blocks that start before the CTA's last
- * visible key are fetched; on the last tile the consumers zero the V rows past it (stale or
- * unwritten data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot
- * as soon as S = Q K^T is done and a V slot when P V is, so the producer refills K one
- * softmax before V.  No CTA-wide barrier inside the key loop.
+ * Warp-specialized kernel for head 128 (attention_sm90_tma_kernel): the same per-warpgroup
+ * pipeline, fed by a producer.  384 threads, 1 CTA per SM: warpgroup 0 is the producer
+ * (setmaxnreg leaves it 40 registers), warpgroups 1 and 2 the consumers (232 registers) with
+ * query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots with a "full" mbarrier and an
+ * "empty" one (one arrive per consumer warp).  Two producers:
+ *   - TMA (power-of-two blocks of H90T_MIN_BOX keys or more): one warp brings a key tile in as
+ *     TMA boxes of the cache's tensor map, one box per (cache block, 64-dim half) -- BN /
+ *     block_size blocks per tile, or a BN-key slice of one larger block -- each landing
+ *     1024-byte aligned, so the TMA's 128-byte swizzle is the layout wgmma reads; the full
+ *     barrier waits for the warp's arrive.expect_tx and the bytes.  Only blocks that start
+ *     before the CTA's last visible key are fetched.
+ *   - cp.async (other block sizes, dense key indices): h90_produce_cp_async, coalesced rows;
+ *     the full barrier counts the 128 threads' cp.async arrivals, and the consumers fence the
+ *     generic-proxy writes for wgmma after waiting.
+ * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
+ * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
+ * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V.
+ * No CTA-wide barrier inside the key loop.
  */
 #define H90T_THREADS 384
 #define H90T_STAGES 2
+/* Smallest block (keys) brought in by TMA boxes: a box of 16 rows costs more than the
+ * cp.async producer's rows (H200: 475 vs 491 TFLOP/s at 1x24x16384x128), 32+ rows less. */
+#define H90T_MIN_BOX 32
+
+#ifdef H90_DEVICE_CODE
+/* Arrive on `bar` once all of this thread's earlier cp.async copies have landed, without
+ * counting as a pending arrival (the barrier's count includes it). */
+static __device__ __forceinline__ void
+cp_async_arrive_noinc(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+/*
+ * The producer warpgroup of attention_sm90_tma_kernel when the cache does not suit TMA boxes
+ * (blocks under H90T_MIN_BOX keys or not a power of two, dense key indices): per key tile, thread t
+ * resolves key t's cache offset through the block table into a shared ring of two, then every
+ * thread copies 16-byte chunk t % 16 of rows t / 16 + 8 i -- a warp moves two whole 256-byte key
+ * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
+ * full barrier when its copies land (count 128).  K and V of a tile share the offsets.
+ */
+template <int BN, int ST>
+static __device__ __forceinline__ void
+h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
+                     int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k, uint32_t full_v,
+                     uint32_t empty_k, uint32_t empty_v)
+{
+    constexpr uint32_t KVB = BN * 128 * 2;
+    __shared__ int64_t s_poff[2][BN];
+    const int tid = (int)threadIdx.x; /* 0 .. 127 */
+    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
+    const int32_t *bt = a.block_table + row * a.bt_stride_row;
+    const uint32_t c = (uint32_t)(tid % 16);
+    const uint32_t rr = (uint32_t)(tid / 16);
+    const char *kc = (const char *)a.key_cache;
+    const char *vc = (const char *)a.value_cache;
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t j0 = kt * BN;
+        const int64_t *off = s_poff[kt & 1];
+        s_poff[kt & 1][tid] = kv_key_offset(a, bt, kvh, j0 + tid, kv_end);
+        named_barrier(3u, 128u); /* also: every thread is done reading tile kt - 2's ring slot */
+        const uint32_t slot = (uint32_t)(kt % ST);
+        const uint32_t ph = (uint32_t)((kt / ST - 1) & 1);
+#pragma unroll
+        for (int kv = 0; kv < 2; kv++) {
+            if (kt >= ST) {
+                mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, ph);
+            }
+            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
+            const char *src = (kv == 0 ? kc : vc) + c * 16u;
+#pragma unroll
+            for (int i = 0; i < BN / 8; i++) {
+                const uint32_t r = rr + 8u * (uint32_t)i;
+                cp_async16(dst + sw128(BN, r, c), src + off[r],
+                           j0 + (int32_t)r < kv_end ? 16u : 0u);
+            }
+            cp_async_arrive_noinc((kv == 0 ? full_k : full_v) + 8u * slot);
+        }
+    }
+    cp_async_wait_all(); /* nothing lands after the thread exits */
+}
+
+#endif /* H90_DEVICE_CODE */
 
 /* The tensor map's dimension order: which of dims 1..3 is the token within a block, the kv
  * head and the block (dims sorted by stride; dim 0 is head_size). */
@@ -761,7 +829,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         if (tid == 0) {
 #pragma unroll
             for (int i = 0; i < 2 * ST; i++) {
-                mbar_init(full_k + 8u * (uint32_t)i, 1u);  /* the producer's expect_tx */
+                /* the producer warp's expect_tx, or each producer thread's cp.async */
+                mbar_init(full_k + 8u * (uint32_t)i, dims.box > 0 ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 8u); /* the consumers' warps */
             }
             mbar_init_fence();
@@ -772,8 +841,14 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
-        /* ---------------- producer: warp 0 ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (dims.box == 0) {
+            /* ---------------- producer: 128 threads of cp.async ---------------- */
+            h90_produce_cp_async<BN, ST>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v,
+                                         empty_k, empty_v);
+            return;
+        }
+        /* ---------------- producer: warp 0 of TMA ---------------- */
         if (tid >= 32) {
             return;
         }
@@ -896,6 +971,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t j0 = kt * BN;
             const uint32_t slot = (uint32_t)(kt % ST);
             mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+            if (dims.box == 0) {
+                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+            }
             float alpha[2];
             if (kt == 0) {
                 h90_qk<T, D, BN>(s, rows.q_slab, sk0);
@@ -910,6 +988,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             else {
                 const uint32_t pslot = (uint32_t)((kt - 1) % ST);
                 mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / ST) & 1)); /* V_{kt-1} */
+                if (dims.box == 0) {
+                    fence_proxy_async();
+                }
                 h90_qk<T, D, BN>(s, rows.q_slab, sk0 + slot * KVB);
                 wgmma_commit();
                 h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
@@ -1009,6 +1090,15 @@ h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     return cudaSuccess;
 }
 
+/* Whether head-128 calls may take the warp-specialized kernel (DIFFKV_ATTENTION_KERNEL=sm90
+ * keeps them on the cp.async wgmma kernel). */
+static bool
+h90_ws_allowed(void)
+{
+    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
+    return !(force != NULL && strcmp(force, "sm90") == 0);
+}
+
 /* cuTensorMapEncodeTiled, fetched from the driver once (the extension links no libcuda);
  * NULL when the driver has none. */
 typedef CUresult (*h90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
@@ -1034,19 +1124,14 @@ h90_encoder(void)
     return fn;
 }
 
-/* Whether the TMA kernel can read this cache: head 128, 16-byte chunks (kv_vec), a
- * power-of-two block_size of at least 16, and a driver that encodes the tensor maps, which are
- * written to mk and mv (dims 1..3 ordered by stride, as dims records). */
+/* Whether TMA boxes can bring this cache in (the caller checked head 128 and 16-byte chunks):
+ * a power-of-two block_size of at least H90T_MIN_BOX and a driver that encodes the tensor
+ * maps, which are written to mk and mv (dims 1..3 ordered by stride, as dims records). */
 static bool
-h90_tma_maps(const dk_attention_args *a, bool kv_vec, CUtensorMap *mk, CUtensorMap *mv,
-             h90_tma_dims *dims)
+h90_tma_maps(const dk_attention_args *a, CUtensorMap *mk, CUtensorMap *mv, h90_tma_dims *dims)
 {
     const int64_t bs = a->block_size;
-    if (a->head_size != 128 || !kv_vec || bs < 16 || (bs & (bs - 1)) != 0 || a->num_blocks < 1) {
-        return false;
-    }
-    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
-    if (force != NULL && strcmp(force, "sm90") == 0) {
+    if (bs < H90T_MIN_BOX || (bs & (bs - 1)) != 0 || a->num_blocks < 1) {
         return false;
     }
     const h90_encode_fn encode = h90_encoder();
@@ -1174,14 +1259,22 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     cudaError_t e;
     CUtensorMap mk, mv;
     h90_tma_dims dims = {0, 0, 0, 0};
-    bool tma = false;
+    bool tma = false, ws = false;
     if (a->head_size == 64) {
         e = bf16 ? h90_launch<__nv_bfloat16, 64>(a, tiles_per_row, head_group, scale_log2, neg_q,
                                                  q_vec, kv_vec, o_vec, s)
                  : h90_launch<__half, 64>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
                                           kv_vec, o_vec, s);
     }
-    else if ((tma = h90_tma_maps(a, kv_vec, &mk, &mv, &dims))) {
+    else if (kv_vec && h90_ws_allowed()) {
+        /* TMA boxes when the cache suits them, else the cp.async producer (dims.box 0) */
+        tma = h90_tma_maps(a, &mk, &mv, &dims);
+        if (!tma) {
+            memset(&mk, 0, sizeof(mk));
+            memset(&mv, 0, sizeof(mv));
+            dims.box = 0;
+        }
+        ws = true;
         e = bf16 ? h90_launch_tma<__nv_bfloat16, H90T_STAGES>(a, mk, mv, dims, tiles_per_row,
                                                               head_group, scale_log2, neg_q, q_vec,
                                                               o_vec, s)
@@ -1198,6 +1291,6 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         return dk_fail(err, DK_ERR_CUDA, "paged_attention(): CUDA error %s (%d)",
                        cudaGetErrorString(e), (int)e);
     }
-    dk_cuda_attention_note(tma ? "sm90-tma" : "sm90");
+    dk_cuda_attention_note(tma ? "sm90-tma" : ws ? "sm90-ws" : "sm90");
     return dk_cuda_after_launch("paged_attention()", stream, err);
 }

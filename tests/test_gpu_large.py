@@ -188,8 +188,9 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
-    # head 64 has no TMA kernel: it runs the cp.async wgmma kernel
-    launched = "sm90" if built == "sm90-tma" and head == 64 else built
+    # head 128 on block 16: the warp-specialized kernel's cp.async producer (TMA boxes take
+    # blocks of 64+); head 64 has no warp-specialized kernel: the cp.async wgmma one
+    launched = {"sm90-tma": "sm90-ws" if head == 128 else "sm90"}.get(built, built)
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
@@ -206,21 +207,24 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
 @pytest.mark.parametrize(
     ("block", "layout", "kernel"),
     [
-        (16, "nhd", "sm90-tma"),
+        (16, "nhd", "sm90-ws"),
         (32, "hnd", "sm90-tma"),
         (64, "nhd", "sm90-tma"),
         (128, "hnd", "sm90-tma"),
         (256, "nhd", "sm90-tma"),
         (1024, "layers", "sm90-tma"),
-        (8, "nhd", "sm90"),
-        (48, "nhd", "sm90"),
+        (8, "nhd", "sm90-ws"),
+        (48, "layers", "sm90-ws"),
+        (16, "strided-dim", "sm90"),
     ],
 )
 def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch):
-    """Head 128 on Hopper: power-of-two blocks of 16+ keys take the TMA kernel in any layout
-    (block/token/head dims in any stride order, a layer-strided view), other blocks the cp.async
-    wgmma kernel.  Cache slots past each row's end -- the tail of its last block and the spare
-    blocks -- hold NaN, so a kernel that lets them meet a zero probability poisons the row."""
+    """Head 128 on Hopper: power-of-two blocks of 32+ keys take TMA boxes in any layout
+    (block/token/head dims in any stride order, a layer-strided view), other blocks the same
+    warp-specialized kernel with a cp.async producer, a cache whose head dim is not contiguous
+    the cp.async wgmma kernel.  Cache slots past each row's end -- the tail of its last block
+    and the spare blocks -- hold NaN, so a kernel that lets them meet a zero probability
+    poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
@@ -240,6 +244,10 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch
         buf = torch.zeros(cache.shape[1], 3, 2, *cache.shape[2:], dtype=cache.dtype, device="cuda")
         buf[:, 1] = cache.permute(1, 0, 2, 3, 4)
         cache = buf[:, 1].permute(1, 0, 2, 3, 4)
+    elif layout == "strided-dim":  # every other element of a twice-as-wide head dim
+        wide = torch.zeros(*cache.shape[:-1], 256, dtype=cache.dtype, device="cuda")
+        wide[..., ::2] = cache
+        cache = wide[..., ::2]
     p["cache"] = cache
     limits = []
     for s, n in zip(seq_lens, query_lens, strict=True):
