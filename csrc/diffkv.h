@@ -412,6 +412,12 @@ typedef struct dk_attention_args {
     /* 1: block_table is dense_attention's key_index (blocks of one key token); only the
      * check's messages differ */
     int32_t dense;
+    /* Optional second K/V source (dense_attention's joint tokens), NULL = none: a block id
+     * b >= blocks2 is block b - blocks2 of key_cache2 / value_cache2, which share the cache
+     * strides; num_blocks counts the blocks of both sources. */
+    const void *key_cache2;
+    const void *value_cache2;
+    int64_t blocks2;
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,

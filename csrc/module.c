@@ -2308,7 +2308,8 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * reference then reads, so host_* that differ from them cannot smuggle in an unchecked block
  * id).  `written` (or NULL) is the kv_cache a KV write fills before the attention reads its
  * inputs: none of them may share bytes with it.  *q_out and *o_out receive the query and out
- * views.
+ * views.  dense_kv (dense_attention, else NULL): key, value, joint_key, joint_value (the last
+ * two ndim -1 when absent; checked by the caller).
  */
 static int
 parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
@@ -2458,9 +2459,12 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
             return -1;
         }
     }
+    const int joint = dense_kv != NULL && dense_kv[2].ndim == 3;
     if (no_overlap(&o, "out", &q, "query", op) ||
         no_overlap(&o, "out", &c, dense_kv != NULL ? "key" : "kv_cache", op) ||
         (dense_kv != NULL && no_overlap(&o, "out", &dense_kv[1], "value", op)) ||
+        (joint && (no_overlap(&o, "out", &dense_kv[2], "joint_key", op) ||
+                   no_overlap(&o, "out", &dense_kv[3], "joint_value", op))) ||
         no_overlap(&o, "out", &bt, bt_name, op) ||
         no_overlap(&o, "out", &qsl, "query_start_loc", op) ||
         no_overlap(&o, "out", &sl, "seq_lens", op) ||
@@ -2522,6 +2526,13 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->scale = (float)scale;
     a->dtype = q.dtype;
     a->dense = dense_kv != NULL;
+    if (joint) {
+        /* key indices num_keys .. num_keys + joint tokens - 1 read joint_key / joint_value */
+        a->key_cache2 = dense_kv[2].data;
+        a->value_cache2 = dense_kv[3].data;
+        a->blocks2 = c.shape[1];
+        a->num_blocks = c.shape[1] + dense_kv[2].shape[0];
+    }
     if (trusted && q.device_type == DK_CUDA) {
         /* Device metadata cannot be read here: launch for the bounds (tiles past a row's end
          * exit at once) and skip the host check. */
@@ -2743,11 +2754,69 @@ done:
  * the caller vouches that no row has more queries); 0 = up to every query token, as in
  * paged_attention.  With host copies it is ignored (the checked copies give the exact max).
  */
+/*
+ * dense_attention's optional second K/V source: args[0] = joint_key, args[1] = joint_value
+ * (both tensors or both None) into kv[2], kv[3] (ndim -1 when None): [num_joint, num_kv_heads,
+ * head_size] with the key's dtype, device, trailing shape and strides (the kernels address
+ * both sources with one stride set), at most INT32_MAX keys in all.  0, or -1 with an
+ * exception set.
+ */
+static int
+joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
+{
+    static const char *names[2] = {"joint_key", "joint_value"};
+    if ((args[0] == Py_None) != (args[1] == Py_None)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): joint_key and joint_value must both be tensors or "
+                     "both be None",
+                     op);
+        return -1;
+    }
+    if (args[0] == Py_None) {
+        kv[2].ndim = -1;
+        kv[3].ndim = -1;
+        return 0;
+    }
+    for (int i = 0; i < 2; i++) {
+        dk_tensor *t = &kv[2 + i];
+        if (tensor_arg(module, args[i], op, names[i], t) != 0 ||
+            want_dtype(t, kv[0].dtype, op, names[i]) || want_ndim(t, 3, op, names[i]) ||
+            same_device(&kv[0], t, op, names[i])) {
+            return -1;
+        }
+        int ok = t->shape[0] == kv[2].shape[0];
+        for (int d = 1; d < 3; d++) {
+            ok = ok && t->shape[d] == kv[0].shape[d] &&
+                 (t->shape[d] <= 1 || t->strides[d] == kv[0].strides[d]);
+        }
+        ok = ok && (t->shape[0] <= 1 || t->strides[0] == kv[0].strides[0]);
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have shape [num_joint, %lld, %lld] (joint_value: "
+                         "joint_key's) and the key's strides [%lld, %lld, %lld], got shape [%lld, "
+                         "%lld, %lld] strides [%lld, %lld, %lld]",
+                         op, names[i], (long long)kv[0].shape[1], (long long)kv[0].shape[2],
+                         (long long)kv[0].strides[0], (long long)kv[0].strides[1],
+                         (long long)kv[0].strides[2], (long long)t->shape[0],
+                         (long long)t->shape[1], (long long)t->shape[2], (long long)t->strides[0],
+                         (long long)t->strides[1], (long long)t->strides[2]);
+            return -1;
+        }
+    }
+    if (kv[2].shape[0] > INT32_MAX - kv[0].shape[0]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key and joint_key must have at most %d tokens together, got %lld", op,
+                     INT32_MAX, (long long)(kv[0].shape[0] + kv[2].shape[0]));
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "dense_attention";
-    if (check_nargs(op, nargs, 14) != 0) {
+    if (check_nargs(op, nargs, 16) != 0) {
         return NULL;
     }
     int64_t max_query_len = 0;
@@ -2759,7 +2828,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      (long long)max_query_len);
         return NULL;
     }
-    dk_tensor kv[2], q, o;
+    dk_tensor kv[4], q, o;
     if (tensor_arg(module, args[1], op, "key", &kv[0]) != 0 || want_float(&kv[0], op, "key") ||
         want_ndim(&kv[0], 3, op, "key") || tensor_arg(module, args[2], op, "value", &kv[1]) != 0 ||
         want_dtype(&kv[1], kv[0].dtype, op, "value") || want_ndim(&kv[1], 3, op, "value") ||
@@ -2785,6 +2854,9 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (kv[0].shape[0] > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "%s(): key must have at most %d tokens, got %lld", op,
                      INT32_MAX, (long long)kv[0].shape[0]);
+        return NULL;
+    }
+    if (joint_kv(module, args + 14, op, kv) != 0) {
         return NULL;
     }
     int64_t mask = 0;

@@ -383,11 +383,15 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                     memset(vf + j * D, 0, (size_t)D * sizeof(float));
                     continue;
                 }
-                const int64_t off = block * a->cache_stride_block +
+                /* a block id past blocks2 is the second source's (dense joint tokens) */
+                const int second = a->key_cache2 != NULL && block >= a->blocks2;
+                const int64_t off = (second ? block - a->blocks2 : block) * a->cache_stride_block +
                                     (j % a->block_size) * a->cache_stride_token +
                                     g * a->cache_stride_head;
-                load_row(a->key_cache, off, a->cache_stride_dim, D, a->dtype, kf + j * D);
-                load_row(a->value_cache, off, a->cache_stride_dim, D, a->dtype, vf + j * D);
+                load_row(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D,
+                         a->dtype, kf + j * D);
+                load_row(second ? a->value_cache2 : a->value_cache, off, a->cache_stride_dim, D,
+                         a->dtype, vf + j * D);
             }
             for (int64_t i = 0; i < query_len; i++) {
                 const int64_t t = t0 + i;

@@ -210,8 +210,29 @@ dk_safe_block(const dk_attention_args &a, int32_t block)
     return (uint32_t)block < (uint64_t)a.num_blocks ? block : 0;
 }
 
-/* Byte offset in the cache of key j of the row (head kv_head), or 0 (a harmless address,
- * never read) when j >= kv_end. */
+/* Byte offset of token `tok` of (safe) block `block`, head kv_head, in a 2-byte cache; odd
+ * (+1) when the block is the second source's (dense joint tokens): kv_row reads it back. */
+static __device__ __forceinline__ int64_t
+kv_block_offset(const dk_attention_args &a, int32_t block, uint32_t tok, int64_t kv_head)
+{
+    const bool second = a.key_cache2 != NULL && block >= a.blocks2;
+    const int64_t b = second ? block - a.blocks2 : block;
+    return (b * a.cache_stride_block + (int64_t)tok * a.cache_stride_token +
+            kv_head * a.cache_stride_head) *
+               2 +
+           (second ? 1 : 0);
+}
+
+/* The address of a K (or V) row from its kv_block_offset: base is key_cache (value_cache),
+ * base2 the second source's. */
+static __device__ __forceinline__ const char *
+kv_row(const char *base, const char *base2, int64_t off)
+{
+    return (off & 1) ? base2 + (off - 1) : base + off;
+}
+
+/* kv_block_offset of key j of the row (head kv_head), or 0 (a harmless address, never read)
+ * when j >= kv_end. */
 static __device__ int64_t
 kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, int32_t j,
               int32_t kv_end)
@@ -221,9 +242,7 @@ kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, in
     }
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t uj = (uint32_t)j;
-    return ((int64_t)dk_safe_block(a, bt[uj / bs]) * a.cache_stride_block +
-            (int64_t)(uj % bs) * a.cache_stride_token + kv_head * a.cache_stride_head) *
-           2;
+    return kv_block_offset(a, dk_safe_block(a, bt[uj / bs]), uj % bs, kv_head);
 }
 
 /*

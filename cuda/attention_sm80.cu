@@ -86,8 +86,8 @@ template <int D> struct attn_tile {
  */
 template <int D, int BN>
 static __device__ __forceinline__ void
-load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_rows,
-             int64_t stride_dim, bool vec)
+load_kv_tile(uint16_t *s, const char *cache, const char *cache2, const int64_t *offs,
+             int32_t valid_rows, int64_t stride_dim, bool vec)
 {
     constexpr int CHUNKS = D / 8;
     constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
@@ -99,8 +99,8 @@ load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_
     const int pc = c ^ (r0 & 7);
     if (vec) {
         const uint32_t dst = smem_addr(s) + (uint32_t)((r0 * D + pc * 8) * 2);
-        const char *src = cache + c * 16;
-        if (valid_rows >= BN) {
+        if (valid_rows >= BN && cache2 == NULL) { /* the hot path: one source, a full tile */
+            const char *src = cache + c * 16;
 #pragma unroll
             for (int pass = 0; pass < PASSES; pass++) {
                 cp_async16(dst + pass * ROWS_PER_PASS * D * 2,
@@ -111,8 +111,8 @@ load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_
 #pragma unroll
             for (int pass = 0; pass < PASSES; pass++) {
                 const int r = r0 + pass * ROWS_PER_PASS;
-                cp_async16(dst + pass * ROWS_PER_PASS * D * 2, src + offs[r],
-                           r < valid_rows ? 16u : 0u);
+                cp_async16(dst + pass * ROWS_PER_PASS * D * 2,
+                           kv_row(cache, cache2, offs[r]) + c * 16, r < valid_rows ? 16u : 0u);
             }
         }
     }
@@ -123,7 +123,7 @@ load_kv_tile(uint16_t *s, const char *cache, const int64_t *offs, int32_t valid_
             const int r = r0 + pass * ROWS_PER_PASS;
             uint16_t *d = s + r * D + pc * 8;
             if (r < valid_rows) {
-                const uint16_t *src = (const uint16_t *)(cache + offs[r]);
+                const uint16_t *src = (const uint16_t *)kv_row(cache, cache2, offs[r]);
                 load_chunk_sync(d, src + (int64_t)c * 8 * stride_dim, stride_dim);
             }
             else {
@@ -258,9 +258,11 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
+    const char *kc2 = (const char *)a.key_cache2;
+    const char *vc2 = (const char *)a.value_cache2;
     if (n_tiles > 0) {
-        load_kv_tile<D, BN>(s_kv, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
-        load_kv_tile<D, BN>(s_kv + BN * D, vc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        load_kv_tile<D, BN>(s_kv + BN * D, vc, vc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
         cp_async_commit();
     }
 
@@ -319,8 +321,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         if (kt + 1 < n_tiles) {
             uint16_t *next = s_kv + ((kt + 1) & 1) * 2 * BN * D;
             const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
-            load_kv_tile<D, BN>(next, kc, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
-            load_kv_tile<D, BN>(next + BN * D, vc, noff, kv_end - j0 - BN, a.cache_stride_dim,
+            load_kv_tile<D, BN>(next, kc, kc2, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
+            load_kv_tile<D, BN>(next + BN * D, vc, vc2, noff, kv_end - j0 - BN, a.cache_stride_dim,
                                 kv_vec);
             cp_async_commit();
         }
@@ -466,10 +468,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         if (want_off) {
             s_off[(kt & 1) * BN + tid] =
                 j2 < kv_end
-                    ? ((int64_t)blk2 * a.cache_stride_block +
-                       (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
-                       kv_head * a.cache_stride_head) *
-                          2
+                    ? kv_block_offset(a, blk2, (uint32_t)j2 % (uint32_t)a.block_size, kv_head)
                     : 0;
         }
     }
@@ -522,6 +521,8 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     const float *q = (const float *)a.query + t * a.q_stride_token + h * a.q_stride_head;
     const float *kc = (const float *)a.key_cache;
     const float *vc = (const float *)a.value_cache;
+    const float *kc2 = (const float *)a.key_cache2;
+    const float *vc2 = (const float *)a.value_cache2;
 
     float qv[PER_LANE];
     float o[PER_LANE];
@@ -534,15 +535,19 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     float m = -INFINITY;
     float l = 0.0f;
     for (int32_t j = 0; j < lim; j++) {
-        const int64_t kv_off =
-            (int64_t)dk_safe_block(a, bt[j / a.block_size]) * a.cache_stride_block +
-            (j % a.block_size) * a.cache_stride_token + kv_head * a.cache_stride_head;
+        const int32_t blk = dk_safe_block(a, bt[j / a.block_size]);
+        const bool second = kc2 != NULL && blk >= a.blocks2; /* dense joint tokens */
+        const float *kr = second ? kc2 : kc;
+        const float *vr = second ? vc2 : vc;
+        const int64_t kv_off = (int64_t)(second ? blk - a.blocks2 : blk) * a.cache_stride_block +
+                               (j % a.block_size) * a.cache_stride_token +
+                               kv_head * a.cache_stride_head;
         float dot = 0.0f;
 #pragma unroll
         for (int k = 0; k < PER_LANE; k++) {
             int64_t d = lane + 32 * k;
             if (d < a.head_size) {
-                dot += qv[k] * kc[kv_off + d * a.cache_stride_dim];
+                dot += qv[k] * kr[kv_off + d * a.cache_stride_dim];
             }
         }
 #pragma unroll
@@ -557,7 +562,7 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
         for (int k = 0; k < PER_LANE; k++) {
             int64_t d = lane + 32 * k;
             if (d < a.head_size) {
-                o[k] = o[k] * alpha + p * vc[kv_off + d * a.cache_stride_dim];
+                o[k] = o[k] * alpha + p * vr[kv_off + d * a.cache_stride_dim];
             }
         }
         m = mn;
@@ -738,7 +743,8 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     const bool q_vec = a->q_stride_dim == 1 && ptr_aligned16(a->query) &&
                        aligned16(a->q_stride_token * es) && aligned16(a->q_stride_head * es);
     const bool kv_vec = a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
-                        ptr_aligned16(a->value_cache) && aligned16(a->cache_stride_block * es) &&
+                        ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
+                        ptr_aligned16(a->value_cache2) && aligned16(a->cache_stride_block * es) &&
                         aligned16(a->cache_stride_token * es) &&
                         aligned16(a->cache_stride_head * es);
     const bool o_vec = a->o_stride_dim == 1 && (uintptr_t)a->out % 4 == 0 &&

@@ -284,8 +284,8 @@ template <> struct h90_mma<__half> {
  */
 template <int D, int ROWS>
 static __device__ __forceinline__ void
-h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_rows,
-              int64_t stride_dim, bool vec)
+h90_load_tile(uint32_t dst, const char *src, const char *src2, const int64_t *offs,
+              int32_t valid_rows, int64_t stride_dim, bool vec)
 {
     constexpr uint32_t rows = ROWS;
     constexpr int passes = ROWS / (H90_THREADS / (D / 8));
@@ -296,13 +296,21 @@ h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_
     const uint32_t c = (uint32_t)(tid % CHUNKS);
     const uint32_t r0 = (uint32_t)(tid / CHUNKS);
     const uint32_t d0 = dst + sw128(rows, r0, c);
-    const char *s = src + c * 16;
-    if (vec) {
+    if (vec && src2 == NULL) { /* the hot path: one source */
+        const char *s = src + c * 16;
 #pragma unroll
         for (int pass = 0; pass < passes; pass++) {
             const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
             cp_async16(d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u, s + offs[r],
                        (int32_t)r < valid_rows ? 16u : 0u);
+        }
+    }
+    else if (vec) {
+#pragma unroll
+        for (int pass = 0; pass < passes; pass++) {
+            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+            cp_async16(d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u,
+                       kv_row(src, src2, offs[r]) + c * 16, (int32_t)r < valid_rows ? 16u : 0u);
         }
     }
     else {
@@ -312,7 +320,8 @@ h90_load_tile(uint32_t dst, const char *src, const int64_t *offs, int32_t valid_
             const uint32_t a = d0 + (uint32_t)(pass * ROWS_PER_PASS) * 128u;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if ((int32_t)r < valid_rows) {
-                v = gather_chunk((const uint16_t *)(src + offs[r]) + (int64_t)c * 8 * stride_dim,
+                v = gather_chunk((const uint16_t *)kv_row(src, src2, offs[r]) +
+                                     (int64_t)c * 8 * stride_dim,
                                  stride_dim);
             }
             st_shared16(a, v);
@@ -536,9 +545,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
+    const char *kc2 = (const char *)a.key_cache2;
+    const char *vc2 = (const char *)a.value_cache2;
     /* K_0 now; then iteration kt loads K_{kt+1} and V_kt (see the loop). */
     if (n_tiles > 0) {
-        h90_load_tile<D, BN>(skv, kc, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        h90_load_tile<D, BN>(skv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
     }
     cp_async_commit();
 
@@ -577,11 +588,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
             fence_proxy_async(); /* ... and are visible to wgmma */
             __syncthreads();     /* ... for every thread; every warpgroup is done with kt - 1 */
             if (kt + 1 < n_tiles) {
-                h90_load_tile<D, BN>(skv + (uint32_t)((kt + 1) & 1) * 2u * KVB, kc,
+                h90_load_tile<D, BN>(skv + (uint32_t)((kt + 1) & 1) * 2u * KVB, kc, kc2,
                                      s_off + ((kt + 1) % 3) * BN, kv_end - j0 - BN,
                                      a.cache_stride_dim, kv_vec);
             }
-            h90_load_tile<D, BN>(skv + (uint32_t)(kt & 1) * 2u * KVB + KVB, vc,
+            h90_load_tile<D, BN>(skv + (uint32_t)(kt & 1) * 2u * KVB + KVB, vc, vc2,
                                  s_off + (kt % 3) * BN, kv_end - j0, a.cache_stride_dim, kv_vec);
             cp_async_commit();
             const int32_t j2 = j0 + 2 * BN + tid;
@@ -628,10 +639,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
             if (want_off) {
                 s_off[((kt + 2) % 3) * BN + tid] =
                     j2 < kv_end
-                        ? ((int64_t)blk2 * a.cache_stride_block +
-                           (int64_t)((uint32_t)j2 % (uint32_t)a.block_size) * a.cache_stride_token +
-                           kv_head * a.cache_stride_head) *
-                              2
+                        ? kv_block_offset(a, blk2, (uint32_t)j2 % (uint32_t)a.block_size, kv_head)
                         : 0;
             }
         }
@@ -673,7 +681,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 /*
  * Warp-specialized kernel for head 128 (attention_sm90_tma_kernel): the same per-warpgroup
  * pipeline, fed by a producer.  384 threads, 1 CTA per SM: warpgroup 0 is the producer
- * (setmaxnreg leaves it 40 registers), warpgroups 1 and 2 the consumers (232 registers) with
+ * (setmaxnreg leaves it 56 registers), warpgroups 1 and 2 the consumers (224 registers) with
  * query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots with a "full" mbarrier and an
  * "empty" one (one arrive per consumer warp).  Two producers:
  *   - TMA (power-of-two blocks of H90T_MIN_BOX keys or more): one warp brings a key tile in as
@@ -708,10 +716,10 @@ cp_async_arrive_noinc(uint32_t bar)
 /*
  * The producer warpgroup of attention_sm90_tma_kernel when the cache does not suit TMA boxes
  * (blocks under H90T_MIN_BOX keys or not a power of two, dense key indices): per key tile, thread t
- * resolves key t's cache offset through the block table into a shared ring of two, then every
+ * resolves key t's K and V row addresses (either source) into a shared ring of two, then every
  * thread copies 16-byte chunk t % 16 of rows t / 16 + 8 i -- a warp moves two whole 256-byte key
  * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
- * full barrier when its copies land (count 128).  K and V of a tile share the offsets.
+ * full barrier when its copies land (count 128).
  */
 template <int BN, int ST>
 static __device__ __forceinline__ void
@@ -720,18 +728,43 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
                      uint32_t empty_k, uint32_t empty_v)
 {
     constexpr uint32_t KVB = BN * 128 * 2;
-    __shared__ int64_t s_poff[2][BN];
-    const int tid = (int)threadIdx.x; /* 0 .. 127 */
+    __shared__ const char *s_prow[2][2][BN]; /* [tile & 1][K, V][row]: row addresses */
+    const int tid = (int)threadIdx.x;        /* 0 .. 127 */
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
     const uint32_t c = (uint32_t)(tid % 16);
     const uint32_t rr = (uint32_t)(tid / 16);
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
+    const char *kc2 = (const char *)a.key_cache2;
+    const char *vc2 = (const char *)a.value_cache2;
+    /* Block ids of this thread's keys (tid and tid + 128 of every tile: BN <= 256), loaded one
+     * tile ahead so that the block-table latency hides behind a tile's copies. */
+    constexpr int KPT = (BN + 127) / 128;
+    const uint32_t bs = (uint32_t)a.block_size;
+    int32_t blk[KPT];
+#pragma unroll
+    for (int u = 0; u < KPT; u++) {
+        const int32_t j = tid + 128 * u;
+        blk[u] = j < BN && j < kv_end ? bt[(uint32_t)j / bs] : 0;
+    }
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
-        const int64_t *off = s_poff[kt & 1];
-        s_poff[kt & 1][tid] = kv_key_offset(a, bt, kvh, j0 + tid, kv_end);
+#pragma unroll
+        for (int u = 0; u < KPT; u++) {
+            const int32_t r = tid + 128 * u;
+            const int32_t j = j0 + r;
+            if (r < BN) {
+                /* resolved once per key and tile, so the copies below are one add each */
+                const int64_t off =
+                    j < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[u]), (uint32_t)j % bs, kvh)
+                               : 0;
+                s_prow[kt & 1][0][r] = kv_row(kc, kc2, off);
+                s_prow[kt & 1][1][r] = kv_row(vc, vc2, off);
+                const int32_t jn = j + BN; /* the next tile's key */
+                blk[u] = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
+            }
+        }
         named_barrier(3u, 128u); /* also: every thread is done reading tile kt - 2's ring slot */
         const uint32_t slot = (uint32_t)(kt % ST);
         const uint32_t ph = (uint32_t)((kt / ST - 1) & 1);
@@ -741,11 +774,11 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
                 mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, ph);
             }
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
-            const char *src = (kv == 0 ? kc : vc) + c * 16u;
+            const char *const *rows = s_prow[kt & 1][kv];
 #pragma unroll
             for (int i = 0; i < BN / 8; i++) {
                 const uint32_t r = rr + 8u * (uint32_t)i;
-                cp_async16(dst + sw128(BN, r, c), src + off[r],
+                cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
                            j0 + (int32_t)r < kv_end ? 16u : 0u);
             }
             cp_async_arrive_noinc((kv == 0 ? full_k : full_v) + 8u * slot);
@@ -841,7 +874,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
         if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             h90_produce_cp_async<BN, ST>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v,
@@ -898,7 +931,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     }
 
     /* ---------------- consumers ---------------- */
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
     const int wt = tid - 128 * wg; /* thread within the warpgroup */
     const int w4 = wt / 32;
@@ -1131,7 +1164,7 @@ static bool
 h90_tma_maps(const dk_attention_args *a, CUtensorMap *mk, CUtensorMap *mv, h90_tma_dims *dims)
 {
     const int64_t bs = a->block_size;
-    if (bs < H90T_MIN_BOX || (bs & (bs - 1)) != 0 || a->num_blocks < 1) {
+    if (bs < H90T_MIN_BOX || (bs & (bs - 1)) != 0 || a->num_blocks < 1 || a->key_cache2 != NULL) {
         return false;
     }
     const h90_encode_fn encode = h90_encoder();

@@ -104,6 +104,27 @@ def _slots_and_rows_case():
         assert torch.equal(results[0], results[1]), op.__name__
 
 
+def _dense_joint_case(dtype):
+    """dense_attention with a second K/V source (joint tokens): CUDA against the CPU path."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, head, n_k, n_j = 4, 2, 128, 50, 7
+    q = torch.randn(30, heads, head, generator=g).to(dtype)
+    k, v = (torch.randn(n_k, kv_heads, head, generator=g).to(dtype) for _ in range(2))
+    jk, jv = (torch.randn(n_j, kv_heads, head, generator=g).to(dtype) for _ in range(2))
+    index = torch.cat([torch.arange(n_k, n_k + n_j), torch.randperm(n_k, generator=g)[:40]])
+    index = index.to(torch.int32)[None]
+    qsl = torch.tensor([0, 30], dtype=torch.int32)
+    sl = torch.tensor([47], dtype=torch.int32)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        out = torch.zeros(30, heads, head, dtype=dtype, device=dev)
+        t = [x.to(dev) for x in (q, k, v, index, qsl, sl)]
+        _C.dense_attention(*t, None, _C.MASK_NONE, 0.1, out, None, None, None, 30, jk.to(dev), jv.to(dev))
+        outs.append(out.cpu().float())
+    if (outs[0] - outs[1]).abs().max().item() > 2e-2:
+        raise AssertionError("dense_attention joint: CUDA and CPU disagree")
+
+
 def main():
     if not torch.cuda.is_available() or not _C.cuda_compiled():
         print("gpu_sanitize: needs a CUDA device and a CUDA build", file=sys.stderr)
@@ -113,9 +134,11 @@ def main():
         _kv_write_case(dtype, strided=False)
         _kv_write_case(dtype, strided=True)
     for dtype, head in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64)):
-        for block in (1, 16):
+        for block in (1, 16, 32):  # 32: TMA boxes on Hopper (head 128)
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1))
+    for dtype in (torch.bfloat16, torch.float32):
+        _dense_joint_case(dtype)
     torch.cuda.synchronize()
     print("gpu_sanitize: all kernels ran and matched the CPU path")
     return 0

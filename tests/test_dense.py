@@ -232,13 +232,42 @@ def test_refused_fields_are_named():
     impl = _impl(64)
     q, k, v = _qkv(1, 4, 4, 64, torch.float32, "cpu")
     op = "DiffKVAttentionImpl.forward()"
-    for name in ("joint_query", "joint_key", "joint_value", "joint_attn_mask"):
+    jq, jk, jv = _qkv(1, 2, 2, 64, torch.float32, "cpu", seed=5)
+    joint = {"joint_query": jq, "joint_key": jk, "joint_value": jv}
+    for name in ("full_attn_spans", "packed_padding"):
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        value = [[(0, 2)]] if name == "full_attn_spans" else PackedPaddingMetadata(4, 4, cu, cu)
         _raises(
             NotImplementedError,
-            f"{op}: {name} is not supported by the DIFFKV backend yet (joint text+image attention); run "
-            "the joint tokens through another backend",
-            lambda name=name: impl.forward(q, k, v, AttentionMetadata(**{name: torch.zeros(1, 2, H, 64)})),
+            f"{op}: {name} together with joint_query/joint_key/joint_value is not supported",
+            lambda name=name, value=value: impl.forward(q, k, v, AttentionMetadata(**joint, **{name: value})),
         )
+    _raises(
+        ValueError,
+        f"{op}: joint_query, joint_key and joint_value must be given together, got only ['joint_query']",
+        lambda: impl.forward(q, k, v, AttentionMetadata(joint_query=jq)),
+    )
+    _raises(
+        ValueError,
+        f"{op}: joint_strategy must be 'front' or 'rear', got 'middle'",
+        lambda: impl.forward(q, k, v, AttentionMetadata(**joint, joint_strategy="middle")),
+    )
+    _raises(
+        ValueError,
+        f"{op}: joint_attn_mask needs joint_query, joint_key and joint_value",
+        lambda: impl.forward(q, k, v, AttentionMetadata(joint_attn_mask=torch.ones(1, 2, dtype=torch.bool))),
+    )
+    _raises(
+        ValueError,
+        f"{op}: joint_key and joint_value must have shape [B, S_k, {HKV}, 64] (equal), got (1, 2, 2, 64) "
+        "and (1, 3, 2, 64)",
+        lambda: impl.forward(
+            q,
+            k,
+            v,
+            AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv[:, :1].expand(1, 3, HKV, 64)),
+        ),
+    )
     _raises(
         NotImplementedError,
         f"{op}: query_ranges is not supported by the DIFFKV backend",
@@ -334,7 +363,9 @@ def test_dense_attention_binding_checks_key_index():
     _raises(
         ValueError,
         "dense_attention(): key_index[0][1] must be in [0, num_keys=4), got 9",
-        lambda: _C.dense_attention(q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0),
+        lambda: _C.dense_attention(
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None
+        ),
     )
     assert (out == 0).all()
     _raises(
@@ -355,6 +386,8 @@ def test_dense_attention_binding_checks_key_index():
             None,
             None,
             0,
+            None,
+            None,
         ),
     )
 
@@ -369,3 +402,75 @@ def test_varlen_max_seqlen_k_below_a_document_is_an_error():
         "DiffKVAttentionImpl.forward(): extra['max_seqlen_k']=3 is below the longest key document",
         lambda: impl.forward(q, k, v, AttentionMetadata(extra=extra)),
     )
+
+
+def _joint_reference(impl, q, k, v, jq, jk, jv, front, keep=None, jkeep=None, valid=None):
+    """float64 attention of the concatenated sequences (SDPA's view of joint attention)."""
+    if valid is not None:
+        k, v = k[:, :valid], v[:, :valid]
+        keep = None if keep is None else keep[:, :valid]
+    cat = lambda a, b: torch.cat((b, a) if front else (a, b), dim=1)  # noqa: E731
+    qq, kk, vv = cat(q.cpu(), jq.cpu()), cat(k.cpu(), jk.cpu()), cat(v.cpu(), jv.cpu())
+    b, n_q, n_k = qq.shape[0], qq.shape[1], kk.shape[1]
+    ones = lambda n: torch.ones(b, n, dtype=torch.bool)  # noqa: E731
+    kv_keep = cat(
+        ones(k.shape[1]) if keep is None else keep.cpu(), ones(jk.shape[1]) if jkeep is None else jkeep.cpu()
+    )
+    visible = kv_keep[:, None, :].expand(b, n_q, n_k)
+    if impl.causal:
+        visible = visible & _causal(b, n_q, n_k)
+    return _reference(qq, kk, vv, visible, impl.softmax_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", ["none", "key", "joint", "both"])
+@pytest.mark.parametrize("head", [64, 128])
+def test_joint_attention(device, dtype, strategy, causal, masks, head):
+    """joint_query/key/value (front or rear) equal the attention of the concatenated sequences,
+    with key padding on either part, two CFG rows, GQA; nothing concatenated is passed in.  On
+    an H200, bf16 head 128 runs the warp-specialized kernel, head 64 the cp.async one."""
+    b, sq, sk, sj = 2, 70, 90, 23
+    q, k, v = _qkv(b, sq, sk, head, dtype, device, seed=11)
+    jq, jk, jv = _qkv(b, sj, sj, head, dtype, device, seed=12)
+    g = torch.Generator().manual_seed(13)
+    keep = jkeep = None
+    if masks in ("key", "both"):
+        keep = torch.rand(b, sk, generator=g) < 0.7
+        keep[1, :5] = False
+    if masks in ("joint", "both"):
+        jkeep = torch.rand(b, sj, generator=g) < 0.6
+        jkeep[0, -3:] = False
+    impl = _impl(head, causal)
+    meta = AttentionMetadata(
+        joint_query=jq,
+        joint_key=jk,
+        joint_value=jv,
+        joint_strategy=strategy,
+        attn_mask=None if keep is None else keep.to(device),
+        joint_attn_mask=None if jkeep is None else jkeep.to(device),
+    )
+    out = impl.forward(q, k, v, meta)
+    assert out.shape == (b, sj + sq, H, head) and out.dtype == dtype and out.device == q.device
+    ref = _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front", keep, jkeep)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+def test_joint_attention_valid_kv_length_and_strided_joint(device, strategy):
+    """valid_kv_length slices the image keys only; a joint K/V with other strides than the
+    image K/V (views of a fused projection) still reads right; joint text shorter than the
+    image queries; query and joint query of different lengths."""
+    b, sq, sk, sj, head = 1, 40, 60, 9, 128
+    q, k, v = _qkv(b, sq, sk, head, torch.float32, device, seed=21)
+    g = torch.Generator().manual_seed(22)
+    qkv = torch.randn(b, sj, H + 2 * HKV, head, generator=g).to(device)
+    jq, jk, jv = qkv[:, :, :H], qkv[:, :, H : H + HKV], qkv[:, :, H + HKV :]
+    impl = _impl(head, causal=False)
+    meta = AttentionMetadata(
+        joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra={"valid_kv_length": 33}
+    )
+    out = impl.forward(q, k, v, meta)
+    ref = _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front", valid=33)
+    _close(out, ref, torch.float32)

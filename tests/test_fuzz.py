@@ -260,13 +260,13 @@ def _lse_args(p: AttentionProblem) -> list[Any]:
 
 
 def _dense_args() -> list[Any]:
-    """The 14 arguments of _C.dense_attention: two rows over 5 key tokens (row 1 with fewer
-    keys than queries), limits mask."""
+    """The 16 arguments of _C.dense_attention: two rows over 5 key tokens and 2 joint tokens
+    (key indices 5 and 6; row 1 with fewer keys than queries), limits mask."""
     return [
         torch.randn(5, 2, 4),
         torch.randn(5, 1, 4),
         torch.randn(5, 1, 4),
-        torch.tensor([[4, 0, 2], [1, 3, 0]], dtype=torch.int32),
+        torch.tensor([[4, 6, 2], [1, 5, 0]], dtype=torch.int32),
         torch.tensor([0, 2, 5], dtype=torch.int32),
         torch.tensor([3, 2], dtype=torch.int32),
         torch.tensor([1, 3, 1, 2, 0], dtype=torch.int32),
@@ -277,6 +277,8 @@ def _dense_args() -> list[Any]:
         None,
         None,
         0,
+        torch.randn(2, 1, 4),
+        torch.randn(2, 1, 4),
     ]
 
 
@@ -306,6 +308,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "bridge_noop4": ([t, t, t, t], ()),
         "cuda_compiled": ([], ()),
         "build_info": ([], ()),
+        "last_attention_kernel": ([], ()),
         "check_row": (["r", 4, 4, 0, 0, None], ()),
         "check_metadata": ([(row,), (row,)], ()),
         "check_step": ([0], ()),

@@ -354,6 +354,10 @@ def _cases_module() -> dict[str, list[Case]]:
             ok("build_info ok", _C.build_info),
             bad("build_info nargs", TypeError, "takes 0 arguments", _C.build_info, 1),
         ],
+        "last_attention_kernel": [
+            ok("last_attention_kernel ok", _C.last_attention_kernel),
+            bad("last_attention_kernel nargs", TypeError, "takes 0 arguments", _C.last_attention_kernel, 1),
+        ],
     }
 
 
@@ -1096,8 +1100,8 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     dense_v = torch.randn(3, HKV, D)
     key_index = torch.tensor([[2, 0, 1]], dtype=I32)
 
-    def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out):
-        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0)
+    def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
+        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv)
 
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
         return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
@@ -1283,7 +1287,26 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 _C.dense_attention,
                 *dense(v=torch.randn(3, HKV, 2 * D)[:, :, :D]),
             ),
-            bad("dense_attention nargs", TypeError, "takes 14 arguments", _C.dense_attention, q),
+            ok(
+                "dense_attention joint",
+                _C.dense_attention,
+                *dense(ki=key_index.clamp(max=1) + 2, jk=dense_k[:2].clone(), jv=dense_v[:2].clone()),
+            ),
+            bad(
+                "dense_attention joint strides",
+                ValueError,
+                "joint_key must have shape",
+                _C.dense_attention,
+                *dense(jk=torch.randn(2, HKV, 2 * D)[:, :, :D], jv=dense_v[:2].clone()),
+            ),
+            bad(
+                "dense_attention joint half",
+                TypeError,
+                "joint_key and joint_value must both be tensors or both be None",
+                _C.dense_attention,
+                *dense(jk=dense_k[:2].clone()),
+            ),
+            bad("dense_attention nargs", TypeError, "takes 16 arguments", _C.dense_attention, q),
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),

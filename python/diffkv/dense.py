@@ -19,11 +19,20 @@ Supported ``AttentionMetadata`` fields:
 - ``full_attn_spans``: piecewise masks of a causal layer (causal outside the spans, full inside),
   per batch row, ``S_q == S_k``;
 - the impl's ``causal`` flag: bottom-right aligned (FlashAttention's convention; the same as
-  top-left when ``S_q == S_k``).
+  top-left when ``S_q == S_k``);
+- ``joint_query``/``joint_key``/``joint_value`` (``[B, S_j, H|Hkv, D]``) with
+  ``joint_strategy`` ``"front"`` or ``"rear"``: the attention of the concatenated sequences,
+  returned as ``[B, S_j + S_q, H, D]`` in that order -- but nothing is concatenated: the joint
+  keys are a second source the kernels read through the same key indices, and the joint and
+  image queries run as two launches writing their slices of the output.  ``joint_attn_mask``
+  (boolean ``[B, S_j]`` or ``[B, 1, 1, S_j]``, ``True`` = attend) pads joint keys as
+  ``attn_mask`` pads the others; ``valid_kv_length`` slices the non-joint keys; causal is
+  bottom-right over the concatenated sequence.
 
-``joint_query``/``joint_key``/``joint_value``/``joint_attn_mask`` and ``query_ranges`` raise
-``NotImplementedError`` naming the field (never a silent dense fallback); ``video_layout`` is
-geometry a dense backend may ignore; unknown ``extra`` keys are ignored, as the contract says.
+``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
+joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
+``video_layout`` is geometry a dense backend may ignore; unknown ``extra`` keys are ignored, as
+the contract says.
 """
 
 from __future__ import annotations
@@ -37,18 +46,12 @@ from . import _C
 __all__ = ["dense_forward"]
 
 _OP = "DiffKVAttentionImpl.forward()"
-_JOINT_FIELDS = ("joint_query", "joint_key", "joint_value", "joint_attn_mask")
+_JOINT_FIELDS = ("joint_query", "joint_key", "joint_value")
 _UNQUANTIZED = (None, "auto", "float32", "float", "float16", "half", "bfloat16")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_unsupported(meta: Any) -> None:
-    for name in _JOINT_FIELDS:
-        if getattr(meta, name, None) is not None:
-            raise NotImplementedError(
-                f"{_OP}: {name} is not supported by the DIFFKV backend yet (joint text+image "
-                "attention); run the joint tokens through another backend"
-            )
     if getattr(meta, "query_ranges", None) is not None:
         raise NotImplementedError(f"{_OP}: query_ranges is not supported by the DIFFKV backend")
     extra = getattr(meta, "extra", None) or {}
@@ -60,8 +63,8 @@ def _check_unsupported(meta: Any) -> None:
         )
 
 
-def _check_qkv(impl: Any, query: Any, key: Any, value: Any) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
+def _check_qkv(impl: Any, query: Any, key: Any, value: Any, prefix: str = "") -> None:
+    for name, t in ((prefix + "query", query), (prefix + "key", key), (prefix + "value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -70,24 +73,25 @@ def _check_qkv(impl: Any, query: Any, key: Any, value: Any) -> None:
             )
         if t.dtype not in _DTYPES:
             raise TypeError(f"{_OP}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    q_, k_, v_ = prefix + "query", prefix + "key", prefix + "value"
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(
-            f"{_OP}: key and value must have the query's dtype {query.dtype}, got {key.dtype}, {value.dtype}"
+            f"{_OP}: {k_} and {v_} must have the {q_}'s dtype {query.dtype}, got {key.dtype}, {value.dtype}"
         )
     if key.device != query.device or value.device != query.device:
-        raise ValueError(f"{_OP}: key and value must be on the query's device {query.device}")
+        raise ValueError(f"{_OP}: {k_} and {v_} must be on the {q_}'s device {query.device}")
     heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
     if query.shape[2] != heads or query.shape[3] != head:
         raise ValueError(
-            f"{_OP}: query must have [{heads}, {head}] heads x head_size, got {list(query.shape[2:])}"
+            f"{_OP}: {q_} must have [{heads}, {head}] heads x head_size, got {list(query.shape[2:])}"
         )
     if key.shape[2:] != (kv_heads, head) or value.shape != key.shape:
         raise ValueError(
-            f"{_OP}: key and value must have shape [B, S_k, {kv_heads}, {head}] (equal), got "
+            f"{_OP}: {k_} and {v_} must have shape [B, S_k, {kv_heads}, {head}] (equal), got "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
     if key.shape[0] != query.shape[0]:
-        raise ValueError(f"{_OP}: key must have the query's batch size {query.shape[0]}, got {key.shape[0]}")
+        raise ValueError(f"{_OP}: {k_} must have the {q_}'s batch size {query.shape[0]}, got {key.shape[0]}")
 
 
 def _int_extra(extra: dict, name: str) -> int | None:
@@ -99,29 +103,31 @@ def _int_extra(extra: dict, name: str) -> int | None:
     return value
 
 
-def _key_padding(mask: Any, batch: int, keys: int, device: torch.device) -> torch.Tensor:
-    """attn_mask -> bool [B, S_k] (True = attend)."""
+def _key_padding(
+    mask: Any, batch: int, keys: int, device: torch.device, name: str = "attn_mask"
+) -> torch.Tensor:
+    """attn_mask (or joint_attn_mask) -> bool [B, S_k] (True = attend)."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{_OP}: attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"{_OP}: {name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise NotImplementedError(
-            f"{_OP}: attn_mask must be boolean (True = attend); additive float masks are not "
+            f"{_OP}: {name} must be boolean (True = attend); additive float masks are not "
             f"supported, got {mask.dtype}"
         )
     if mask.dim() == 4:
         if mask.shape[1] != 1 or mask.shape[2] != 1:
             raise NotImplementedError(
-                f"{_OP}: attn_mask must be a key-padding mask [B, S_k] or [B, 1, 1, S_k]; per-head or "
+                f"{_OP}: {name} must be a key-padding mask [B, S_k] or [B, 1, 1, S_k]; per-head or "
                 f"per-query masks are not supported, got shape {tuple(mask.shape)}"
             )
         mask = mask[:, 0, 0]
     if mask.dim() != 2 or mask.shape[0] not in (1, batch) or mask.shape[1] < keys:
         raise ValueError(
-            f"{_OP}: attn_mask must have shape [B={batch}, S_k>={keys}] or [B, 1, 1, S_k], got "
+            f"{_OP}: {name} must have shape [B={batch}, S_k>={keys}] or [B, 1, 1, S_k], got "
             f"{tuple(mask.shape)}"
         )
     if mask.device != device:
-        raise ValueError(f"{_OP}: attn_mask must be on the query's device {device}, got {mask.device}")
+        raise ValueError(f"{_OP}: {name} must be on the query's device {device}, got {mask.device}")
     return mask[:, :keys].expand(batch, keys)
 
 
@@ -130,12 +136,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
 
 
-def _key_value(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    k, v = _flat(key), _flat(value)
-    if k.stride() != v.stride():
-        # the kernels address K and V with one set of strides
-        k, v = k.contiguous(), v.contiguous()
-    return k, v
+def _key_value(key: torch.Tensor, value: torch.Tensor, *joint: torch.Tensor) -> list[torch.Tensor]:
+    """key, value (and joint_key, joint_value) as [tokens, Hkv, D] with one set of strides."""
+    flat = [_flat(t) for t in (key, value, *joint)]
+    if any(t.stride() != flat[0].stride() for t in flat[1:]):
+        # the kernels address every K/V source with the key's strides
+        flat = [t.contiguous() for t in flat]
+    return flat
 
 
 def _spans_limits(spans: Any, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -209,9 +216,98 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     mask = _C.MASK_CAUSAL if impl.causal else _C.MASK_NONE
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, None, mask, impl.softmax_scale, out,
-        None, None, None, max_q,
+        None, None, None, max_q, None, None,
     )  # fmt: skip
     return out.view(query.shape)
+
+
+def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor:
+    """Joint attention: the concatenation (joint_strategy order) of the joint and the other
+    tokens, as if concatenated, from the separate tensors (see the module docstring)."""
+    jq, jk, jv = (getattr(meta, n, None) for n in _JOINT_FIELDS)
+    if jq is None or jk is None or jv is None:
+        given = [n for n, t in zip(_JOINT_FIELDS, (jq, jk, jv), strict=True) if t is not None]
+        raise ValueError(
+            f"{_OP}: joint_query, joint_key and joint_value must be given together, got only {given}"
+        )
+    strategy = getattr(meta, "joint_strategy", "front")
+    if strategy not in ("front", "rear"):
+        raise ValueError(f"{_OP}: joint_strategy must be 'front' or 'rear', got {strategy!r}")
+    for name in ("full_attn_spans", "packed_padding"):
+        if getattr(meta, name, None) is not None:
+            raise NotImplementedError(
+                f"{_OP}: {name} together with joint_query/joint_key/joint_value is not supported"
+            )
+    if extra.get("cu_seqlens_q") is not None or extra.get("cu_seqlens_k") is not None:
+        raise NotImplementedError(
+            f"{_OP}: cu_seqlens_q/cu_seqlens_k together with joint_query/joint_key/joint_value is "
+            "not supported"
+        )
+    _check_qkv(impl, jq, jk, jv, prefix="joint_")
+    if jq.dtype != query.dtype or jq.device != query.device or jq.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"{_OP}: joint_query must have the query's dtype, device and batch size ({query.dtype}, "
+            f"{query.device}, {query.shape[0]}), got {jq.dtype}, {jq.device}, {jq.shape[0]}"
+        )
+    device = query.device
+    batch, s_q, heads, head = query.shape
+    s_k, sj_q, sj_k = key.shape[1], jq.shape[1], jk.shape[1]
+    keys = s_k
+    valid = _int_extra(extra, "valid_kv_length")
+    if valid is not None:
+        if not 0 <= valid <= s_k:
+            raise ValueError(f"{_OP}: extra['valid_kv_length'] must be in [0, {s_k}], got {valid}")
+        keys = valid
+    mask = getattr(meta, "attn_mask", None)
+    keep = None if mask is None else _key_padding(mask, batch, keys, device)
+    jmask = getattr(meta, "joint_attn_mask", None)
+    jkeep = None if jmask is None else _key_padding(jmask, batch, sj_k, device, "joint_attn_mask")
+    front = strategy == "front"
+    n_q, n_k = sj_q + s_q, sj_k + keys  # the concatenated sequences
+    out = torch.empty(batch, n_q, heads, head, dtype=query.dtype, device=device)
+    if batch == 0 or n_q == 0:
+        return out
+    # Key j of the concatenated row: an index into key (flattened) or, past B * S_k, joint_key.
+    rows = torch.arange(batch, device=device, dtype=torch.int64)[:, None]
+    main_index = rows * s_k + torch.arange(keys, device=device, dtype=torch.int64)
+    joint_index = batch * s_k + rows * sj_k + torch.arange(sj_k, device=device, dtype=torch.int64)
+    parts = (joint_index, main_index) if front else (main_index, joint_index)
+    key_index = torch.cat(parts, dim=1)
+    limits = None
+    if impl.causal:  # bottom-right over the concatenated sequence
+        pos = torch.arange(n_q, device=device, dtype=torch.int64) + (n_k - n_q + 1)
+        limits = pos.clamp(0, n_k).expand(batch, n_q)
+    if keep is None and jkeep is None:
+        seq_lens = torch.full((batch,), n_k, device=device, dtype=torch.int32)
+    else:
+        ones = torch.ones(batch, sj_k if keep is not None else keys, dtype=torch.bool, device=device)
+        kj, km = (jkeep, ones) if keep is None else (ones, keep) if jkeep is None else (jkeep, keep)
+        vkeep = torch.cat((kj, km) if front else (km, kj), dim=1)
+        # kept keys first, in order (the indices, not the data), as in dense_forward
+        order = torch.argsort((~vkeep).to(torch.int8), dim=1, stable=True)
+        key_index = key_index.gather(1, order)
+        seq_lens = vkeep.sum(dim=1, dtype=torch.int32)
+        if limits is not None:
+            prefix = vkeep.to(torch.int32).cumsum(dim=1)
+            limits = torch.where(limits > 0, prefix.gather(1, (limits - 1).clamp(min=0)), 0)
+    key_index = key_index.to(torch.int32)
+    k, v, k2, v2 = _key_value(key, value, jk, jv)
+    # one launch per batch row and query source: [B, S] slices of the output need not flatten
+    spans = ((jq, 0), (query, sj_q)) if front else ((query, 0), (jq, s_q))
+    for b in range(batch):
+        for src, start in spans:
+            n = src.shape[1]
+            if n == 0:
+                continue
+            mask, key_limits = _C.MASK_NONE, None
+            if limits is not None:
+                mask, key_limits = _C.MASK_LIMITS, limits[b, start : start + n].to(torch.int32).contiguous()
+            qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+            _C.dense_attention(
+                src[b], k, v, key_index[b : b + 1], qsl, seq_lens[b : b + 1], key_limits, mask,
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2,
+            )  # fmt: skip
+    return out
 
 
 def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: Any = None) -> torch.Tensor:
@@ -224,6 +320,10 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     extra = (getattr(meta, "extra", None) or {}) if meta is not None else {}
     if not isinstance(extra, dict):
         raise TypeError(f"{_OP}: attn_metadata.extra must be a dict, got {type(extra).__name__}")
+    if meta is not None and any(getattr(meta, n, None) is not None for n in _JOINT_FIELDS):
+        return _joint(impl, query, key, value, meta, extra)
+    if meta is not None and getattr(meta, "joint_attn_mask", None) is not None:
+        raise ValueError(f"{_OP}: joint_attn_mask needs joint_query, joint_key and joint_value")
     if extra.get("cu_seqlens_q") is not None or extra.get("cu_seqlens_k") is not None:
         return _varlen(impl, query, key, value, extra, meta)
 
@@ -302,6 +402,6 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q,
+        None, None, None, s_q, None, None,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
