@@ -16,3 +16,5 @@ python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gp
 python3 benchmarks/bench_host.py --json "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | tail -12
 python3 benchmarks/bench_kv_write.py --json "$OUT/kv_write.json" 2>&1 | tee "$OUT/kv_write.log" | tail -14
 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/attention.log" | tail -40
+python3 benchmarks/bench_layer.py --json "$OUT/layer.json" 2>&1 | tee "$OUT/layer.log" | tail -8
+python3 benchmarks/bench_dense.py --json "$OUT/dense.json" 2>&1 | tee "$OUT/dense.log" | tail -10
