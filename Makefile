@@ -45,6 +45,7 @@ bench: install
 	$(PYTHON) benchmarks/bench_kv_write.py --json out/kv_write.json
 	$(PYTHON) benchmarks/bench_attention.py --json out/attention.json
 	$(PYTHON) benchmarks/bench_layer.py --json out/layer.json
+	$(PYTHON) benchmarks/bench_dense.py --json out/dense.json
 
 lint:
 	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff
