@@ -71,9 +71,11 @@ def _cases(quick: bool) -> list[Case]:
     if quick:
         prefixes, image, hn, hkv, d = (5, 35), 41, 4, 2, 64
         s16, s_wan, h24, h40, h16, chunk = 256, 250, 2, 2, 2, 40
+        s_pow2 = 256
     else:
         prefixes, image, hn, hkv, d = (500, 3500), 4097, 32, 8, 128
         s16, s_wan, h24, h40, h16, chunk = 16384, 32760, 24, 40, 16, 1560
+        s_pow2 = 32768
     hunyuan_seq = tuple(p + image for p in prefixes)
     return [
         Case(
@@ -100,6 +102,15 @@ def _cases(quick: bool) -> list[Case]:
         Case("h24_s16k_causal", h24, h24, 128, ((s16, s16),), "causal"),
         Case("wan_s32760_nc", h40, h40, 128, ((s_wan, s_wan),), "none", what="Wan-14B 480p"),
         Case("wan_s32760_causal", h40, h40, 128, ((s_wan, s_wan),), "causal", what="Wan-14B 480p"),
+        Case(
+            "wan_s32768_nc",
+            h40,
+            h40,
+            128,
+            ((s_pow2, s_pow2),),
+            "none",
+            what="the 32760 case's power-of-two neighbour (a 32760 length should cost nothing extra)",
+        ),
         Case("h16_s16k_d64_nc", h16, h16, 64, ((s16, s16),), "none"),
         Case("h16_s16k_d64_causal", h16, h16, 64, ((s16, s16),), "causal"),
         Case(
@@ -623,6 +634,15 @@ def _check_cell(result: dict[str, Any]) -> str:
 
 def _notes(results: list[dict[str, Any]]) -> list[str]:
     notes = []
+    by_name = {r["case"]: r for r in results}
+    if "wan_s32760_nc" in by_name and "wan_s32768_nc" in by_name:
+        ratio = by_name["wan_s32760_nc"]["diffkv_tflops"] / by_name["wan_s32768_nc"]["diffkv_tflops"]
+        line = f"32760 vs 32768 tokens (no mask): diffkv TFLOP/s ratio {ratio:.3f}"
+        for b in ("cudnn", "flash"):
+            e60, e68 = by_name["wan_s32760_nc"]["baselines"][b], by_name["wan_s32768_nc"]["baselines"][b]
+            if e60.get("status") == "ok" and e68.get("status") == "ok":
+                line += f", {b} {e60['tflops'] / e68['tflops']:.3f}"
+        notes.append(line)
     for res in results:
         name = res["case"]
         if res["mask"] == "span" and all(k == "full" for k in res["row_kinds"]):
