@@ -146,6 +146,43 @@ def test_packed_varlen_documents_stay_apart(device, dtype, causal, cu_on_cpu):
     _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_varlen_with_spans(device, causal):
+    """full_attn_spans over a packed varlen row: within each document causal outside the spans and
+    full inside (a span crossing a document boundary stops at it); a non-causal layer ignores
+    them; documents never see each other."""
+    lens = [50, 130, 7, 64]
+    total = sum(lens)
+    q, k, v = _qkv(1, total, total, 64, torch.float32, device, seed=31)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    spans = [(10, 30), (40, 90), (181, 187), (200, 251)]  # (40, 90) crosses documents 0 and 1
+    extra = {"cu_seqlens_q": cu.to(device), "cu_seqlens_k": cu.to(device)}
+    impl = _impl(64, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(extra=extra, full_attn_spans=[spans]))
+    visible = torch.zeros(1, total, total, dtype=torch.bool)
+    limit = torch.arange(1, total + 1)
+    for s, e in spans:
+        limit[s:e] = e
+    for r in range(len(lens)):
+        a, b = int(cu[r]), int(cu[r + 1])
+        for t in range(a, b):
+            visible[0, t, a : (min(int(limit[t]), b) if causal else b)] = True
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+    if causal:
+        other = torch.tensor([0, 50, 180, 187, 250], dtype=torch.int32)
+        _raises(
+            ValueError,
+            "DiffKVAttentionImpl.forward(): full_attn_spans with cu_seqlens need cu_seqlens_q == "
+            "cu_seqlens_k (self-attention documents)",
+            lambda: impl.forward(
+                q,
+                k,
+                v,
+                AttentionMetadata(extra={"cu_seqlens_q": cu, "cu_seqlens_k": other}, full_attn_spans=[spans]),
+            ),
+        )
+
+
 def test_packed_padding_mask_free(device):
     b, s = 2, 96
     q, k, v = _qkv(b, s, s, 64, torch.float32, device, seed=9)

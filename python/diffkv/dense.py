@@ -17,7 +17,8 @@ Supported ``AttentionMetadata`` fields:
 - ``packed_padding``: ``[real, pad]`` rows without a mask: queries ``[0, q_length)`` attend
   keys ``[0, kv_length)``, pad queries get zeros;
 - ``full_attn_spans``: piecewise masks of a causal layer (causal outside the spans, full inside),
-  per batch row, ``S_q == S_k``;
+  per batch row, ``S_q == S_k``; with packed varlen documents, spans in packed positions of the
+  one row, each document causal outside them (a span never reaches past its document);
 - the impl's ``causal`` flag: bottom-right aligned (FlashAttention's convention; the same as
   top-left when ``S_q == S_k``);
 - ``joint_query``/``joint_key``/``joint_value`` (``[B, S_j, H|Hkv, D]``) with
@@ -175,7 +176,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     cu_q, cu_k = extra.get("cu_seqlens_q"), extra.get("cu_seqlens_k")
     if cu_q is None or cu_k is None:
         raise ValueError(f"{_OP}: extra must hold both cu_seqlens_q and cu_seqlens_k, or neither")
-    for name in ("attn_mask", "full_attn_spans", "packed_padding"):
+    for name in ("attn_mask", "packed_padding"):
         if getattr(meta, name, None) is not None:
             raise NotImplementedError(
                 f"{_OP}: {name} together with cu_seqlens_q/cu_seqlens_k is not supported"
@@ -210,12 +211,33 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
         if cu_k.device.type == "cpu" and max_k is not None and int((cu_k[1:] - cu_k[:-1]).max()) > cols:
             raise ValueError(f"{_OP}: extra['max_seqlen_k']={max_k} is below the longest key document")
     q = query[0]
+    mask = _C.MASK_CAUSAL if impl.causal else _C.MASK_NONE
+    key_limits = None
+    spans = getattr(meta, "full_attn_spans", None)
+    if spans is not None:
+        # spans in packed token positions of the one row; validated in any layer, used by a
+        # causal one (full attention inside a span, causal outside, within each document)
+        span_limits = _spans_limits(spans, 1, q.shape[0], device)[0]
+        if impl.causal:
+            same = cu_q.shape == cu_k.shape and torch.equal(cu_q.cpu().long(), cu_k.cpu().long())
+            if not same:
+                raise ValueError(
+                    f"{_OP}: full_attn_spans with cu_seqlens need cu_seqlens_q == cu_seqlens_k "
+                    "(self-attention documents)"
+                )
+            # a token's limit in its document's key positions: the span end (clamped to the
+            # document's end) or its own position + 1, both counted from the document's start
+            cu = qsl.to(torch.int64)
+            pos = torch.arange(q.shape[0], device=device, dtype=torch.int64)
+            doc = torch.searchsorted(cu[1:], pos, right=True).clamp_(max=cu.shape[0] - 2)
+            lim = torch.minimum(span_limits, cu[doc + 1]) - cu[doc]
+            key_limits = lim.clamp_(min=0).to(torch.int32)
+            mask = _C.MASK_LIMITS
     k, v = _key_value(key, value)
     # tokens past cu_seqlens_q[-1] belong to no document: zeros
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    mask = _C.MASK_CAUSAL if impl.causal else _C.MASK_NONE
     _C.dense_attention(
-        q, k, v, key_index.to(torch.int32), qsl, seq_lens, None, mask, impl.softmax_scale, out,
+        q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
         None, None, None, max_q, None, None,
     )  # fmt: skip
     return out.view(query.shape)
