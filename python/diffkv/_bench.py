@@ -592,6 +592,7 @@ def _group(
                 "tflops": _tflops(flops, t["us"]),
                 "min_us": t["min_us"],
                 "samples_us": t["samples_us"],
+                "kernel": _C.last_attention_kernel(),  # e.g. TMA boxes or not, per block size
             }
             checks = {name: _max_diff(out, ref) for name, ref in refs.items()}
             ok = all(d <= tol for d in checks.values())
@@ -734,12 +735,13 @@ def print_table(record: dict[str, Any], stream: TextIO) -> None:
     """The points as a table: diffkv time and TFLOP/s, each baseline's TFLOP/s and diffkv's
     ratio to it (> 1: diffkv faster), the worst check difference."""
     names = [b for b in BASELINES if any(p["baselines"][b]["status"] == "ok" for p in record["points"])]
-    headers = ["seq_len", "rows", "block", "diffkv us", "diffkv TFLOP/s"]
+    headers = ["seq_len", "rows", "block", "kernel", "diffkv us", "diffkv TFLOP/s"]
     headers += [f"{b} TFLOP/s" for b in names] + [f"vs {b}" for b in names] + ["max diff"]
     rows = []
     for p in record["points"]:
         tf = p["diffkv"]["tflops"]
-        cells = [str(p["seq_len"]), str(p["rows"]), str(p["block_size"]), _fmt(p["diffkv"]["us"])]
+        cells = [str(p["seq_len"]), str(p["rows"]), str(p["block_size"])]
+        cells += [p["diffkv"].get("kernel", "n/a"), _fmt(p["diffkv"]["us"])]
         cells.append("ERROR" if tf is None else _fmt(tf, 1 if tf >= 10 else 3))
         cells += [_fmt(p["baselines"][b].get("tflops")) for b in names]
         cells += [_fmt(p["baselines"][b].get("ratio"), 2) for b in names]
