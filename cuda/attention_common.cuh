@@ -210,6 +210,29 @@ dk_safe_block(const dk_attention_args &a, int32_t block)
     return (uint32_t)block < (uint64_t)a.num_blocks ? block : 0;
 }
 
+/*
+ * Key limit of query row r of the CTA's tile (0 past the row's end: q0 + r >= query_len),
+ * stored to s_lim[r]; *wmax and *wmin receive the largest and smallest limits over the calling
+ * warp's rows (every lane of the warp must call, for rows 32w .. 32w + 31).
+ */
+static __device__ __forceinline__ void
+attn_row_limit(const dk_attention_args &a, int r, int64_t q0, int64_t q_start, int64_t query_len,
+               int64_t seq_len, int32_t *s_lim, int32_t *wmax, int32_t *wmin)
+{
+    const int64_t my_i = q0 + r;
+    const int32_t my_lim =
+        my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
+    int32_t hi = my_lim, lo = my_lim;
+#pragma unroll
+    for (int sh = 16; sh > 0; sh >>= 1) {
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, sh));
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, sh));
+    }
+    s_lim[r] = my_lim;
+    *wmax = hi;
+    *wmin = lo;
+}
+
 /* Byte offset of token `tok` of (safe) block `block`, head kv_head, in a 2-byte cache; odd
  * (+1) when the block is the second source's (dense joint tokens): kv_row reads it back. */
 static __device__ __forceinline__ int64_t

@@ -229,16 +229,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 
     /* Key limit of query row tid (0 past the row's end).  Warp w's threads hold exactly the
      * rows warp w computes, so the warp's extremes need only shuffles. */
-    const int64_t my_i = q0 + tid;
-    const int32_t my_lim =
-        my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
-    int32_t wmax = my_lim, wmin = my_lim;
-#pragma unroll
-    for (int sh = 16; sh > 0; sh >>= 1) {
-        wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
-        wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
-    }
-    s_lim[tid] = my_lim;
+    int32_t wmax, wmin;
+    attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
     if (lane == 0) {
         s_wmax[warp] = wmax;
     }

@@ -341,6 +341,93 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
         h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
     }
 }
+/*
+ * Q rows row0 .. row0 + ROWS - 1 of the CTA's tile (zeros past the row's end) into the swizzled
+ * Q tile at sq (BM rows) by THREADS threads, t being this one's index among them: 16-byte
+ * cp.async chunks, element gathers for an odd-strided query; then a cp.async commit.
+ */
+template <int D, int BM, int THREADS, int ROWS>
+static __device__ __forceinline__ void
+h90_load_q(const dk_attention_args &a, uint32_t sq, int t, int row0, int64_t q0, int64_t q_start,
+           int64_t query_len, int64_t h, bool q_vec)
+{
+    constexpr int CHUNKS = D / 8;
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+    const uint32_t c = (uint32_t)(t % CHUNKS);
+    const uint32_t r0 = (uint32_t)(row0 + t / CHUNKS);
+#pragma unroll
+    for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
+        const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+        const uint32_t dst = sq + sw128(BM, r, c);
+        if (q0 + r < query_len) {
+            const uint16_t *src = (const uint16_t *)a.query +
+                                  (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
+                                  (int64_t)c * 8 * a.q_stride_dim;
+            if (q_vec) {
+                cp_async16(dst, src, 16u);
+            }
+            else {
+                st_shared16(dst, gather_chunk(src, a.q_stride_dim));
+            }
+        }
+        else {
+            st_shared16(dst, make_uint4(0u, 0u, 0u, 0u));
+        }
+    }
+    cp_async_commit();
+}
+
+/* Flips the sign of the Q rows h90_load_q (same arguments) brought in, once they landed. */
+template <int D, int BM, int THREADS, int ROWS>
+static __device__ __forceinline__ void
+h90_negate_q(uint32_t sq, int t, int row0)
+{
+    constexpr int CHUNKS = D / 8;
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+    const uint32_t c = (uint32_t)(t % CHUNKS);
+    const uint32_t r0 = (uint32_t)(row0 + t / CHUNKS);
+#pragma unroll
+    for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
+        const uint32_t dst = sq + sw128(BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
+        uint32_t v0, v1, v2, v3;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                     : "r"(dst)
+                     : "memory");
+        const uint32_t f = 0x80008000u;
+        st_shared16(dst, make_uint4(v0 ^ f, v1 ^ f, v2 ^ f, v3 ^ f));
+    }
+}
+
+/* O rescaled by the softmax's alpha: rows g (alpha[0]) and g + 8 (alpha[1]) of this thread. */
+template <int DT>
+static __device__ __forceinline__ void
+h90_rescale_o(float (&o)[DT * 4], const float (&alpha)[2])
+{
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+        o[4 * dt + 0] *= alpha[0];
+        o[4 * dt + 1] *= alpha[0];
+        o[4 * dt + 2] *= alpha[1];
+        o[4 * dt + 3] *= alpha[1];
+    }
+}
+
+/* P (fp32, the S accumulator layout) as the A fragments of P V: keys 16 kk .. 16 kk + 15 in
+ * pa[kk] (the mma.sync A layout per warp). */
+template <typename T, int BN>
+static __device__ __forceinline__ void
+h90_pack_p(uint32_t (&pa)[BN / 16][4], const float (&s)[BN / 2])
+{
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+        pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = half_ops<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
 /* What the softmax of a warpgroup's S tile needs about this thread's two rows. */
 struct h90_rows {
     uint32_t q_slab; /* shared address of the warpgroup's 64 rows of Q */
@@ -474,60 +561,17 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     const int tq = lane & 3;
 
     /* Q tile (rows past the row's end are zeros), negated for a negative scale. */
-    {
-        constexpr int CHUNKS = D / 8;
-        constexpr int ROWS_PER_PASS = H90_THREADS / CHUNKS;
-        const uint32_t c = (uint32_t)(tid % CHUNKS);
-        const uint32_t r0 = (uint32_t)(tid / CHUNKS);
-#pragma unroll
-        for (int pass = 0; pass < H90_BM / ROWS_PER_PASS; pass++) {
-            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
-            const uint32_t dst = sq + sw128(H90_BM, r, c);
-            if (q0 + r < query_len) {
-                const uint16_t *src = (const uint16_t *)a.query +
-                                      (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
-                                      (int64_t)c * 8 * a.q_stride_dim;
-                if (q_vec) {
-                    cp_async16(dst, src, 16u);
-                }
-                else {
-                    st_shared16(dst, gather_chunk(src, a.q_stride_dim));
-                }
-            }
-            else {
-                st_shared16(dst, make_uint4(0u, 0u, 0u, 0u));
-            }
-        }
-        cp_async_commit();
-        if (neg_q) {
-            cp_async_wait_all();
-#pragma unroll
-            for (int pass = 0; pass < H90_BM / ROWS_PER_PASS; pass++) {
-                const uint32_t dst = sq + sw128(H90_BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
-                uint32_t v0, v1, v2, v3;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                             : "r"(dst)
-                             : "memory");
-                const uint32_t f = 0x80008000u;
-                st_shared16(dst, make_uint4(v0 ^ f, v1 ^ f, v2 ^ f, v3 ^ f));
-            }
-        }
+    h90_load_q<D, H90_BM, H90_THREADS, H90_BM>(a, sq, tid, 0, q0, q_start, query_len, h, q_vec);
+    if (neg_q) {
+        cp_async_wait_all();
+        h90_negate_q<D, H90_BM, H90_THREADS, H90_BM>(sq, tid, 0);
     }
 
     /* Key limits of the 128 query rows (threads 0..127; 0 past the row's end); warp k of
      * them covers rows 32k .. 32k + 31, so warpgroup w's extremes are warps 2w and 2w + 1's. */
     if (tid < H90_BM) {
-        const int64_t my_i = q0 + tid;
-        const int32_t my_lim =
-            my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
-        int32_t wmax = my_lim, wmin = my_lim;
-#pragma unroll
-        for (int sh = 16; sh > 0; sh >>= 1) {
-            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
-            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
-        }
-        s_lim[tid] = my_lim;
+        int32_t wmax, wmin;
+        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
         if (lane == 0) {
             s_wmax[tid / 32] = wmax;
             s_wmin[tid / 32] = wmin;
@@ -620,22 +664,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
                 h90_softmax<NT>(s, m, l, alpha, j0, rows);
                 wgmma_wait_all(); /* P_{kt-1} V_{kt-1} is in O (relative to the old max) */
                 fence_regs(o);
-#pragma unroll
-                for (int dt = 0; dt < DT; dt++) {
-                    o[4 * dt + 0] *= alpha[0];
-                    o[4 * dt + 1] *= alpha[0];
-                    o[4 * dt + 2] *= alpha[1];
-                    o[4 * dt + 3] *= alpha[1];
-                }
+                h90_rescale_o<DT>(o, alpha);
             }
-            /* P_kt as A fragments: keys 16 kk .. 16 kk + 15 (the mma.sync A layout per warp) */
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = half_ops<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
-            }
+            h90_pack_p<T, BN>(pa, s);
             if (want_off) {
                 s_off[((kt + 2) % 3) * BN + tid] =
                     j2 < kv_end
@@ -845,16 +876,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 
     /* Key limits of the 128 query rows (the producer warpgroup's threads), barriers. */
     if (wg == 0) {
-        const int64_t my_i = q0 + tid;
-        const int32_t my_lim =
-            my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
-        int32_t wmax = my_lim, wmin = my_lim;
-#pragma unroll
-        for (int sh = 16; sh > 0; sh >>= 1) {
-            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
-            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
-        }
-        s_lim[tid] = my_lim;
+        int32_t wmax, wmin;
+        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
         if (lane == 0) {
             s_wmax[tid / 32] = wmax;
             s_wmin[tid / 32] = wmin;
@@ -939,48 +962,13 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tq = lane & 3;
 
     /* This warpgroup's 64 Q rows (zeros past the row's end), negated for a negative scale. */
-    {
-        constexpr int CHUNKS = D / 8;
-        constexpr int ROWS_PER_PASS = 128 / CHUNKS;
-        const uint32_t c = (uint32_t)(wt % CHUNKS);
-        const uint32_t r0 = (uint32_t)(cw * 64 + wt / CHUNKS);
-#pragma unroll
-        for (int pass = 0; pass < 64 / ROWS_PER_PASS; pass++) {
-            const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
-            const uint32_t dst = sq + sw128(H90_BM, r, c);
-            if (q0 + r < query_len) {
-                const uint16_t *src = (const uint16_t *)a.query +
-                                      (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
-                                      (int64_t)c * 8 * a.q_stride_dim;
-                if (q_vec) {
-                    cp_async16(dst, src, 16u);
-                }
-                else {
-                    st_shared16(dst, gather_chunk(src, a.q_stride_dim));
-                }
-            }
-            else {
-                st_shared16(dst, make_uint4(0u, 0u, 0u, 0u));
-            }
-        }
-        cp_async_commit();
-        cp_async_wait_all();
-        if (neg_q) {
-#pragma unroll
-            for (int pass = 0; pass < 64 / ROWS_PER_PASS; pass++) {
-                const uint32_t dst = sq + sw128(H90_BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
-                uint32_t v0, v1, v2, v3;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                             : "r"(dst)
-                             : "memory");
-                const uint32_t f = 0x80008000u;
-                st_shared16(dst, make_uint4(v0 ^ f, v1 ^ f, v2 ^ f, v3 ^ f));
-            }
-        }
-        fence_proxy_async();
-        named_barrier(1u + (uint32_t)cw, 128u);
+    h90_load_q<D, H90_BM, 128, 64>(a, sq, wt, cw * 64, q0, q_start, query_len, h, q_vec);
+    cp_async_wait_all();
+    if (neg_q) {
+        h90_negate_q<D, H90_BM, 128, 64>(sq, wt, cw * 64);
     }
+    fence_proxy_async();
+    named_barrier(1u + (uint32_t)cw, 128u);
 
     float o[D / 2];
 #pragma unroll
@@ -1039,21 +1027,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (lane == 0) {
                     mbar_arrive(empty_v + 8u * pslot);
                 }
-#pragma unroll
-                for (int dt = 0; dt < DT; dt++) {
-                    o[4 * dt + 0] *= alpha[0];
-                    o[4 * dt + 1] *= alpha[0];
-                    o[4 * dt + 2] *= alpha[1];
-                    o[4 * dt + 3] *= alpha[1];
-                }
+                h90_rescale_o<DT>(o, alpha);
             }
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                pa[kk][0] = half_ops<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = half_ops<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = half_ops<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = half_ops<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
-            }
+            h90_pack_p<T, BN>(pa, s);
         }
         /* The last tile's V: rows past kv_end become zeros (by both warpgroups: the same
          * values), then P V. */

@@ -172,6 +172,30 @@ def _spans_limits(spans: Any, batch: int, length: int, device: torch.device) -> 
     return limits
 
 
+def _valid_keys(extra: dict, s_k: int) -> int:
+    """The key count: extra["valid_kv_length"] (prefix slicing, in [0, S_k]) or S_k."""
+    valid = _int_extra(extra, "valid_kv_length")
+    if valid is None:
+        return s_k
+    if not 0 <= valid <= s_k:
+        raise ValueError(f"{_OP}: extra['valid_kv_length'] must be in [0, {s_k}], got {valid}")
+    return valid
+
+
+def _kept_first(
+    key_index: torch.Tensor, keep: torch.Tensor, limits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Key padding as indices, not data: each row's kept keys first, in order (a stable sort of
+    "not kept"), its seq_len the number kept, and every limit in original key positions turned
+    into the number of kept keys below it.  key_index, keep [B, L]; limits [B, S_q] or None."""
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+    seq_lens = keep.sum(dim=1, dtype=torch.int32)
+    if limits is not None:
+        prefix = keep.to(torch.int32).cumsum(dim=1)
+        limits = torch.where(limits > 0, prefix.gather(1, (limits - 1).clamp(min=0)), 0)
+    return key_index.gather(1, order), seq_lens, limits
+
+
 def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tensor:
     cu_q, cu_k = extra.get("cu_seqlens_q"), extra.get("cu_seqlens_k")
     if cu_q is None or cu_k is None:
@@ -274,12 +298,7 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
     device = query.device
     batch, s_q, heads, head = query.shape
     s_k, sj_q, sj_k = key.shape[1], jq.shape[1], jk.shape[1]
-    keys = s_k
-    valid = _int_extra(extra, "valid_kv_length")
-    if valid is not None:
-        if not 0 <= valid <= s_k:
-            raise ValueError(f"{_OP}: extra['valid_kv_length'] must be in [0, {s_k}], got {valid}")
-        keys = valid
+    keys = _valid_keys(extra, s_k)
     mask = getattr(meta, "attn_mask", None)
     keep = None if mask is None else _key_padding(mask, batch, keys, device)
     jmask = getattr(meta, "joint_attn_mask", None)
@@ -305,13 +324,7 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
         ones = torch.ones(batch, sj_k if keep is not None else keys, dtype=torch.bool, device=device)
         kj, km = (jkeep, ones) if keep is None else (ones, keep) if jkeep is None else (jkeep, keep)
         vkeep = torch.cat((kj, km) if front else (km, kj), dim=1)
-        # kept keys first, in order (the indices, not the data), as in dense_forward
-        order = torch.argsort((~vkeep).to(torch.int8), dim=1, stable=True)
-        key_index = key_index.gather(1, order)
-        seq_lens = vkeep.sum(dim=1, dtype=torch.int32)
-        if limits is not None:
-            prefix = vkeep.to(torch.int32).cumsum(dim=1)
-            limits = torch.where(limits > 0, prefix.gather(1, (limits - 1).clamp(min=0)), 0)
+        key_index, seq_lens, limits = _kept_first(key_index, vkeep, limits)
     key_index = key_index.to(torch.int32)
     k, v, k2, v2 = _key_value(key, value, jk, jv)
     # one launch per batch row and query source: [B, S] slices of the output need not flatten
@@ -352,12 +365,7 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     device = query.device
     batch, s_q, heads, head = query.shape
     s_k = key.shape[1]
-    keys = s_k
-    valid = _int_extra(extra, "valid_kv_length")
-    if valid is not None:
-        if not 0 <= valid <= s_k:
-            raise ValueError(f"{_OP}: extra['valid_kv_length'] must be in [0, {s_k}], got {valid}")
-        keys = valid
+    keys = _valid_keys(extra, s_k)
     q_real = s_q
     packed = getattr(meta, "packed_padding", None) if meta is not None else None
     if packed is not None:
@@ -403,14 +411,8 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
         seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)
     else:
-        # kept keys first, in order (a stable sort of "not kept"): the indices, not the data
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-        key_index = rows + order
-        seq_lens = keep.sum(dim=1, dtype=torch.int32)
-        if limits is not None:
-            # a limit in original positions -> the number of kept keys below it
-            prefix = keep.to(torch.int32).cumsum(dim=1)
-            limits = torch.where(limits > 0, prefix.gather(1, (limits - 1).clamp(min=0)), 0)
+        key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
+        key_index, seq_lens, limits = _kept_first(key_index, keep, limits)
 
     if limits is None:
         mask, key_limits = _C.MASK_NONE, None
