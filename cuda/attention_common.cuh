@@ -312,6 +312,33 @@ attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, i
     *row = *s_row;
 }
 
+/*
+ * The start every tensor-core kernel makes (every thread calls it: attn_cta_place may hold a
+ * barrier): the CTA's head h and batch row, its tile's first query row q0 (bm rows per tile),
+ * the row's queries [q_start, q_start + query_len) and its seq_len, bounded by the block table's
+ * reach whatever the device seq_lens says.  Returns false, uniformly over the CTA, when the tile
+ * lies past the row's end (the CTA then exits).
+ */
+struct attn_cta {
+    int64_t h, row, q0, q_start, query_len, seq_len;
+};
+
+static __device__ __forceinline__ bool
+attn_cta_begin(const dk_attention_args &a, int64_t tiles_per_row, int64_t head_group,
+               bool sort_rows, int64_t bm, int32_t *s_row, attn_cta *c)
+{
+    int64_t tile_rev;
+    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, s_row, &c->h, &c->row,
+                   &tile_rev);
+    c->q0 = (tiles_per_row - 1 - tile_rev) * bm;
+    row_span(a, c->row, &c->q_start, &c->query_len);
+    if (c->q0 >= c->query_len) {
+        return false;
+    }
+    c->seq_len = min((int64_t)a.seq_lens[c->row], a.bt_cols * a.block_size);
+    return true;
+}
+
 /* Where a CTA's output tile lands, recomputed after the key loop (arithmetic and loads rather
  * than registers held across it): the head, the packed token of the tile's first query row and
  * the number of the tile's rows inside its batch row (bm: query rows per CTA). */

@@ -166,17 +166,12 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     __shared__ int32_t s_lim[ATTN_BM]; /* key limit of each query row */
     __shared__ int32_t s_row;
 
-    int64_t h, row, tile_rev;
-    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
-                   &tile_rev);
-    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * ATTN_BM;
-    int64_t q_start, query_len;
-    row_span(a, row, &q_start, &query_len);
-    if (q0 >= query_len) {
-        return; /* uniform over the CTA, after attn_cta_place's barrier */
+    attn_cta cta;
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, ATTN_BM, &s_row, &cta)) {
+        return;
     }
-    /* The table's reach bounds the keys read, whatever the device seq_lens says. */
-    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
+    const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
+    const int64_t q_start = cta.q_start, query_len = cta.query_len, seq_len = cta.seq_len;
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
     const int tid = (int)threadIdx.x;

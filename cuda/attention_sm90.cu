@@ -541,16 +541,12 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
         reinterpret_cast<int64_t *>(reinterpret_cast<char *>(h90_smem) + pad + QB +
                                     4 * KVB); /* [3][BN]: tile t's in slot t % 3 */
 
-    int64_t h, row, tile_rev;
-    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
-                   &tile_rev);
-    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * H90_BM;
-    int64_t q_start, query_len;
-    row_span(a, row, &q_start, &query_len);
-    if (q0 >= query_len) {
-        return; /* uniform over the CTA, after attn_cta_place's barrier */
+    attn_cta cta;
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, H90_BM, &s_row, &cta)) {
+        return;
     }
-    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
+    const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
+    const int64_t q_start = cta.q_start, query_len = cta.query_len, seq_len = cta.seq_len;
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
     const int tid = (int)threadIdx.x;
@@ -860,16 +856,12 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t empty_k = full_v + 8u * ST;
     const uint32_t empty_v = empty_k + 8u * ST;
 
-    int64_t h, row, tile_rev;
-    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, &s_row, &h, &row,
-                   &tile_rev);
-    const int64_t q0 = (tiles_per_row - 1 - tile_rev) * H90_BM;
-    int64_t q_start, query_len;
-    row_span(a, row, &q_start, &query_len);
-    if (q0 >= query_len) {
-        return; /* uniform over the CTA, after attn_cta_place's barrier */
+    attn_cta cta;
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, H90_BM, &s_row, &cta)) {
+        return;
     }
-    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
+    const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
+    const int64_t q_start = cta.q_start, query_len = cta.query_len, seq_len = cta.seq_len;
     const int tid = (int)threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
     const int lane = tid % 32;
@@ -1253,9 +1245,7 @@ dk_cuda_attention_sm90_ready(void)
 extern "C" int
 dk_cuda_attention_sm90_tma_ready(void)
 {
-    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
-    return dk_cuda_attention_sm90_ready() && h90_encoder() != NULL &&
-           !(force != NULL && strcmp(force, "sm90") == 0);
+    return dk_cuda_attention_sm90_ready() && h90_ws_allowed() && h90_encoder() != NULL;
 }
 
 extern "C" dk_status

@@ -321,8 +321,12 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
     if keep is None and jkeep is None:
         seq_lens = torch.full((batch,), n_k, device=device, dtype=torch.int32)
     else:
-        ones = torch.ones(batch, sj_k if keep is not None else keys, dtype=torch.bool, device=device)
-        kj, km = (jkeep, ones) if keep is None else (ones, keep) if jkeep is None else (jkeep, keep)
+
+        def all_kept(n: int) -> torch.Tensor:
+            return torch.ones(batch, n, dtype=torch.bool, device=device)
+
+        kj = all_kept(sj_k) if jkeep is None else jkeep
+        km = all_kept(keys) if keep is None else keep
         vkeep = torch.cat((kj, km) if front else (km, kj), dim=1)
         key_index, seq_lens, limits = _kept_first(key_index, vkeep, limits)
     key_index = key_index.to(torch.int32)
