@@ -289,6 +289,30 @@ def test_refused_fields_are_named():
         f"{op}: joint_strategy must be 'front' or 'rear', got 'middle'",
         lambda: impl.forward(q, k, v, AttentionMetadata(**joint, joint_strategy="middle")),
     )
+    cu4 = torch.tensor([0, 4], dtype=torch.int32)
+    _raises(
+        NotImplementedError,
+        f"{op}: cu_seqlens_q/cu_seqlens_k together with joint_query/joint_key/joint_value is not supported",
+        lambda: impl.forward(
+            q, k, v, AttentionMetadata(**joint, extra={"cu_seqlens_q": cu4, "cu_seqlens_k": cu4})
+        ),
+    )
+    jq2 = jq.expand(2, *jq.shape[1:])
+    _raises(
+        ValueError,
+        f"{op}: joint_query must have the query's dtype, device and batch size (torch.float32, cpu, 1), "
+        "got torch.float32, cpu, 2",
+        lambda: impl.forward(
+            q,
+            k,
+            v,
+            AttentionMetadata(
+                joint_query=jq2,
+                joint_key=jk.expand(2, *jk.shape[1:]),
+                joint_value=jv.expand(2, *jv.shape[1:]),
+            ),
+        ),
+    )
     _raises(
         ValueError,
         f"{op}: joint_attn_mask needs joint_query, joint_key and joint_value",
@@ -427,6 +451,36 @@ def test_dense_attention_binding_checks_key_index():
             None,
         ),
     )
+
+
+def test_dense_attention_binding_checks_joint_keys():
+    q = torch.randn(3, 2, 4)
+    k = torch.randn(4, 1, 4)
+    index = torch.tensor([[0, 4, 1]], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    sl = torch.tensor([3], dtype=torch.int32)
+    out = torch.zeros(3, 2, 4)
+    jk = torch.randn(2, 1, 4)
+
+    def call(joint_key, joint_value):
+        _C.dense_attention(
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, joint_key, joint_value
+        )
+
+    _raises(
+        TypeError,
+        "dense_attention(): joint_key and joint_value must both be tensors or both be None",
+        lambda: call(jk, None),
+    )
+    _raises(
+        ValueError,
+        "dense_attention(): joint_value must have shape [num_joint, 1, 4] (joint_value: joint_key's) and "
+        "the key's strides [4, 4, 1], got shape [2, 1, 4] strides [8, 8, 1]",
+        lambda: call(jk, torch.randn(2, 1, 8)[:, :, :4]),
+    )
+    assert (out == 0).all()
+    call(jk, jk.clone())  # key index 4 is joint token 0
+    assert torch.isfinite(out).all() and (out != 0).any()
 
 
 def test_varlen_max_seqlen_k_below_a_document_is_an_error():
