@@ -441,7 +441,7 @@ struct h90_rows {
 /* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
  * dims, 32 bytes apart within a 128-byte row, 64-dim panels BM * 128 (Q) or BN * 128 (K)
  * bytes apart; 8-row groups 1024 bytes apart. */
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, int BM = H90_BM>
 static __device__ __forceinline__ void
 h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
 {
@@ -451,7 +451,7 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
     for (int kk = 0; kk < D / 16; kk++) {
         const uint32_t koff = (uint32_t)(kk & 3) * 32u;
         const uint64_t da =
-            wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (H90_BM * 128u) + koff, 16u, 1024u);
+            wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (BM * 128u) + koff, 16u, 1024u);
         const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * (BN * 128u) + koff, 16u, 1024u);
         h90_mma<T>::qk(s, da, db, kk > 0);
     }
@@ -725,7 +725,6 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V.
  * No CTA-wide barrier inside the key loop.
  */
-#define H90T_THREADS 384
 #define H90T_STAGES 2
 /* Smallest block (keys) brought in by TMA boxes: a box of 16 rows costs more than the
  * cp.async producer's rows (H200: 475 vs 491 TFLOP/s at 1x24x16384x128), 32+ rows less. */
@@ -748,19 +747,21 @@ cp_async_arrive_noinc(uint32_t bar)
  * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
  * full barrier when its copies land (count 128).
  */
-template <int BN, int ST>
+template <int D, int BN, int ST>
 static __device__ __forceinline__ void
 h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                      int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k, uint32_t full_v,
                      uint32_t empty_k, uint32_t empty_v)
 {
-    constexpr uint32_t KVB = BN * 128 * 2;
+    constexpr uint32_t KVB = BN * D * 2;
+    constexpr int CH = D / 8;                /* 16-byte chunks per key row */
+    constexpr int RP = 128 / CH;             /* rows per pass of the 128 threads */
     __shared__ const char *s_prow[2][2][BN]; /* [tile & 1][K, V][row]: row addresses */
     const int tid = (int)threadIdx.x;        /* 0 .. 127 */
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
-    const uint32_t c = (uint32_t)(tid % 16);
-    const uint32_t rr = (uint32_t)(tid / 16);
+    const uint32_t c = (uint32_t)(tid % CH);
+    const uint32_t rr = (uint32_t)(tid / CH);
     const char *kc = (const char *)a.key_cache;
     const char *vc = (const char *)a.value_cache;
     const char *kc2 = (const char *)a.key_cache2;
@@ -792,7 +793,7 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
                 blk[u] = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
             }
         }
-        named_barrier(3u, 128u); /* also: every thread is done reading tile kt - 2's ring slot */
+        named_barrier(15u, 128u); /* also: every thread is done reading tile kt - 2's ring slot */
         const uint32_t slot = (uint32_t)(kt % ST);
         const uint32_t ph = (uint32_t)((kt / ST - 1) & 1);
 #pragma unroll
@@ -803,8 +804,8 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
             const char *const *rows = s_prow[kt & 1][kv];
 #pragma unroll
-            for (int i = 0; i < BN / 8; i++) {
-                const uint32_t r = rr + 8u * (uint32_t)i;
+            for (int i = 0; i < BN / RP; i++) {
+                const uint32_t r = rr + (uint32_t)(RP * i);
                 cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
                            j0 + (int32_t)r < kv_end ? 16u : 0u);
             }
@@ -823,9 +824,33 @@ struct h90_tma_dims {
     int32_t box; /* keys per box: min(block_size, 128) */
 };
 
-template <typename T, int ST>
+/* Registers after setmaxnreg: the producer warpgroup keeps 56 (two consumers) or 24 (three), the
+ * consumer warpgroups share the rest of the CTA's 65536 (a multiple of 8 each). */
+template <int NC> struct h90_ws_regs;
+template <> struct h90_ws_regs<2> {
+    static __device__ __forceinline__ void producer()
+    {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    }
+    static __device__ __forceinline__ void consumer()
+    {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    }
+};
+template <> struct h90_ws_regs<3> {
+    static __device__ __forceinline__ void producer()
+    {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    }
+    static __device__ __forceinline__ void consumer()
+    {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+    }
+};
+
+template <typename T, int ST, int D, int NC>
 /* clang-format off */
-static __global__ void __launch_bounds__(H90T_THREADS, 1)
+static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                           const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
                           h90_tma_dims dims, int64_t tiles_per_row, int64_t head_group,
@@ -833,16 +858,16 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 /* clang-format on */
 {
 #ifdef H90_DEVICE_CODE
-    constexpr int D = 128;
     constexpr int BN = 128;
+    constexpr int BM = 64 * NC; /* query rows per CTA */
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
-    constexpr uint32_t QB = H90_BM * D * 2;
+    constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
 
     extern __shared__ uint4 h90_smem[];
-    __shared__ int32_t s_lim[H90_BM];
-    __shared__ int32_t s_wmax[4], s_wmin[4];
+    __shared__ int32_t s_lim[BM];
+    __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
     __shared__ int32_t s_row;
     /* full K[ST], full V[ST], empty K[ST], empty V[ST] */
     __shared__ __align__(8) uint64_t s_bar[4 * ST];
@@ -857,7 +882,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t empty_v = empty_k + 8u * ST;
 
     attn_cta cta;
-    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, H90_BM, &s_row, &cta)) {
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
         return;
     }
     const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
@@ -866,8 +891,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
     const int lane = tid % 32;
 
-    /* Key limits of the 128 query rows (the producer warpgroup's threads), barriers. */
-    if (wg == 0) {
+    /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
+    if (tid < BM) {
         int32_t wmax, wmin;
         attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
         if (lane == 0) {
@@ -879,21 +904,25 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             for (int i = 0; i < 2 * ST; i++) {
                 /* the producer warp's expect_tx, or each producer thread's cp.async */
                 mbar_init(full_k + 8u * (uint32_t)i, dims.box > 0 ? 1u : 128u);
-                mbar_init(empty_k + 8u * (uint32_t)i, 8u); /* the consumers' warps */
+                mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
             }
             mbar_init_fence();
         }
     }
     __syncthreads();
-    const int32_t kv_end = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+    int32_t kv_end = s_wmax[0];
+#pragma unroll
+    for (int w = 1; w < BM / 32; w++) {
+        kv_end = max(kv_end, s_wmax[w]);
+    }
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+        h90_ws_regs<NC>::producer();
         if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
-            h90_produce_cp_async<BN, ST>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v,
-                                         empty_k, empty_v);
+            h90_produce_cp_async<D, BN, ST>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v,
+                                            empty_k, empty_v);
             return;
         }
         /* ---------------- producer: warp 0 of TMA ---------------- */
@@ -906,8 +935,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         const uint32_t box_bytes = (uint32_t)box * 128u; /* one half (64 dims) */
         const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
         const int32_t *bt = a.block_table + row * a.bt_stride_row;
-        const int32_t p = lane >> 1;   /* this lane's block within the tile ... */
-        const int32_t half = lane & 1; /* ... and 64-dim half */
+        constexpr int HALVES = D / 64;      /* 64-dim panels per key row */
+        const int32_t p = lane / HALVES;    /* this lane's block within the tile ... */
+        const int32_t half = lane % HALVES; /* ... and 64-dim half */
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const int32_t j0 = kt * BN;
             const int32_t jp = j0 + p * box; /* first key of the lane's box */
@@ -921,7 +951,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t c2 = dims.token == 2 ? tok : dims.head == 2 ? kvh : blk;
             const int32_t c3 = dims.token == 3 ? tok : dims.head == 3 ? kvh : blk;
             const int32_t boxes = min(pages, (kv_end - j0 + box - 1) / box);
-            const uint32_t bytes = (uint32_t)boxes * 2u * box_bytes;
+            const uint32_t bytes = (uint32_t)(boxes * HALVES) * box_bytes;
             const uint32_t slot = (uint32_t)(kt % ST);
             const uint32_t off =
                 slot * KVB + (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
@@ -946,7 +976,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     }
 
     /* ---------------- consumers ---------------- */
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    h90_ws_regs<NC>::consumer();
     const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
     const int wt = tid - 128 * wg; /* thread within the warpgroup */
     const int w4 = wt / 32;
@@ -954,10 +984,10 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tq = lane & 3;
 
     /* This warpgroup's 64 Q rows (zeros past the row's end), negated for a negative scale. */
-    h90_load_q<D, H90_BM, 128, 64>(a, sq, wt, cw * 64, q0, q_start, query_len, h, q_vec);
+    h90_load_q<D, BM, 128, 64>(a, sq, wt, cw * 64, q0, q_start, query_len, h, q_vec);
     cp_async_wait_all();
     if (neg_q) {
-        h90_negate_q<D, H90_BM, 128, 64>(sq, wt, cw * 64);
+        h90_negate_q<D, BM, 128, 64>(sq, wt, cw * 64);
     }
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
@@ -989,7 +1019,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             float alpha[2];
             if (kt == 0) {
-                h90_qk<T, D, BN>(s, rows.q_slab, sk0);
+                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0);
                 wgmma_commit();
                 wgmma_wait_all();
                 fence_regs(s);
@@ -1004,7 +1034,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (dims.box == 0) {
                     fence_proxy_async();
                 }
-                h90_qk<T, D, BN>(s, rows.q_slab, sk0 + slot * KVB);
+                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB);
                 wgmma_commit();
                 h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
@@ -1045,7 +1075,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 
     /* Epilogue: this warpgroup's rows. */
     int64_t eh, t0, tile_rows;
-    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, H90_BM, &eh, &t0, &tile_rows);
+    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, BM, &eh, &t0, &tile_rows);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int r = cw * 64 + w4 * 16 + hf * 8 + g;
@@ -1150,7 +1180,7 @@ h90_tma_maps(const dk_attention_args *a, CUtensorMap *mk, CUtensorMap *mv, h90_t
             order[k - 1] = t;
         }
     }
-    cuuint64_t gdim[4] = {128, 0, 0, 0};
+    cuuint64_t gdim[4] = {(cuuint64_t)a->head_size, 0, 0, 0};
     cuuint64_t gstride[3];
     cuuint32_t box[4] = {64, 1, 1, 1};
     const cuuint32_t estride[4] = {1, 1, 1, 1};
@@ -1188,25 +1218,54 @@ h90_tma_maps(const dk_attention_args *a, CUtensorMap *mk, CUtensorMap *mv, h90_t
     return true;
 }
 
-template <typename T, int ST>
+template <typename T, int ST, int D, int NC>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const CUtensorMap &mk, const CUtensorMap &mv,
-               h90_tma_dims dims, int64_t tiles_per_row, int64_t head_group, float scale_log2,
-               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
+               h90_tma_dims dims, int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
+               bool o_vec, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
-    /* Q, H90T_STAGES K and V slots of 128 x 128, alignment slack */
-    const size_t smem = (size_t)H90_BM * 128 * 2 + 2 * ST * (size_t)128 * 128 * 2 + 1024;
+    constexpr int BM = 64 * NC;
+    /* Q, ST K and V slots of 128 keys, alignment slack */
+    const size_t smem = (size_t)BM * D * 2 + 2 * ST * (size_t)128 * D * 2 + 1024;
     const cudaError_t e =
-        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST>, smem, attr_set);
+        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST, D, NC>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
+    /* BM >= the caller's 128-row tiles: the grid fits whatever the caller checked */
+    const int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_tma_kernel<T, ST><<<blocks, H90T_THREADS, smem, s>>>(
+    attention_sm90_tma_kernel<T, ST, D, NC><<<blocks, 128 * (NC + 1), smem, s>>>(
         mk, mv, *a, dims, tiles_per_row, head_group, scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
+}
+
+/* EXPERIMENT (branch): consumer warpgroups of the head-64 warp-specialized kernel */
+static int
+h90_d64_nc(void)
+{
+    const char *v = getenv("DIFFKV_D64_NC");
+    return v != NULL && v[0] == '2' ? 2 : 3;
+}
+
+template <typename T>
+static cudaError_t
+h90_launch_ws(const dk_attention_args *a, const CUtensorMap &mk, const CUtensorMap &mv,
+              h90_tma_dims dims, int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
+              bool o_vec, cudaStream_t s)
+{
+    if (a->head_size == 128) {
+        return h90_launch_tma<T, H90T_STAGES, 128, 2>(a, mk, mv, dims, head_group, scale_log2,
+                                                      neg_q, q_vec, o_vec, s);
+    }
+    if (h90_d64_nc() == 2) {
+        return h90_launch_tma<T, H90T_STAGES, 64, 2>(a, mk, mv, dims, head_group, scale_log2, neg_q,
+                                                     q_vec, o_vec, s);
+    }
+    return h90_launch_tma<T, H90T_STAGES, 64, 3>(a, mk, mv, dims, head_group, scale_log2, neg_q,
+                                                 q_vec, o_vec, s);
 }
 
 /* 1 when the current device is compute capability 9.x and this binary carries the kernel's
@@ -1259,13 +1318,7 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     CUtensorMap mk, mv;
     h90_tma_dims dims = {0, 0, 0, 0};
     bool tma = false, ws = false;
-    if (a->head_size == 64) {
-        e = bf16 ? h90_launch<__nv_bfloat16, 64>(a, tiles_per_row, head_group, scale_log2, neg_q,
-                                                 q_vec, kv_vec, o_vec, s)
-                 : h90_launch<__half, 64>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
-                                          kv_vec, o_vec, s);
-    }
-    else if (kv_vec && h90_ws_allowed()) {
+    if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (dims.box 0) */
         tma = h90_tma_maps(a, &mk, &mv, &dims);
         if (!tma) {
@@ -1274,11 +1327,16 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
             dims.box = 0;
         }
         ws = true;
-        e = bf16 ? h90_launch_tma<__nv_bfloat16, H90T_STAGES>(a, mk, mv, dims, tiles_per_row,
-                                                              head_group, scale_log2, neg_q, q_vec,
-                                                              o_vec, s)
-                 : h90_launch_tma<__half, H90T_STAGES>(a, mk, mv, dims, tiles_per_row, head_group,
-                                                       scale_log2, neg_q, q_vec, o_vec, s);
+        e = bf16 ? h90_launch_ws<__nv_bfloat16>(a, mk, mv, dims, head_group, scale_log2, neg_q,
+                                                q_vec, o_vec, s)
+                 : h90_launch_ws<__half>(a, mk, mv, dims, head_group, scale_log2, neg_q, q_vec,
+                                         o_vec, s);
+    }
+    else if (a->head_size == 64) {
+        e = bf16 ? h90_launch<__nv_bfloat16, 64>(a, tiles_per_row, head_group, scale_log2, neg_q,
+                                                 q_vec, kv_vec, o_vec, s)
+                 : h90_launch<__half, 64>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
+                                          kv_vec, o_vec, s);
     }
     else {
         e = bf16 ? h90_launch<__nv_bfloat16, 128>(a, tiles_per_row, head_group, scale_log2, neg_q,

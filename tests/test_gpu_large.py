@@ -188,9 +188,8 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
-    # head 128 on block 16: the warp-specialized kernel's cp.async producer (TMA boxes take
-    # blocks of 64+); head 64 has no warp-specialized kernel: the cp.async wgmma one
-    launched = {"sm90-tma": "sm90-ws" if head == 128 else "sm90"}.get(built, built)
+    # block 16: the warp-specialized kernel's cp.async producer (TMA boxes take blocks of 32+)
+    launched = {"sm90-tma": "sm90-ws"}.get(built, built)
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
