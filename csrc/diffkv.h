@@ -409,8 +409,8 @@ typedef struct dk_attention_args {
      * keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
     float *lse;                                /* [num_tokens, num_heads] or NULL */
     int64_t lse_stride_token, lse_stride_head; /* element strides of lse */
-    /* 1: block_table is dense_attention's key_index (blocks of one key token); only the
-     * check's messages differ */
+    /* 1: block_table is dense_attention's key_index (blocks of one key token), 2: of key_block
+     * consecutive tokens; only the check's messages differ */
     int32_t dense;
     /* Optional second K/V source (dense_attention's joint tokens), NULL = none: a block id
      * b >= blocks2 is block b - blocks2 of key_cache2 / value_cache2, which share the cache

@@ -2309,12 +2309,13 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * id).  `written` (or NULL) is the kv_cache a KV write fills before the attention reads its
  * inputs: none of them may share bytes with it.  *q_out and *o_out receive the query and out
  * views.  dense_kv (dense_attention, else NULL): key, value, joint_key, joint_value (the last
- * two ndim -1 when absent; checked by the caller).
+ * two ndim -1 when absent; checked by the caller); key_block: keys per block of key_index
+ * (dividing num_keys, 1 with joint keys; checked by the caller).
  */
 static int
 parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
                 const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out,
-                const dk_tensor *dense_kv)
+                const dk_tensor *dense_kv, int64_t key_block)
 {
     dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
     int64_t mask = 0;
@@ -2332,13 +2333,13 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         c = dense_kv[0];
         c.ndim = 5;
         c.shape[0] = 2;
-        c.shape[1] = dense_kv[0].shape[0];
-        c.shape[2] = 1;
+        c.shape[1] = dense_kv[0].shape[0] / key_block;
+        c.shape[2] = key_block;
         c.shape[3] = dense_kv[0].shape[1];
         c.shape[4] = dense_kv[0].shape[2];
         c.strides[0] = 0;
-        c.strides[1] = dense_kv[0].strides[0];
-        c.strides[2] = 0;
+        c.strides[1] = dense_kv[0].strides[0] * key_block;
+        c.strides[2] = key_block > 1 ? dense_kv[0].strides[0] : 0;
         c.strides[3] = dense_kv[0].strides[1];
         c.strides[4] = dense_kv[0].strides[2];
     }
@@ -2525,7 +2526,7 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
     a->num_blocks = c.shape[1];
     a->scale = (float)scale;
     a->dtype = q.dtype;
-    a->dense = dense_kv != NULL;
+    a->dense = dense_kv == NULL ? 0 : key_block > 1 ? 2 : 1;
     if (joint) {
         /* key indices num_keys .. num_keys + joint tokens - 1 read joint_key / joint_value */
         a->key_cache2 = dense_kv[2].data;
@@ -2609,7 +2610,7 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     dk_attention_args a;
     dk_tensor q, o;
-    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL) != 0 ||
+    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL, 1) != 0 ||
         run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
@@ -2702,7 +2703,7 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *result = NULL;
     dk_attention_args a;
     dk_tensor q, o, lse, in;
-    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL) != 0 ||
+    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL, 1) != 0 ||
         short_rows_set_mask(module, args[5], op, mask, &q, &o, &a) != 0) {
         goto done;
     }
@@ -2816,10 +2817,10 @@ static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "dense_attention";
-    if (check_nargs(op, nargs, 16) != 0) {
+    if (check_nargs(op, nargs, 17) != 0) {
         return NULL;
     }
-    int64_t max_query_len = 0;
+    int64_t max_query_len = 0, key_block = 0;
     if (get_i64(args[13], op, "max_query_len", &max_query_len) != 0) {
         return NULL;
     }
@@ -2856,7 +2857,15 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      INT32_MAX, (long long)kv[0].shape[0]);
         return NULL;
     }
-    if (joint_kv(module, args + 14, op, kv) != 0) {
+    if (joint_kv(module, args + 14, op, kv) != 0 ||
+        get_i64(args[16], op, "key_block", &key_block)) {
+        return NULL;
+    }
+    if (key_block < 1 || (kv[0].shape[0] % key_block) != 0 || (key_block > 1 && kv[2].ndim == 3)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key_block must be >= 1 and divide the %lld key tokens (1 with "
+                     "joint_key), got %lld",
+                     op, (long long)kv[0].shape[0], (long long)key_block);
         return NULL;
     }
     int64_t mask = 0;
@@ -2871,7 +2880,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
                                none_mask, args[8], args[9], args[10], args[11], args[12]};
     dk_attention_args a;
-    int rc = parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv);
+    int rc = parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block);
     Py_DECREF(none_mask);
     if (rc != 0) {
         return NULL;
@@ -2907,7 +2916,7 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor kv[4], q, o;
     const dk_tensor *k = &kv[0];
     if (parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
-        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL) != 0) {
+        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1) != 0) {
         return NULL;
     }
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||

@@ -188,10 +188,11 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
 dk_status
 dk_attention_check(const dk_attention_args *a, dk_error *err)
 {
-    /* dense_attention's table holds key tokens (blocks of one token): its own names */
+    /* dense_attention's table holds key tokens (blocks of one token) or blocks of key_block
+     * consecutive key tokens: its own names */
     const char *op = a->dense ? "dense_attention" : "paged_attention";
     const char *bt = a->dense ? "key_index" : "block_table";
-    const char *nb = a->dense ? "num_keys" : "num_blocks";
+    const char *nb = a->dense == 2 ? "num_keys / key_block" : a->dense ? "num_keys" : "num_blocks";
     if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
         return dk_fail(err, DK_ERR_VALUE,
                        "%s(): mask must be MASK_NONE (0), MASK_CAUSAL (1) or MASK_LIMITS (2), "

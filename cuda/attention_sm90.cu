@@ -1162,7 +1162,11 @@ static bool
 h90_tma_maps(const dk_attention_args *a, CUtensorMap *mk, CUtensorMap *mv, h90_tma_dims *dims)
 {
     const int64_t bs = a->block_size;
-    if (bs < H90T_MIN_BOX || (bs & (bs - 1)) != 0 || a->num_blocks < 1 || a->key_cache2 != NULL) {
+    /* power-of-two blocks: a tile never straddles two; one block per row (dense K/V): a tile
+     * never leaves it, and the part of its last box past the block is TMA's zero fill */
+    const bool pow2 = bs >= H90T_MIN_BOX && (bs & (bs - 1)) == 0;
+    const bool one_block = a->bt_cols == 1 && bs >= 128;
+    if (!(pow2 || one_block) || a->num_blocks < 1 || a->key_cache2 != NULL) {
         return false;
     }
     const h90_encode_fn encode = h90_encoder();

@@ -425,7 +425,7 @@ def test_dense_attention_binding_checks_key_index():
         ValueError,
         "dense_attention(): key_index[0][1] must be in [0, num_keys=4), got 9",
         lambda: _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1
         ),
     )
     assert (out == 0).all()
@@ -449,8 +449,28 @@ def test_dense_attention_binding_checks_key_index():
             0,
             None,
             None,
+            1,
         ),
     )
+    _raises(
+        ValueError,
+        "dense_attention(): key_block must be >= 1 and divide the 4 key tokens (1 with joint_key), got 3",
+        lambda: _C.dense_attention(
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 3
+        ),
+    )
+    # blocks of 2 keys: key_index [[1, 0]] reads keys 2, 3, 0, 1 (3 of them visible)
+    k4 = torch.randn(4, 1, 4)
+    v4 = torch.randn(4, 1, 4)
+    blocks = torch.tensor([[1, 0]], dtype=torch.int32)
+    got = torch.zeros(3, 2, 4)
+    _C.dense_attention(q, k4, v4, blocks, qsl, sl, None, 0, 0.5, got, None, None, None, 0, None, None, 2)
+    want = torch.zeros(3, 2, 4)
+    _C.dense_attention(
+        q, k4, v4, torch.tensor([[2, 3, 0]], dtype=torch.int32), qsl, sl, None, 0, 0.5, want, None, None,
+        None, 0, None, None, 1,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want)
 
 
 def test_dense_attention_binding_checks_joint_keys():

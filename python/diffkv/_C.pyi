@@ -252,11 +252,14 @@ def dense_attention(
     max_query_len: int,
     joint_key: torch.Tensor | None,
     joint_value: torch.Tensor | None,
+    key_block: int,
 ) -> None:
     """Attention over plain key/value tensors [num_keys, Hkv, D] (one stride set): key j of row
     r is key token key_index[r, j] (int32 [R, cols]; a block table over one-token blocks).
     joint_key/joint_value [num_joint, Hkv, D] (the key's strides; both or neither) are a second
     source read by the same kernels: key indices num_keys .. num_keys + num_joint - 1.
+    key_block > 1 (dividing num_keys; no joint keys): key_index holds blocks of key_block
+    consecutive key tokens instead (the dense path's whole rows: TMA boxes on Hopper).
     Serves DiffKVAttentionImpl.forward (diffkv.dense).  As in paged_attention_lse, a row may
     have fewer keys than queries in every mask mode.  max_query_len > 0 sizes the CUDA launch
     when the host copies are None (the caller vouches no row has more queries); 0 = every

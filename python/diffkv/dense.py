@@ -262,7 +262,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, max_q, None, None,
+        None, None, None, max_q, None, None, 1,
     )  # fmt: skip
     return out.view(query.shape)
 
@@ -344,7 +344,7 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
             qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
             _C.dense_attention(
                 src[b], k, v, key_index[b : b + 1], qsl, seq_lens[b : b + 1], key_limits, mask,
-                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2,
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1,
             )  # fmt: skip
     return out
 
@@ -411,8 +411,11 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         limits[:, q_real:] = 0  # pad queries see nothing: zeros
 
     rows = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * s_k
+    key_block = 1
     if keep is None:
-        key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
+        # each batch row's keys are one block of s_k keys (TMA boxes on Hopper)
+        key_block = s_k
+        key_index = torch.arange(batch, device=device, dtype=torch.int64)[:, None]
         seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)
     else:
         key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
@@ -430,6 +433,6 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q, None, None,
+        None, None, None, s_q, None, None, key_block,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
