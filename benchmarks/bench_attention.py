@@ -51,7 +51,9 @@ class Case:
     before span_starts[r], full attention over [0, seq_len) from there on: HunyuanImage's
     causal prompt + full image span) or 'chunks' (token p sees keys < min((p // chunk + 1) *
     chunk, seq_len): block-causal video chunks).  compare: also time diffkv on contiguous K/V
-    ('contiguous') or with the causal mask on the same shape ('causal')."""
+    ('contiguous') or with the causal mask on the same shape ('causal').  order: the cache's
+    blocks as a random permutation ('random', the worst case) or in allocation order
+    ('allocation': each row's blocks are consecutive ids, as a fresh pool hands them out)."""
 
     name: str
     heads: int
@@ -64,6 +66,7 @@ class Case:
     block_size: int = 16
     compare: str | None = None
     what: str = ""
+    order: str = "random"
 
 
 def _cases(quick: bool) -> list[Case]:
@@ -100,6 +103,8 @@ def _cases(quick: bool) -> list[Case]:
         ),
         Case("h24_s16k_nc", h24, h24, 128, ((s16, s16),), "none"),
         Case("h24_s16k_causal", h24, h24, 128, ((s16, s16),), "causal"),
+        Case("h24_s16k_nc_alloc", h24, h24, 128, ((s16, s16),), "none", order="allocation"),
+        Case("h24_s16k_causal_alloc", h24, h24, 128, ((s16, s16),), "causal", order="allocation"),
         Case("wan_s32760_nc", h40, h40, 128, ((s_wan, s_wan),), "none", what="Wan-14B 480p"),
         Case("wan_s32760_causal", h40, h40, 128, ((s_wan, s_wan),), "causal", what="Wan-14B 480p"),
         Case(
@@ -125,6 +130,17 @@ def _cases(quick: bool) -> list[Case]:
             what="block-causal chunks of 1560 tokens (one video frame)",
         ),
         Case("paged_b16_s16k", h24, h24, 128, ((s16, s16),), "none", block_size=16, compare="contiguous"),
+        Case(
+            "paged_b16_s16k_alloc",
+            h24,
+            h24,
+            128,
+            ((s16, s16),),
+            "none",
+            block_size=16,
+            compare="contiguous",
+            order="allocation",
+        ),
         Case("paged_b128_s16k", h24, h24, 128, ((s16, s16),), "none", block_size=128, compare="contiguous"),
     ]
 
@@ -259,8 +275,9 @@ def _make_paged(
     case: Case, data: Data, block_size: int, contiguous: bool, device: torch.device, seed: int
 ) -> Paged:
     """Fills a cache with the rows' K/V.  Paged: blocks of block_size drawn from a random
-    permutation of num_blocks = needed + spare.  Contiguous: one block per row holding the
-    whole row (block_size = longest row rounded up to 16, block table [[0], [1], ...])."""
+    permutation of num_blocks = needed + spare (case.order 'allocation': in order).
+    Contiguous: one block per row holding the whole row (block_size = longest row rounded up
+    to 16, block table [[0], [1], ...])."""
     seq_lens = [s for _, s in case.rows]
     if contiguous:
         block_size = -(-max(seq_lens) // 16) * 16
@@ -273,8 +290,12 @@ def _make_paged(
         num_blocks = sum(per_row) + max(3, sum(per_row) // 32)
         gen = torch.Generator()
         gen.manual_seed(seed)
-        order = torch.randperm(num_blocks, generator=gen)
-        layout = f"paged (block {block_size}, random permutation of {num_blocks} blocks)"
+        if case.order == "allocation":
+            order = torch.arange(num_blocks)
+            layout = f"paged (block {block_size}, {num_blocks} blocks in allocation order)"
+        else:
+            order = torch.randperm(num_blocks, generator=gen)
+            layout = f"paged (block {block_size}, random permutation of {num_blocks} blocks)"
     cols = max(per_row)
     table = torch.zeros(len(seq_lens), cols, dtype=torch.int32)
     used = 0

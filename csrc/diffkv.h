@@ -418,12 +418,20 @@ typedef struct dk_attention_args {
     const void *key_cache2;
     const void *value_cache2;
     int64_t blocks2;
+    /* Per mille of the key tiles (128 keys) whose blocks are consecutive ids, counted on the
+     * host copy of the block table for the CUDA kernels' choice of K/V producer (0 when not
+     * counted): dk_attention_table_runs. */
+    int32_t table_runs;
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,
  * seq_lens[r] in [0, bt_cols * block_size], every block id a row can reach in
  * [0, num_blocks).  All arrays must be host-readable.  DK_ERR_VALUE on violation. */
 dk_status dk_attention_check(const dk_attention_args *a, dk_error *err);
+/* After dk_attention_check, on the same host arrays: per mille of the tiles of tile_keys keys
+ * (a multiple of block_size) over every row's seq_len whose blocks are consecutive ids
+ * (block_table[r][b + 1] == block_table[r][b] + 1 within the tile); 0 for no tiles. */
+int32_t dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys);
 /* CPU reference.  Assumes dk_attention_check passed.  Cannot fail except DK_ERR_UNSUPPORTED
  * (dtype) and DK_ERR_NOMEM (scratch), both before anything is written.  Fills a->lse too when
  * it is not NULL. */

@@ -2572,6 +2572,12 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         raise_status(module, s, &err);
         return -1;
     }
+    if (q.device_type == DK_CUDA && a->dense == 0 && a->block_size >= 4 && a->block_size < 32 &&
+        (a->block_size & (a->block_size - 1)) == 0) {
+        /* blocks of 4-16 keys: the sm90 kernel's TMA boxes pay only when enough tiles are
+         * runs of consecutive blocks */
+        a->table_runs = dk_attention_table_runs(a, 128);
+    }
     /* From here on the kernels use the tensors on the query's device. */
     a->block_table = (const int32_t *)bt.data;
     a->bt_stride_row = bt.strides[0];

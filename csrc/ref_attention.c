@@ -315,6 +315,27 @@ visible_keys(const dk_attention_args *a, int64_t t, int64_t i, int64_t query_len
     return n < 0 ? 0 : n;
 }
 
+int32_t
+dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys)
+{
+    const int64_t per = tile_keys > a->block_size ? tile_keys / a->block_size : 1; /* per tile */
+    int64_t tiles = 0, runs = 0;
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        const int64_t reach = (a->seq_lens[r] + a->block_size - 1) / a->block_size;
+        const int32_t *row = a->block_table + r * a->bt_stride_row;
+        for (int64_t t0 = 0; t0 < reach; t0 += per) {
+            const int64_t end = t0 + per < reach ? t0 + per : reach;
+            int64_t b = t0 + 1;
+            while (b < end && row[b] == row[b - 1] + 1) {
+                b++;
+            }
+            tiles++;
+            runs += b == end;
+        }
+    }
+    return tiles > 0 ? (int32_t)(runs * 1000 / tiles) : 0;
+}
+
 dk_status
 dk_ref_attention(const dk_attention_args *a, dk_error *err)
 {

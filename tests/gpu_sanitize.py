@@ -17,12 +17,13 @@ import diffkv  # noqa: F401  (configures the tensor bridge)
 from diffkv import _C
 
 
-def _attention_case(dtype, head, block, mask, strided):
+def _attention_case(dtype, head, block, mask, strided, sequential=False):
     g = torch.Generator().manual_seed(head + block + mask)
     rows, seq_lens, query_lens, heads, kv_heads = 2, [37, 70], [20, 70], 4, 2
     blocks = [-(-s // block) for s in seq_lens]
     nb = sum(blocks) + 3
-    perm = torch.randperm(nb, generator=g)
+    # sequential: blocks in allocation order (a flat cache's tiles of consecutive blocks)
+    perm = torch.arange(nb) if sequential else torch.randperm(nb, generator=g)
     table = torch.zeros(rows, max(blocks), dtype=torch.int32)
     at = 0
     for r, n in enumerate(blocks):
@@ -134,9 +135,10 @@ def main():
         _kv_write_case(dtype, strided=False)
         _kv_write_case(dtype, strided=True)
     for dtype, head in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64)):
-        for block in (1, 16, 32):  # 32: TMA boxes on Hopper (head 128)
+        # on Hopper: 16 and 32 TMA boxes (head 64/128), 16 sequential the flat map's boxes
+        for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
-                _attention_case(dtype, head, block, mask, strided=(block == 1))
+                _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     torch.cuda.synchronize()

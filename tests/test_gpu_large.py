@@ -10,15 +10,26 @@ from diffkv import _C
 pytestmark = pytest.mark.gpu
 
 
-def _paged_problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed=0):
+def _paged_problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed=0, order="random"):
     """Random K/V for every position of every row, written into a cache whose blocks are a
-    random permutation with spare blocks; returns what _C.paged_attention needs plus the dense
-    K/V per row."""
+    permutation with spare blocks -- random, 'sequential' (allocation order: each row's blocks
+    are consecutive ids, one spare block between rows) or 'runs' (sequential with blocks 40 i + 3
+    and 40 i + 4 swapped: most 128-key tiles are runs of consecutive blocks, some not); returns
+    what _C.paged_attention needs plus the dense K/V per row."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows = len(seq_lens)
     blocks = [-(-s // block) for s in seq_lens]
     num_blocks = sum(blocks) + 5
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    if order == "random":
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        perm, at = [], 0
+        for n in blocks:
+            perm += list(range(at, at + n))
+            at += n + 1
+        if order == "runs":
+            for i in range(3, len(perm) - 1, 40):
+                perm[i], perm[i + 1] = perm[i + 1], perm[i]
     cols = max(blocks)
     table = torch.full((rows, cols), -1, dtype=torch.int32)
     at = 0
@@ -188,7 +199,8 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
-    # block 16: the warp-specialized kernel's cp.async producer (TMA boxes take blocks of 32+)
+    # block 16 in random order: the cp.async producer (TMA boxes take blocks of 32+, or runs
+    # of consecutive 16-key blocks)
     launched = {"sm90-tma": "sm90-ws"}.get(built, built)
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
@@ -204,31 +216,47 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
 
 
 @pytest.mark.parametrize(
-    ("block", "layout", "kernel"),
+    ("block", "layout", "order", "kernel", "head"),
     [
-        (16, "nhd", "sm90-ws"),
-        (32, "hnd", "sm90-tma"),
-        (64, "nhd", "sm90-tma"),
-        (128, "hnd", "sm90-tma"),
-        (256, "nhd", "sm90-tma"),
-        (1024, "layers", "sm90-tma"),
-        (8, "nhd", "sm90-ws"),
-        (48, "layers", "sm90-ws"),
-        (16, "strided-dim", "sm90"),
+        (16, "nhd", "random", "sm90-ws", 128),
+        (16, "nhd", "sequential", "sm90-tma", 128),
+        (16, "nhd", "runs", "sm90-tma", 128),
+        (16, "hnd", "sequential", "sm90-ws", 128),
+        (32, "hnd", "random", "sm90-tma", 128),
+        (32, "nhd", "runs", "sm90-tma", 128),
+        (64, "nhd", "random", "sm90-tma", 128),
+        (64, "nhd", "sequential", "sm90-tma", 128),
+        (128, "hnd", "random", "sm90-tma", 128),
+        (256, "nhd", "random", "sm90-tma", 128),
+        (1024, "layers", "random", "sm90-tma", 128),
+        (8, "nhd", "sequential", "sm90-tma", 128),
+        (4, "nhd", "sequential", "sm90-ws", 128),
+        (16, "layers", "sequential", "sm90-ws", 128),
+        (48, "layers", "random", "sm90-ws", 128),
+        (48, "nhd", "sequential", "sm90-ws", 128),
+        (16, "strided-dim", "random", "sm90", 128),
+        (16, "nhd", "sequential", "sm90-tma", 64),
+        (4, "nhd", "sequential", "sm90-tma", 64),
+        (4, "nhd", "runs", "sm90-ws", 64),  # 21 % of its tiles are runs: under the 25 % bar
+        (8, "nhd", "runs", "sm90-tma", 128),
+        (16, "nhd", "random", "sm90-ws", 64),
     ],
 )
-def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch):
-    """Head 128 on Hopper: power-of-two blocks of 32+ keys take TMA boxes in any layout
-    (block/token/head dims in any stride order, a layer-strided view), other blocks the same
-    warp-specialized kernel with a cp.async producer, a cache whose head dim is not contiguous
-    the cp.async wgmma kernel.  Cache slots past each row's end -- the tail of its last block
-    and the spare blocks -- hold NaN, so a kernel that lets them meet a zero probability
-    poisons the row."""
+def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, monkeypatch):
+    """Head 128 (and 64) on Hopper: power-of-two blocks of 32+ keys take TMA boxes in any layout
+    (block/token/head dims in any stride order, a layer-strided view), and so do smaller
+    power-of-two blocks (up to 32 boxes a tile) of a flat cache (block stride = block * token
+    stride: NHD) when at least a quarter of the tiles are runs of consecutive blocks
+    ('sequential', 'runs'), which come in as one box per half -- reading past a row's last
+    block into its spare neighbour; other caches take the same warp-specialized kernel with a
+    cp.async producer, a cache whose head dim is not contiguous the cp.async wgmma kernel.
+    Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
+    NaN, so a kernel that lets them meet a zero probability poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
     seq_lens, query_lens = [1000, 77, 2333], [1000, 77, 300]
-    p = _paged_problem(seq_lens, query_lens, 8, 2, 128, block, torch.bfloat16, seed=block)
+    p = _paged_problem(seq_lens, query_lens, 8, 2, head, block, torch.bfloat16, seed=block, order=order)
     cache = p["cache"]
     used = torch.zeros(cache.shape[1], dtype=torch.bool)
     for r, s in enumerate(seq_lens):
@@ -244,7 +272,7 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch
         buf[:, 1] = cache.permute(1, 0, 2, 3, 4)
         cache = buf[:, 1].permute(1, 0, 2, 3, 4)
     elif layout == "strided-dim":  # every other element of a twice-as-wide head dim
-        wide = torch.zeros(*cache.shape[:-1], 256, dtype=cache.dtype, device="cuda")
+        wide = torch.zeros(*cache.shape[:-1], 2 * head, dtype=cache.dtype, device="cuda")
         wide[..., ::2] = cache
         cache = wide[..., ::2]
     p["cache"] = cache
@@ -252,7 +280,7 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, kernel, monkeypatch
     for s, n in zip(seq_lens, query_lens, strict=True):
         pos = torch.arange(s - n, s, dtype=torch.int32)
         limits.append(torch.where(pos % 300 < 150, pos + 1, torch.full_like(pos, s)))
-    scale = 128**-0.5
+    scale = head**-0.5
     full = [torch.full((n,), s, dtype=torch.int32) for s, n in zip(seq_lens, query_lens, strict=True)]
     for code, lim in ((_C.MASK_NONE, full), (_C.MASK_LIMITS, limits)):
         out = _run(p, code, torch.cat(lim) if code == _C.MASK_LIMITS else None, scale)

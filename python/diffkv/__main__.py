@@ -223,7 +223,10 @@ def info(args):
     if build["cuda_compiled"]:
         print(f"  CUDA runtime {build['cuda_runtime_version']}, targets {build['archs']}")
         kernels = {
-            "sm90-tma": "sm90-tma (wgmma + TMA producer for head 128, block_size 16+; wgmma otherwise)",
+            "sm90-tma": (
+                "sm90-tma (warp-specialized wgmma for head 64/128: TMA boxes for power-of-two blocks of"
+                " 32+ keys, sm90-flat / sm90-ws producers otherwise)"
+            ),
             "sm90": "sm90 (wgmma, Hopper)",
             "sm80": "sm80 (mma.sync)",
             "none": "none (no device)",
