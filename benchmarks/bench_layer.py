@@ -1,7 +1,8 @@
 """One HunyuanImage-3.0 denoise layer call end to end -- KV write + attention -- against torch.
 
 diffkv: ``_C.forward_paged``, the one C call a layer's ``forward_paged`` makes: the step's new
-K/V written into the paged cache (block 16, randomly permuted blocks) and the attention of the
+K/V written into the paged cache (block 16, randomly permuted blocks, or with ``--order
+allocation`` each row's blocks consecutive ids as a fresh pool hands them out) and the attention of the
 step's queries over each row's prefix + new keys.  Geometry (issue 4): 2 CFG rows, 32/8 heads x
 128, prefixes 500 and 3500 + 4097 image tokens, bf16, a full-attention span over the image
 tokens (key limit = the row's length for every query).
@@ -14,7 +15,7 @@ Reported: median time of the whole call, TFLOP/s of its attention (4 * H * D * v
 time) and diffkv's speed-up.  The Python around the binding (``prepare_layer_context`` and the
 ``forward_paged`` wrapper, ~25 us per layer on the H200 host) is ``benchmarks/bench_host.py``'s.
 
-    python benchmarks/bench_layer.py [--reps 10] [--json out.json] [--quick]
+    python benchmarks/bench_layer.py [--reps 10] [--order random|allocation] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from diffkv import _C
 BLOCK = 16
 
 
-def _problem(quick: bool, device: torch.device) -> dict[str, Any]:
+def _problem(quick: bool, device: torch.device, order: str = "random") -> dict[str, Any]:
     heads, kv_heads, head = (4, 2, 64) if quick else (32, 8, 128)
     prefixes, image = ((5, 35), 41) if quick else ((500, 3500), 4097)
     dtype = torch.bfloat16
@@ -41,11 +42,14 @@ def _problem(quick: bool, device: torch.device) -> dict[str, Any]:
     seq = [p + image for p in prefixes]
     blocks = [-(-s // BLOCK) for s in seq]
     num_blocks = sum(blocks) + 8
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    if order == "allocation":
+        ids = torch.arange(num_blocks)
+    else:
+        ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
     table = torch.zeros(len(seq), max(blocks), dtype=torch.int32)
     at = 0
     for r, n in enumerate(blocks):
-        table[r, :n] = order[at : at + n].to(torch.int32)
+        table[r, :n] = ids[at : at + n].to(torch.int32)
         at += n
     cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head, dtype=dtype, device=device)
     # each row's whole K/V (prefix + this step's image tokens) and the torch buffers
@@ -129,17 +133,25 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--order", choices=("random", "allocation"), default="random", help="cache block order"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env = environment(device)
-    p = _problem(args.quick or device.type != "cuda", device)
+    p = _problem(args.quick or device.type != "cuda", device, args.order)
     pairs = sum(p["image"] * s for s in p["seq"])
     flops = 4.0 * p["heads"] * p["head"] * pairs
     run, out = _diffkv(p, device)
     t = time_us(run, device, warmup=args.warmup, reps=args.reps)["median_us"]
     kernel = _C.last_attention_kernel()
-    res: dict[str, Any] = {"case": "hunyuan_denoise_layer", "diffkv_us": t, "kernel": kernel}
+    res: dict[str, Any] = {
+        "case": "hunyuan_denoise_layer",
+        "order": args.order,
+        "diffkv_us": t,
+        "kernel": kernel,
+    }
     res["diffkv_tflops"] = flops / t / 1e6
     rows = [["diffkv _C.forward_paged", f"{t:.1f}", f"{res['diffkv_tflops']:.1f}", "1.00"]]
     if device.type == "cuda":
@@ -162,7 +174,8 @@ def main() -> int:
     heads = f"{p['heads']}/{p['kv_heads']}x{p['head']}"
     print(
         f"one denoise layer call (KV write + attention) on {env.get('gpu') or device.type}: 2 rows, "
-        f"{heads}, prefixes {p['prefixes']} + {p['image']} image tokens, bf16, block {BLOCK}; "
+        f"{heads}, prefixes {p['prefixes']} + {p['image']} image tokens, bf16, block {BLOCK} "
+        f"({args.order} order); "
         f"diffkv kernel {kernel}; median of {args.reps}"
     )
     print_table(["what", "us", "attention TFLOP/s", "its time / diffkv's"], rows)
