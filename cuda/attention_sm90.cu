@@ -719,8 +719,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * Warp-specialized kernel (attention_sm90_tma_kernel, head 64 or 128): the same per-warpgroup
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
  * (setmaxnreg leaves it 56 registers with NC = 2, 24 with 3), warpgroups 1 .. NC the consumers
- * (224 or 160 registers) with query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots with
- * a "full" mbarrier and an "empty" one (one arrive per consumer warp).  Two producers:
+ * (224 or 160 registers) with query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots (head
+ * 64: one more) with a "full" mbarrier and an "empty" one (one arrive per consumer warp).  Two
+ * producers:
  *   - TMA: one warp brings a key tile in as TMA boxes of the cache's tensor map, one box per
  *     (cache block, 64-dim half) -- BN / block_size blocks per tile, or a BN-key slice of one
  *     larger block -- each landing 1024-byte aligned, so the TMA's 128-byte swizzle is the
@@ -1386,9 +1387,10 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     return cudaSuccess;
 }
 
-/* Head 128: two consumer warpgroups (128 query rows per CTA); head 64: three (192 rows) -- its
- * smaller tiles leave registers for a third, and the H200 measured 430 TFLOP/s against 370 with
- * two at 1x16x16384x64 (bench_attention h16_s16k_d64_nc). */
+/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third does not
+ * fit in shared memory); head 64: three consumer warpgroups (192 rows) -- its smaller tiles
+ * leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at 1x16x16384x64
+ * (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there, same run). */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -1398,8 +1400,8 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 128, 2>(a, m, head_group, scale_log2, neg_q, q_vec,
                                                       o_vec, s);
     }
-    return h90_launch_tma<T, H90T_STAGES, 64, 3>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec,
-                                                 s);
+    return h90_launch_tma<T, H90T_STAGES + 1, 64, 3>(a, m, head_group, scale_log2, neg_q, q_vec,
+                                                     o_vec, s);
 }
 
 /* 1 when the current device is compute capability 9.x and this binary carries the kernel's
