@@ -484,7 +484,7 @@ def test_dense_attention_binding_checks_joint_keys():
 
     def call(joint_key, joint_value):
         _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, joint_key, joint_value
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, joint_key, joint_value, 1
         )
 
     _raises(
