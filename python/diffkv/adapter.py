@@ -488,9 +488,9 @@ class DiffusionPagedAttentionAdapter:
         self._active_packing_indices: dict[tuple, torch.Tensor | None] = {}
         self._active_query_lens: tuple[int, ...] = ()
         self._active_non_suffix_rows: list[tuple] = []
-        # Per activation: _device_key() when it cannot change (not "cuda" without an index,
-        # which means whatever device is current at the call).
-        self._active_device_key: tuple[int, int] | None = None
+        # Per activation: _device_key(), so "cuda" without an index means the device that was
+        # current when the batch was activated (torch.cuda.current_device() costs ~1 us a call).
+        self._active_device_key: tuple[int, int] = (0, -1)
         # Per activation and layer: the flattened slot-mapping view (keyed by its source
         # tensor) and the per-segment metadata tuple (keyed by the segment dicts).
         self._active_slot_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -658,7 +658,7 @@ class DiffusionPagedAttentionAdapter:
         self._active_packing_indices = {}
         self._active_query_lens = ()
         self._active_non_suffix_rows = []
-        self._active_device_key = None
+        self._active_device_key = (0, -1)
         self._active_slot_views = {}
         self._active_segment_metadata = {}
 
@@ -688,9 +688,7 @@ class DiffusionPagedAttentionAdapter:
         self._active_non_suffix_rows = [
             row.identity for row in batch.rows if row.kv_start_pos + row.query_len != row.seq_len
         ]
-        device = self.device
-        if device.type != "cuda" or device.index is not None:
-            self._active_device_key = self._device_key()
+        self._active_device_key = self._device_key()
         try:
             with override_paged_kv_adapter(self), set_current_vllm_config(self.vllm_config):
                 yield self
@@ -890,8 +888,7 @@ class DiffusionPagedAttentionAdapter:
 
         # C4..C14 in the seed's order, in one C call (the K/V gather of padded rows has no
         # visible effect, so the device/dtype checks may precede it).
-        device_key = self._active_device_key
-        device_type, device_index = self._device_key() if device_key is None else device_key
+        device_type, device_index = self._active_device_key
         expected_dtype = self.vllm_config.model_config.dtype
         query_token_shape, query_has_head_dims, layout = _C.check_layer_qkv(
             query,
