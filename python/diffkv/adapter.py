@@ -763,7 +763,8 @@ class DiffusionPagedAttentionAdapter:
         batch = self._active_batch
         if batch is None:
             raise RuntimeError("Piecewise paged attention requires an active prepared batch")
-        invalid_rows = [row.identity for row in batch.rows if row.kv_start_pos + row.query_len != row.seq_len]
+        # The rows whose span does not end at seq_len, listed when the batch was activated.
+        invalid_rows = self._active_non_suffix_rows
         if invalid_rows:
             raise ValueError(
                 "Paged piecewise attention requires each query/write span to end at seq_len; "
@@ -771,7 +772,7 @@ class DiffusionPagedAttentionAdapter:
             )
         cached_plan = self._active_piecewise_plan
         if cached_plan is not None:
-            frozen_spans = tuple(tuple(tuple(span) for span in row_spans) for row_spans in full_attn_spans)
+            frozen_spans = tuple([tuple(map(tuple, row_spans)) for row_spans in full_attn_spans])
             if cached_plan.spans != frozen_spans:
                 raise ValueError(
                     "Paged piecewise attention metadata changed between layers in one active batch"
