@@ -886,11 +886,14 @@ describe_unexported(PyObject *obj, dk_tensor *t)
     return 0;
 }
 
-/* tensor_arg, or the attribute description above when DLPack cannot export the tensor. */
+/* The layout of a Q/K/V tensor (these checks never read the data, so a negative-bit view is
+ * left to the binding that reads it), or the attribute description above when DLPack cannot
+ * export the tensor. */
 static int
 layer_tensor(PyObject *module, PyObject *obj, const char *arg, dk_tensor *t)
 {
-    if (tensor_arg(module, obj, "prepare_layer_context", arg, t) == 0) {
+    if (dk_bridge_tensor_layout(&state_of(module)->bridge, obj, "prepare_layer_context", arg, t) ==
+        0) {
         return 0;
     }
     if (PyErr_ExceptionMatches(PyExc_TypeError)) {
