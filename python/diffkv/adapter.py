@@ -949,11 +949,17 @@ class DiffusionPagedAttentionAdapter:
             return None
         full_attn_spans = getattr(metadata, "full_attn_spans", None)
         attn_mask = getattr(metadata, "attn_mask", None)
-        unsupported_fields = [
-            field_name
-            for field_name in ("joint_attn_mask", "query_ranges", "video_layout")
-            if getattr(metadata, field_name, None) is not None
-        ]
+        # Read in the seed's order, without a comprehension (this runs on every layer call).
+        joint_attn_mask = getattr(metadata, "joint_attn_mask", None)
+        query_ranges = getattr(metadata, "query_ranges", None)
+        video_layout = getattr(metadata, "video_layout", None)
+        unsupported_fields = []
+        if joint_attn_mask is not None:
+            unsupported_fields.append("joint_attn_mask")
+        if query_ranges is not None:
+            unsupported_fields.append("query_ranges")
+        if video_layout is not None:
+            unsupported_fields.append("video_layout")
         if attn_mask is not None:
             if full_attn_spans is None:
                 unsupported_fields.append("attn_mask")
