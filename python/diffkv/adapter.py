@@ -634,13 +634,14 @@ class DiffusionPagedAttentionAdapter:
             raise ValueError("Prepared paged attention batch is stale after a newer batch preparation")
         if self._active_batch is not None:
             raise RuntimeError("Paged attention adapter already has an active forward")
+        device_key = self._device_key()  # before any state changes: it may raise (bare "cuda")
         self._active_batch = batch
         self._clear_activation_caches()
         self._active_query_lens = tuple(row.query_len for row in batch.rows)
         self._active_non_suffix_rows = [
             row.identity for row in batch.rows if row.kv_start_pos + row.query_len != row.seq_len
         ]
-        self._active_device_key = self._device_key()
+        self._active_device_key = device_key
         try:
             with override_paged_kv_adapter(self), set_current_vllm_config(self.vllm_config):
                 yield self
