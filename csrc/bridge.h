@@ -98,7 +98,13 @@ void dk_bridge_clear(dk_bridge *b);
  * too many dims).  The view borrows obj's storage: valid while the caller holds obj. */
 int dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out);
 
-/* Same, but None gives 0 with out->data == NULL and out->ndim == -1. */
+/* dk_bridge_tensor for a caller that reads only the shape, strides, dtype and device, never
+ * the data: it does not ask is_neg() (~70 ns a tensor), so a negative-bit view is accepted
+ * here and refused by whatever binding reads it.  Same returns. */
+int dk_bridge_tensor_layout(dk_bridge *b, PyObject *obj, const char *op, const char *arg,
+                            dk_tensor *out);
+
+/* Same as dk_bridge_tensor, but None gives 0 with out->data == NULL and out->ndim == -1. */
 int dk_bridge_optional_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg,
                               dk_tensor *out);
 

@@ -886,11 +886,14 @@ describe_unexported(PyObject *obj, dk_tensor *t)
     return 0;
 }
 
-/* tensor_arg, or the attribute description above when DLPack cannot export the tensor. */
+/* The layout of a Q/K/V tensor (these checks never read the data, so a negative-bit view is
+ * left to the binding that reads it), or the attribute description above when DLPack cannot
+ * export the tensor. */
 static int
 layer_tensor(PyObject *module, PyObject *obj, const char *arg, dk_tensor *t)
 {
-    if (tensor_arg(module, obj, "prepare_layer_context", arg, t) == 0) {
+    if (dk_bridge_tensor_layout(&state_of(module)->bridge, obj, "prepare_layer_context", arg, t) ==
+        0) {
         return 0;
     }
     if (PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -3057,6 +3060,67 @@ py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Per-call objects                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * new_with_slots(cls, descriptors, *values): object.__new__(cls) -- cls a Python class whose
+ * instances object.__new__ creates (a heap type with object's tp_new, not abstract) -- with
+ * descriptors[i] (a slot's member descriptor, or any data descriptor) set to values[i] through
+ * its __set__, and no __init__.  The frozen dataclass __init__ of the per-call context does the
+ * same through object.__setattr__, several times slower.  Returns a new reference, or NULL with
+ * TypeError for wrong arguments, or whatever object.__new__ or a __set__ raised.
+ */
+static PyObject *
+py_new_with_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs < 2 || !PyTuple_Check(args[1]) || PyTuple_Size(args[1]) != nargs - 2) {
+        PyErr_Format(PyExc_TypeError,
+                     "new_with_slots(): arguments must be a class, a tuple of n descriptors and n "
+                     "values, got %zd arguments",
+                     nargs);
+        return NULL;
+    }
+    newfunc object_new = (newfunc)PyType_GetSlot(&PyBaseObject_Type, Py_tp_new);
+    if (!PyType_Check(args[0]) ||
+        (PyType_GetFlags((PyTypeObject *)args[0]) &
+         (Py_TPFLAGS_HEAPTYPE | Py_TPFLAGS_IS_ABSTRACT)) != Py_TPFLAGS_HEAPTYPE ||
+        (newfunc)PyType_GetSlot((PyTypeObject *)args[0], Py_tp_new) != object_new) {
+        PyErr_Format(PyExc_TypeError,
+                     "new_with_slots(): cls must be a Python class that object.__new__ creates, "
+                     "got %R",
+                     args[0]);
+        return NULL;
+    }
+    PyObject *no_args = PyTuple_New(0);
+    if (no_args == NULL) {
+        return NULL;
+    }
+    PyObject *obj = object_new((PyTypeObject *)args[0], no_args, NULL);
+    Py_DECREF(no_args);
+    if (obj == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
+        PyObject *descr = PyTuple_GetItem(args[1], i);
+        descrsetfunc set = (descrsetfunc)PyType_GetSlot(Py_TYPE(descr), Py_tp_descr_set);
+        if (set == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "new_with_slots(): descriptors[%zd] must be a data descriptor, got %R", i,
+                         descr);
+            Py_DECREF(obj);
+            return NULL;
+        }
+        if (set(descr, obj, args[i + 2]) != 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Module definition                                                                           */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -3100,6 +3164,7 @@ static PyMethodDef module_methods[] = {
     FAST(forward_paged, "KV write + paged attention in one call."),
     FAST(rows_gather, "dst[n] = src[index[n]]."),
     FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),
+    FAST(new_with_slots, "new_with_slots(cls, descriptors, *values): cls's instance, no __init__."),
     {NULL, NULL, 0, NULL},
 };
 

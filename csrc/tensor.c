@@ -8,8 +8,8 @@
  * torch.utils.dlpack.to_dlpack, whose capsule is read and released at once.  The current CUDA
  * stream comes from the same API, else from torch._C._cuda_getCurrentRawStream.
  *
- * Entry points: dk_bridge_tensor, dk_bridge_optional_tensor, dk_bridge_stream,
- * dk_bridge_uses_exchange, dk_bridge_clear.
+ * Entry points: dk_bridge_tensor, dk_bridge_tensor_layout, dk_bridge_optional_tensor,
+ * dk_bridge_stream, dk_bridge_uses_exchange, dk_bridge_clear.
  */
 #include "bridge.h"
 
@@ -228,8 +228,10 @@ checked_float_view(dk_bridge *b, PyObject *obj, const char *op, const char *arg,
     return 0;
 }
 
-int
-dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
+/* dk_bridge_tensor and dk_bridge_tensor_layout; check_neg: ask is_neg() of a float tensor. */
+static int
+bridge_read(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out,
+            int check_neg)
 {
     PyObject *type = (PyObject *)Py_TYPE(obj);
     const DLPackExchangeAPI *api = NULL;
@@ -261,9 +263,24 @@ dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, d
             }
             return -1;
         }
-        return checked_float_view(b, obj, op, arg, convert_dltensor(&view, op, arg, out), out);
+        int rc = convert_dltensor(&view, op, arg, out);
+        return check_neg ? checked_float_view(b, obj, op, arg, rc, out) : rc;
     }
-    return checked_float_view(b, obj, op, arg, read_capsule(b, obj, op, arg, out), out);
+    int rc = read_capsule(b, obj, op, arg, out);
+    return check_neg ? checked_float_view(b, obj, op, arg, rc, out) : rc;
+}
+
+int
+dk_bridge_tensor(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
+{
+    return bridge_read(b, obj, op, arg, out, 1);
+}
+
+int
+dk_bridge_tensor_layout(dk_bridge *b, PyObject *obj, const char *op, const char *arg,
+                        dk_tensor *out)
+{
+    return bridge_read(b, obj, op, arg, out, 0);
 }
 
 int

@@ -800,6 +800,25 @@ def test_c14_model_dtype(active):
         active.adapter.prepare_layer_context("layer0", q, k, v)
 
 
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+def test_negative_bit_view_is_refused_by_the_binding_that_reads_it(active, name):
+    """prepare_layer_context's checks read only layouts, so a negative-bit Q/K/V view (DLPack
+    would export it un-negated) is refused by forward_paged, before the cache is written."""
+    q, k, v = _qkv(4, device=active.device)
+    tensors = {"query": q, "key": k, "value": v}
+    tensors[name] = torch._neg_view(tensors[name])
+    context = active.adapter.prepare_layer_context("layer0", *tensors.values())
+    layer = active.adapter.layers["layer0"]
+    cache = layer.kv_cache.clone()
+    with _raises(
+        ValueError,
+        f"forward_paged(): {name} must not be a negative-bit view (DLPack cannot express it), got one; "
+        f"pass {name}.resolve_neg()",
+    ):
+        layer.impl.forward_paged(context)
+    assert torch.equal(layer.kv_cache, cache)
+
+
 def test_c15_causal_layers_need_suffix_rows(device):
     h = make_adapter(device, groups=(("causal",), ("full",)), non_causal={"causal": False, "full": True})
     batch = h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])

@@ -16,6 +16,7 @@ for ``make fuzz``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import re
@@ -404,6 +405,17 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         ),
         "rows_scatter": (
             [torch.randn(2, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(4, 2, 3)],
+            (),
+        ),
+        "new_with_slots": (
+            [
+                diffkv.DiffusionPagedAttentionContext,
+                tuple(
+                    getattr(diffkv.DiffusionPagedAttentionContext, f.name)
+                    for f in dataclasses.fields(diffkv.DiffusionPagedAttentionContext)
+                ),
+                *(t, t, t, t, t, None, None, (), (2,), False, None),
+            ],
             (),
         ),
     }

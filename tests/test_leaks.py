@@ -1386,9 +1386,70 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     }
 
 
+def _cases_objects() -> dict[str, list[Case]]:
+    context = diffkv.DiffusionPagedAttentionContext
+    fields = tuple(getattr(context, f.name) for f in dataclasses.fields(context))
+    t = torch.zeros(2, 1, 4)
+    values = (object(), t, t, t, torch.zeros(2, dtype=torch.int64), object(), None, (), (2,), True, None)
+    read_only = (property(lambda self: None),)
+    return {
+        "new_with_slots": [
+            ok("new_with_slots context", _C.new_with_slots, context, fields, *values),
+            ok("new_with_slots none", _C.new_with_slots, context, ()),
+            bad(
+                "new_with_slots nargs",
+                TypeError,
+                "arguments must be a class, a tuple of n descriptors and n values, got 3 arguments",
+                _C.new_with_slots,
+                context,
+                fields,
+                t,
+            ),
+            bad("new_with_slots not a class", TypeError, "__new__ creates, got 3", _C.new_with_slots, 3, ()),
+            bad(
+                "new_with_slots C class",
+                TypeError,
+                "object.__new__ creates, got <class 'torch.Tensor'>",
+                _C.new_with_slots,
+                torch.Tensor,
+                (),
+            ),
+            bad(
+                "new_with_slots not a descriptor",
+                TypeError,
+                "must be a data descriptor, got 3",
+                _C.new_with_slots,
+                context,
+                (fields[0], 3),
+                t,
+                t,
+            ),
+            bad(
+                "new_with_slots __set__ raises",
+                AttributeError,
+                "has no setter",
+                _C.new_with_slots,
+                context,
+                (fields[0], *read_only),
+                t,
+                t,
+            ),
+        ],
+    }
+
+
 def _all_cases() -> dict[str, list[Case]]:
     cases: dict[str, list[Case]] = {}
-    for part in (_cases_module, _cases_rules, _cases_batch, _cases_tables, _cases_plan, _cases_tensor_ops):
+    parts = (
+        _cases_module,
+        _cases_rules,
+        _cases_batch,
+        _cases_tables,
+        _cases_plan,
+        _cases_tensor_ops,
+        _cases_objects,
+    )
+    for part in parts:
         cases.update(part())
     return cases
 

@@ -6,9 +6,11 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 import diffkv
 from diffkv import (
+    _C,
     DiffusionPagedAttentionContext,
     DiffusionPagedAttentionMetadata,
     DiffusionPagedAttentionRow,
@@ -105,6 +107,39 @@ def test_metadata_batch_and_context_flags():
     ]
     assert DiffusionPagedAttentionContext.__dataclass_params__.frozen
     assert hasattr(DiffusionPagedAttentionContext, "__slots__")
+
+
+def test_new_with_slots_builds_the_context_its_init_would():
+    """prepare_layer_context builds its context with _C.new_with_slots: the same frozen object
+    as the dataclass __init__ (no __post_init__), each field the value given."""
+    context_fields = dataclasses.fields(DiffusionPagedAttentionContext)
+    descriptors = tuple(getattr(DiffusionPagedAttentionContext, f.name) for f in context_fields)
+    t = torch.zeros(2, 1, 4)
+    values = (object(), t, t, t, torch.zeros(2, dtype=torch.int64), object(), None, (), (2,), True, None)
+    made = _C.new_with_slots(DiffusionPagedAttentionContext, descriptors, *values)
+    assert type(made) is DiffusionPagedAttentionContext
+    assert made == DiffusionPagedAttentionContext(*values)
+    assert all(getattr(made, f.name) is value for f, value in zip(context_fields, values, strict=True))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.query = t
+
+
+def test_new_with_slots_errors():
+    descriptors = (DiffusionPagedAttentionContext.layer,)
+    not_created = "new_with_slots(): cls must be a Python class that object.__new__ creates, got "
+    with _raises(
+        TypeError,
+        "new_with_slots(): arguments must be a class, a tuple of n descriptors and n values, got 4 arguments",
+    ):
+        _C.new_with_slots(DiffusionPagedAttentionContext, descriptors, 1, 2)
+    with _raises(TypeError, not_created + "3"):
+        _C.new_with_slots(3, ())
+    with _raises(TypeError, not_created + "<class 'int'>"):
+        _C.new_with_slots(int, ())
+    with _raises(TypeError, "new_with_slots(): descriptors[0] must be a data descriptor, got 'layer'"):
+        _C.new_with_slots(DiffusionPagedAttentionContext, ("layer",), 1)
+    with pytest.raises(TypeError, match="doesn't apply to a 'DiffusionPagedAttentionRow' object"):
+        _C.new_with_slots(Row, descriptors, 1)
 
 
 def test_resolver_alias_is_exported():

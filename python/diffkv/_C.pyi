@@ -10,9 +10,11 @@ tensors (on torch's current stream); all tensor arguments must share one device.
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 class CudaError(RuntimeError): ...
 
@@ -290,3 +292,9 @@ def rows_gather(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> No
 def rows_scatter(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
     """CPU or CUDA.  src [N, H, D], index int64 [N], dst [S, H, D]: dst[index[n]] = src[n],
     other dst rows zeroed."""
+
+def new_with_slots(cls: type[_T], descriptors: tuple[Any, ...], *values: Any) -> _T:
+    """``object.__new__(cls)`` (cls: a Python class that object.__new__ creates) with
+    ``descriptors[i].__set__(obj, values[i])`` for each i and no ``__init__``; TypeError for
+    wrong arguments, or what a __set__ raised.  Builds the per-call
+    DiffusionPagedAttentionContext (a frozen slots dataclass) without its __init__."""

@@ -264,12 +264,16 @@ def run_forward_paged(
     layer = getattr(paged_kv_context, "layer", None)
     if layer is None:
         raise TypeError("paged_kv_context must expose a native diffusion attention layer")
-    layer_name = getattr(layer, "layer_name", None)
     kv_cache = getattr(layer, "kv_cache", None)
     if kv_cache is None:
-        raise RuntimeError(f"Native KV cache is not bound for diffusion layer {layer_name!r}")
+        raise RuntimeError(
+            f"Native KV cache is not bound for diffusion layer {getattr(layer, 'layer_name', None)!r}"
+        )
     if getattr(layer, "impl", None) is None:
-        raise RuntimeError(f"Native attention implementation is not bound for diffusion layer {layer_name!r}")
+        raise RuntimeError(
+            "Native attention implementation is not bound for diffusion layer "
+            f"{getattr(layer, 'layer_name', None)!r}"
+        )
     if cache_view is not None:
         kv_cache = cache_view(layer, kv_cache)
     metadata = paged_kv_context.native_metadata
@@ -277,7 +281,25 @@ def run_forward_paged(
         check_metadata(metadata)
     mask, key_limits = ops.context_mask(paged_kv_context)
     query = paged_kv_context.query
-    inputs = (
+    if torch.compiler.is_compiling():
+        host = ops.graph_host_copies(metadata)
+        out = torch.ops.diffkv.forward_paged(
+            query,
+            paged_kv_context.key_write,
+            paged_kv_context.value_write,
+            kv_cache,
+            paged_kv_context.slot_mapping,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            key_limits,
+            mask,
+            float(layer.softmax_scale),
+            *host,
+        )
+        return ops.restore_output(paged_kv_context, out)
+    out = torch.empty_like(query)
+    _C.forward_paged(
         query,
         paged_kv_context.key_write,
         paged_kv_context.value_write,
@@ -289,12 +311,9 @@ def run_forward_paged(
         key_limits,
         mask,
         float(layer.softmax_scale),
-    )
-    if torch.compiler.is_compiling():
-        host = ops.graph_host_copies(metadata)
-        return ops.restore_output(paged_kv_context, torch.ops.diffkv.forward_paged(*inputs, *host))
-    out = torch.empty_like(query)
-    _C.forward_paged(
-        *inputs, out, metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        out,
+        metadata.block_table_cpu,
+        metadata.query_start_loc_cpu,
+        metadata.seq_lens_cpu,
     )
     return paged_kv_context.restore_output(out)
