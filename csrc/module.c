@@ -2575,10 +2575,10 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         raise_status(module, s, &err);
         return -1;
     }
-    if (q.device_type == DK_CUDA && a->dense == 0 && a->block_size >= 4 && a->block_size < 32 &&
+    if (q.device_type == DK_CUDA && a->block_size < 32 &&
         (a->block_size & (a->block_size - 1)) == 0) {
-        /* blocks of 4-16 keys: the sm90 kernel's TMA boxes pay only when enough tiles are
-         * runs of consecutive blocks */
+        /* blocks under 32 keys: the sm90 kernel's TMA boxes pay only when enough tiles are
+         * runs of consecutive blocks (all of them for blocks under 4 / 8 keys) */
         a->table_runs = dk_attention_table_runs(a, 128);
     }
     /* From here on the kernels use the tensors on the query's device. */
@@ -2826,10 +2826,10 @@ static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "dense_attention";
-    if (check_nargs(op, nargs, 17) != 0) {
+    if (check_nargs(op, nargs, 18) != 0) {
         return NULL;
     }
-    int64_t max_query_len = 0, key_block = 0;
+    int64_t max_query_len = 0, key_block = 0, consecutive = 0;
     if (get_i64(args[13], op, "max_query_len", &max_query_len) != 0) {
         return NULL;
     }
@@ -2877,6 +2877,14 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      op, (long long)kv[0].shape[0], (long long)key_block);
         return NULL;
     }
+    if (get_i64(args[17], op, "consecutive", &consecutive) != 0) {
+        return NULL;
+    }
+    if (consecutive != 0 && consecutive != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): consecutive must be 0 or 1, got %lld", op,
+                     (long long)consecutive);
+        return NULL;
+    }
     int64_t mask = 0;
     if (short_rows_mask(args[7], op, &mask) != 0) {
         return NULL;
@@ -2893,6 +2901,9 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(none_mask);
     if (rc != 0) {
         return NULL;
+    }
+    if (consecutive) {
+        a.table_runs = 1000; /* the caller vouches: every row's key indices are one run */
     }
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
         short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {

@@ -737,7 +737,10 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
- * in the block table it checks); cp.async the rest.
+ * in the block table it checks) -- blocks too small for a box per lane (under 8 keys at head
+ * 128, 4 at head 64: a dense call's one-token blocks) only when every tile is such a run (the
+ * host's count, or dense_attention's caller vouching for it: packed varlen documents), then
+ * as flat boxes only; cp.async the rest.
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V.
@@ -843,9 +846,11 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * head and the block (dims sorted by stride; dim 0 is head_size). */
 struct h90_tma_dims {
     int32_t token, head, block;
-    int32_t box;  /* keys per box: min(block_size, 128) */
-    int32_t flat; /* 0: no flat map; else which of its dims 1..2 is the token row (the other is
-                     the kv head) */
+    int32_t box;       /* keys per box: min(block_size, 128) */
+    int32_t flat;      /* 0: no flat map; else which of its dims 1..2 is the token row (the other
+                          is the kv head) */
+    int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
+                          the caller vouched): flat boxes only, no per-block map */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps 56 (two consumers) or 24 (three), the
@@ -975,7 +980,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             /* consecutive blocks in a flat cache: one BN-row box per half from the flat map */
             const int32_t blk0 = __shfl_sync(0xffffffffu, blk, 0);
             const bool run =
-                dims.flat != 0 && __all_sync(0xffffffffu, !mine || blk == blk0 + p) != 0;
+                dims.flat != 0 &&
+                (dims.flat_only != 0 || __all_sync(0xffffffffu, !mine || blk == blk0 + p) != 0);
             const int32_t tok = jp % bs;
             const int32_t c1 = dims.token == 1 ? tok : dims.head == 1 ? kvh : blk;
             const int32_t c2 = dims.token == 2 ? tok : dims.head == 2 ? kvh : blk;
@@ -1234,6 +1240,7 @@ enum h90_producer {
     H90_CP_ASYNC, /* cp.async rows ("sm90-ws") */
     H90_TMA,      /* TMA boxes ("sm90-tma") */
     H90_TMA_RUNS, /* TMA boxes when enough tiles are runs of consecutive blocks, else cp.async */
+    H90_TMA_ALL_RUNS, /* flat boxes when every tile is a run, else cp.async */
 };
 
 /* Encodes the tensor maps that suit this cache (the caller checked 16-byte chunks) into *m and
@@ -1252,10 +1259,13 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
     const bool one_block = a->bt_cols == 1 && bs >= 128;
     /* flat: consecutive blocks' rows are consecutive token rows (a tile of BN keys spans
      * several blocks only when bs < BN) */
-    const bool flat = pow2 && bs < 128 && a->cache_stride_block == bs * a->cache_stride_token &&
+    const int64_t row_stride = bs == 1 ? a->cache_stride_block : a->cache_stride_token;
+    const bool flat = pow2 && bs < 128 && a->cache_stride_block == bs * row_stride &&
                       a->num_blocks <= (int64_t)INT32_MAX / bs;
     const bool small = flat && bs < H90T_MIN_BOX && (128 / bs) * (a->head_size / 64) <= 32;
-    if (!((pow2 && bs >= H90T_MIN_BOX) || one_block || small) || a->num_blocks < 1 ||
+    /* blocks too small for a box each (dense one-token blocks): flat boxes or nothing */
+    const bool all_runs = flat && bs < H90T_MIN_BOX && !small;
+    if (!((pow2 && bs >= H90T_MIN_BOX) || one_block || small || all_runs) || a->num_blocks < 1 ||
         a->key_cache2 != NULL) {
         return H90_CP_ASYNC;
     }
@@ -1264,21 +1274,27 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
         return H90_CP_ASYNC;
     }
     m->dims.flat = 0;
+    m->dims.flat_only = 0;
     if (flat) {
         /* token rows and kv heads, by stride */
-        const bool tok_first = a->cache_stride_token <= a->cache_stride_head;
+        const bool tok_first = row_stride <= a->cache_stride_head;
         const int64_t fx[2] = {tok_first ? a->num_blocks * bs : a->num_kv_heads,
                                tok_first ? a->num_kv_heads : a->num_blocks * bs};
-        const int64_t fs[2] = {tok_first ? a->cache_stride_token : a->cache_stride_head,
-                               tok_first ? a->cache_stride_head : a->cache_stride_token};
+        const int64_t fs[2] = {tok_first ? row_stride : a->cache_stride_head,
+                               tok_first ? a->cache_stride_head : row_stride};
         const int tok = tok_first ? 1 : 2;
         if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, 128) &&
             h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, 128)) {
             m->dims.flat = tok;
         }
-        else if (small) {
+        else if (small || all_runs) {
             return H90_CP_ASYNC; /* small boxes only pay with the flat map */
         }
+    }
+    if (all_runs) {
+        m->dims.box = (int32_t)bs; /* the TMA producer, every tile one flat box per half */
+        m->dims.flat_only = 1;
+        return H90_TMA_ALL_RUNS;
     }
     /* 0: token within the block, 1: kv head, 2: block -- sorted by element stride */
     const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
@@ -1456,7 +1472,8 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         h90_producer pr = h90_tma_maps(a, &m);
-        if (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) {
+        if ((pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
+            (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
             memset(&m, 0, sizeof(m));
             pr = H90_CP_ASYNC;
         }

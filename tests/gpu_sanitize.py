@@ -120,7 +120,9 @@ def _dense_joint_case(dtype):
     for dev in ("cpu", "cuda"):
         out = torch.zeros(30, heads, head, dtype=dtype, device=dev)
         t = [x.to(dev) for x in (q, k, v, index, qsl, sl)]
-        _C.dense_attention(*t, None, _C.MASK_NONE, 0.1, out, None, None, None, 30, jk.to(dev), jv.to(dev), 1)
+        _C.dense_attention(
+            *t, None, _C.MASK_NONE, 0.1, out, None, None, None, 30, jk.to(dev), jv.to(dev), 1, 0
+        )
         outs.append(out.cpu().float())
     if (outs[0] - outs[1]).abs().max().item() > 2e-2:
         raise AssertionError("dense_attention joint: CUDA and CPU disagree")

@@ -138,6 +138,9 @@ def test_packed_varlen_documents_stay_apart(device, dtype, causal, cu_on_cpu):
     }
     impl = _impl(64, causal)
     out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
+    if device == "cuda" and dtype != torch.float32 and _C.build_info()["attention_kernel"] == "sm90-tma":
+        # each document's keys are one run of rows: TMA boxes of the key tensor's flat map
+        assert _C.last_attention_kernel() == "sm90-tma"
     visible = torch.zeros(1, tq, tk, dtype=torch.bool)
     for r in range(len(lens_q)):
         q0, q1, k0, k1 = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
@@ -425,7 +428,7 @@ def test_dense_attention_binding_checks_key_index():
         ValueError,
         "dense_attention(): key_index[0][1] must be in [0, num_keys=4), got 9",
         lambda: _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 0
         ),
     )
     assert (out == 0).all()
@@ -450,25 +453,41 @@ def test_dense_attention_binding_checks_key_index():
             None,
             None,
             1,
+            0,
         ),
     )
     _raises(
         ValueError,
         "dense_attention(): key_block must be >= 1 and divide the 4 key tokens (1 with joint_key), got 3",
         lambda: _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 3
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 3, 0
         ),
     )
+    _raises(
+        ValueError,
+        "dense_attention(): consecutive must be 0 or 1, got 2",
+        lambda: _C.dense_attention(
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 2
+        ),
+    )
+    _raises(
+        TypeError,
+        "dense_attention(): consecutive must be an int, got True",
+        lambda: _C.dense_attention(
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, True
+        ),
+    )
+    assert (out == 0).all()
     # blocks of 2 keys: key_index [[1, 0]] reads keys 2, 3, 0, 1 (3 of them visible)
     k4 = torch.randn(4, 1, 4)
     v4 = torch.randn(4, 1, 4)
     blocks = torch.tensor([[1, 0]], dtype=torch.int32)
     got = torch.zeros(3, 2, 4)
-    _C.dense_attention(q, k4, v4, blocks, qsl, sl, None, 0, 0.5, got, None, None, None, 0, None, None, 2)
+    _C.dense_attention(q, k4, v4, blocks, qsl, sl, None, 0, 0.5, got, None, None, None, 0, None, None, 2, 0)
     want = torch.zeros(3, 2, 4)
     _C.dense_attention(
         q, k4, v4, torch.tensor([[2, 3, 0]], dtype=torch.int32), qsl, sl, None, 0, 0.5, want, None, None,
-        None, 0, None, None, 1,
+        None, 0, None, None, 1, 0,
     )  # fmt: skip
     torch.testing.assert_close(got, want)
 
@@ -484,7 +503,24 @@ def test_dense_attention_binding_checks_joint_keys():
 
     def call(joint_key, joint_value):
         _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, joint_key, joint_value, 1
+            q,
+            k,
+            k.clone(),
+            index,
+            qsl,
+            sl,
+            None,
+            0,
+            0.5,
+            out,
+            None,
+            None,
+            None,
+            0,
+            joint_key,
+            joint_value,
+            1,
+            0,
         )
 
     _raises(

@@ -261,7 +261,7 @@ def _lse_args(p: AttentionProblem) -> list[Any]:
 
 
 def _dense_args() -> list[Any]:
-    """The 17 arguments of _C.dense_attention: two rows over 5 key tokens and 2 joint tokens
+    """The 18 arguments of _C.dense_attention: two rows over 5 key tokens and 2 joint tokens
     (key indices 5 and 6; row 1 with fewer keys than queries), limits mask."""
     return [
         torch.randn(5, 2, 4),
@@ -281,6 +281,7 @@ def _dense_args() -> list[Any]:
         torch.randn(2, 1, 4),
         torch.randn(2, 1, 4),
         1,
+        0,
     ]
 
 

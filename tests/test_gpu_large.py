@@ -230,7 +230,9 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (256, "nhd", "random", "sm90-tma", 128),
         (1024, "layers", "random", "sm90-tma", 128),
         (8, "nhd", "sequential", "sm90-tma", 128),
-        (4, "nhd", "sequential", "sm90-ws", 128),
+        (4, "nhd", "sequential", "sm90-tma", 128),  # every tile a run: flat boxes only
+        (1, "nhd", "sequential", "sm90-tma", 128),
+        (2, "nhd", "runs", "sm90-ws", 128),  # some tiles are not runs: no box per block here
         (16, "layers", "sequential", "sm90-ws", 128),
         (48, "layers", "random", "sm90-ws", 128),
         (48, "nhd", "sequential", "sm90-ws", 128),
@@ -248,7 +250,8 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     power-of-two blocks (up to 32 boxes a tile) of a flat cache (block stride = block * token
     stride: NHD) when at least a quarter of the tiles are runs of consecutive blocks
     ('sequential', 'runs'), which come in as one box per half -- reading past a row's last
-    block into its spare neighbour; other caches take the same warp-specialized kernel with a
+    block into its spare neighbour -- and blocks too small for a box per lane when every tile
+    is a run; other caches take the same warp-specialized kernel with a
     cp.async producer, a cache whose head dim is not contiguous the cp.async wgmma kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""

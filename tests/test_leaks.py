@@ -1101,7 +1101,7 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     key_index = torch.tensor([[2, 0, 1]], dtype=I32)
 
     def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
-        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1)
+        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1, 0)
 
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
         return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
@@ -1306,7 +1306,7 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 _C.dense_attention,
                 *dense(jk=dense_k[:2].clone()),
             ),
-            bad("dense_attention nargs", TypeError, "takes 17 arguments", _C.dense_attention, q),
+            bad("dense_attention nargs", TypeError, "takes 18 arguments", _C.dense_attention, q),
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),

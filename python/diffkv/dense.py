@@ -262,7 +262,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, max_q, None, None, 1,
+        None, None, None, max_q, None, None, 1, 1,
     )  # fmt: skip
     return out.view(query.shape)
 
@@ -344,7 +344,7 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
             qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
             _C.dense_attention(
                 src[b], k, v, key_index[b : b + 1], qsl, seq_lens[b : b + 1], key_limits, mask,
-                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1,
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1, 0,
             )  # fmt: skip
     return out
 
@@ -433,6 +433,6 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q, None, None, key_block,
+        None, None, None, s_q, None, None, key_block, 0,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
