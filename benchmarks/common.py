@@ -146,12 +146,17 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "diffkv": diffkv.__version__,
         "diffkv_build": _C.build_info(),
-        # The GPU machine gets a copy of the tree without .git: the caller passes DIFFKV_COMMIT.
-        "git_commit": _run(["git", "rev-parse", "HEAD"]) or os.environ.get("DIFFKV_COMMIT"),
+        # The GPU machine gets a copy of the tree whose .git (if any) need not match it: the
+        # caller passes DIFFKV_COMMIT, which wins over what git says there.
+        "git_commit": os.environ.get("DIFFKV_COMMIT") or _run(["git", "rev-parse", "HEAD"]),
         "git_dirty": None,
         "cpu": platform.processor() or platform.machine(),
     }
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    status = (
+        None
+        if os.environ.get("DIFFKV_COMMIT")
+        else _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    )
     if status is not None:
         record["git_dirty"] = bool(status)
     if device.type == "cuda":

@@ -2,6 +2,8 @@
 # One GPU session's worth of checks, in the order that matters: build, the GPU suite, the demo
 # at full size, then every benchmark.  Logs and JSON records go to $OUT (default ./out).
 # Usage (repo root, on the GPU machine): bash benchmarks/gpu_session.sh [attention-bench args]
+# DIFFKV_COMMIT=<sha of the tree copied there> names the commit in the JSON records (the copy's
+# .git, if any, may be stale).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
