@@ -1248,7 +1248,9 @@ enum h90_producer {
  * H90T_MIN_BOX or one block of 128+ keys per row (dims 1..3 of those maps ordered by stride,
  * as m->dims records), plus the flat map of a flat cache of blocks under 128 keys (m->dims.flat);
  * smaller power-of-two blocks of a flat cache (at most 32 boxes per tile: one per lane) only
- * with enough runs; cp.async otherwise (or when the driver cannot encode maps). */
+ * with enough runs (H90_TMA_RUNS), yet smaller ones flat boxes only and only when every tile is
+ * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
+ * cannot encode maps). */
 static h90_producer
 h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
 {
