@@ -326,7 +326,7 @@ dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys)
         for (int64_t t0 = 0; t0 < reach; t0 += per) {
             const int64_t end = t0 + per < reach ? t0 + per : reach;
             int64_t b = t0 + 1;
-            while (b < end && row[b] == row[b - 1] + 1) {
+            while (b < end && (int64_t)row[b] == (int64_t)row[b - 1] + 1) { /* no int overflow */
                 b++;
             }
             tiles++;
