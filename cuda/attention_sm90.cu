@@ -718,7 +718,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 /*
  * Warp-specialized kernel (attention_sm90_tma_kernel, head 64 or 128): the same per-warpgroup
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
- * (setmaxnreg leaves it 56 registers with NC = 2, 24 with 3), warpgroups 1 .. NC the consumers
+ * (setmaxnreg leaves it 56 registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers
  * (224 or 160 registers) with query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots (head
  * 64: one more) with a "full" mbarrier and an "empty" one (one arrive per consumer warp).  Two
  * producers:
@@ -853,7 +853,7 @@ struct h90_tma_dims {
                           the caller vouched): flat boxes only, no per-block map */
 };
 
-/* Registers after setmaxnreg: the producer warpgroup keeps 56 (two consumers) or 24 (three), the
+/* Registers after setmaxnreg: the producer warpgroup keeps 56 (two consumers) or 32 (three), the
  * consumer warpgroups share the rest of the CTA's 65536 (a multiple of 8 each). */
 template <int NC> struct h90_ws_regs;
 template <> struct h90_ws_regs<2> {
@@ -869,7 +869,7 @@ template <> struct h90_ws_regs<2> {
 template <> struct h90_ws_regs<3> {
     static __device__ __forceinline__ void producer()
     {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
     }
     static __device__ __forceinline__ void consumer()
     {
@@ -883,7 +883,9 @@ static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                           const __grid_constant__ CUtensorMap tmv,
                           const __grid_constant__ CUtensorMap tfk,
-                          const __grid_constant__ CUtensorMap tfv, const dk_attention_args a,
+                          const __grid_constant__ CUtensorMap tfv,
+                          const __grid_constant__ CUtensorMap tfk2,
+                          const __grid_constant__ CUtensorMap tfv2, const dk_attention_args a,
                           h90_tma_dims dims, int64_t tiles_per_row, int64_t head_group,
                           float scale_log2, bool neg_q, bool q_vec, bool o_vec, bool sort_rows)
 /* clang-format on */
@@ -989,8 +991,11 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t boxes = min(pages, (kv_end - j0 + box - 1) / box);
             const uint32_t bytes =
                 run ? (uint32_t)(HALVES * BN) * 128u : (uint32_t)(boxes * HALVES) * box_bytes;
-            const int32_t f1 = dims.flat == 1 ? blk0 * bs : kvh; /* flat map coordinates */
-            const int32_t f2 = dims.flat == 1 ? kvh : blk0 * bs;
+            /* flat map coordinates: blk0's source (the second from block blocks2 on) and row */
+            const bool second = a.key_cache2 != NULL && blk0 >= a.blocks2;
+            const int32_t frow = (second ? blk0 - (int32_t)a.blocks2 : blk0) * bs;
+            const int32_t f1 = dims.flat == 1 ? frow : kvh;
+            const int32_t f2 = dims.flat == 1 ? kvh : frow;
             const uint32_t slot = (uint32_t)(kt % ST);
             const uint32_t off =
                 slot * KVB + (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
@@ -1007,8 +1012,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 __syncwarp();
                 if (run) {
                     if (p == 0) {
-                        tma_load_3d((kv == 0 ? sk0 : sv0) + off, kv == 0 ? &tfk : &tfv, full,
-                                    half * 64, f1, f2);
+                        tma_load_3d((kv == 0 ? sk0 : sv0) + off,
+                                    kv == 0 ? (second ? &tfk2 : &tfk) : (second ? &tfv2 : &tfv),
+                                    full, half * 64, f1, f2);
                     }
                 }
                 else if (mine) {
@@ -1130,6 +1136,10 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 #else
     (void)tmk;
     (void)tmv;
+    (void)tfk;
+    (void)tfv;
+    (void)tfk2;
+    (void)tfv2;
     (void)a;
     (void)dims;
     (void)tiles_per_row;
@@ -1204,6 +1214,7 @@ h90_encoder(void)
  * token rows (flat_k, flat_v; zeros otherwise). */
 struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
+    CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
     h90_tma_dims dims;
 };
 
@@ -1267,8 +1278,10 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
     const bool small = flat && bs < H90T_MIN_BOX && (128 / bs) * (a->head_size / 64) <= 32;
     /* blocks too small for a box each (dense one-token blocks): flat boxes or nothing */
     const bool all_runs = flat && bs < H90T_MIN_BOX && !small;
+    /* a second source (blocks blocks2 .. of key_cache2): flat boxes only, a tile from one */
+    const bool two = a->key_cache2 != NULL;
     if (!((pow2 && bs >= H90T_MIN_BOX) || one_block || small || all_runs) || a->num_blocks < 1 ||
-        a->key_cache2 != NULL) {
+        (two && !(all_runs && a->blocks2 > 0 && a->blocks2 < a->num_blocks))) {
         return H90_CP_ASYNC;
     }
     const h90_encode_fn encode = h90_encoder();
@@ -1280,13 +1293,19 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
     if (flat) {
         /* token rows and kv heads, by stride */
         const bool tok_first = row_stride <= a->cache_stride_head;
-        const int64_t fx[2] = {tok_first ? a->num_blocks * bs : a->num_kv_heads,
-                               tok_first ? a->num_kv_heads : a->num_blocks * bs};
+        const int64_t rows1 = (two ? a->blocks2 : a->num_blocks) * bs;
+        const int64_t rows2 = (a->num_blocks - a->blocks2) * bs;
+        const int64_t fx[2] = {tok_first ? rows1 : a->num_kv_heads,
+                               tok_first ? a->num_kv_heads : rows1};
+        const int64_t fx2[2] = {tok_first ? rows2 : a->num_kv_heads,
+                                tok_first ? a->num_kv_heads : rows2};
         const int64_t fs[2] = {tok_first ? row_stride : a->cache_stride_head,
                                tok_first ? a->cache_stride_head : row_stride};
         const int tok = tok_first ? 1 : 2;
         if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, 128) &&
-            h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, 128)) {
+            h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, 128) &&
+            (!two || (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, 128) &&
+                      h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, 128)))) {
             m->dims.flat = tok;
         }
         else if (small || all_runs) {
@@ -1329,8 +1348,8 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
 /* What the maps of a cache depend on: encoding costs microseconds of host time per map, and a
  * model's layers call with the same few caches again and again. */
 struct h90_maps_key {
-    const void *k, *v;
-    int64_t block_size, num_blocks, num_kv_heads, head_size, bt_cols_one;
+    const void *k, *v, *k2, *v2;
+    int64_t block_size, num_blocks, blocks2, num_kv_heads, head_size, bt_cols_one;
     int64_t stride_token, stride_head, stride_block;
     int32_t dtype;
 };
@@ -1362,10 +1381,9 @@ h90_tma_maps(const dk_attention_args *a, h90_maps *m)
     key.stride_head = a->cache_stride_head;
     key.stride_block = a->cache_stride_block;
     key.dtype = (int32_t)a->dtype;
-    if (a->key_cache2 != NULL) {
-        memset(m, 0, sizeof(*m)); /* two sources: the cp.async producer */
-        return H90_CP_ASYNC;
-    }
+    key.k2 = a->key_cache2;
+    key.v2 = a->value_cache2;
+    key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
     const uintptr_t p = (uintptr_t)a->key_cache;
     entry &e = cache[(p >> 8 ^ p >> 20) % H90_MAPS_CACHE];
     if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
@@ -1400,8 +1418,8 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
     attention_sm90_tma_kernel<T, ST, D, NC><<<blocks, 128 * (NC + 1), smem, s>>>(
-        m.k, m.v, m.flat_k, m.flat_v, *a, m.dims, tiles_per_row, head_group, scale_log2, neg_q,
-        q_vec, o_vec, sort_rows);
+        m.k, m.v, m.flat_k, m.flat_v, m.flat_k2, m.flat_v2, *a, m.dims, tiles_per_row, head_group,
+        scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
 }
 

@@ -621,3 +621,23 @@ def test_joint_attention_valid_kv_length_and_strided_joint(device, strategy):
     out = impl.forward(q, k, v, meta)
     ref = _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front", valid=33)
     _close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize(("sj", "sk"), [(128, 300), (23, 256), (128, 256)])
+@pytest.mark.parametrize("head", [64, 128])
+def test_joint_attention_whole_tile_sources(device, strategy, sj, sk, head):
+    """Non-causal joint attention without masks whose joint or image keys fill whole 128-key
+    tiles: that source's keys go first (the result does not depend on the keys' order), every
+    tile reads one source's consecutive keys, and on an H200 the bf16 call takes TMA boxes from
+    both sources' flat maps.  Two CFG rows, GQA, joint shorter or longer than the image."""
+    b, sq = 2, 70
+    dtype = torch.bfloat16
+    q, k, v = _qkv(b, sq, sk, head, dtype, device, seed=41)
+    jq, jk, jv = _qkv(b, sj, sj, head, dtype, device, seed=42)
+    impl = _impl(head, causal=False)
+    meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy)
+    out = impl.forward(q, k, v, meta)
+    if device == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        assert _C.last_attention_kernel() == "sm90-tma"
+    _close(out, _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front"), dtype)

@@ -263,10 +263,12 @@ def dense_attention(
     source read by the same kernels: key indices num_keys .. num_keys + num_joint - 1.
     key_block > 1 (dividing num_keys; no joint keys): key_index holds blocks of key_block
     consecutive key tokens instead (the dense path's whole rows: TMA boxes on Hopper).
-    consecutive = 1: the caller vouches that every row's key indices are one run
-    (key_index[r, j] = key_index[r, 0] + j for j < seq_lens[r], as for packed varlen
-    documents), which lets Hopper bring one-token blocks in as TMA boxes (a row that breaks the
-    promise reads the wrong keys, never outside the key tensor); 0 = no promise.
+    consecutive = 1: the caller vouches that every 128-key tile of every row is one run of
+    consecutive key indices from one source (key_index[r, j] = key_index[r, j0] + j - j0 for
+    the keys j0 <= j < seq_lens[r] of a tile starting at j0, a multiple of 128: packed varlen
+    documents, joint tokens in whole tiles), which lets Hopper bring one-token blocks in as TMA
+    boxes (a row that breaks the promise reads the wrong keys, never outside the key tensors);
+    0 = no promise.
     Serves DiffKVAttentionImpl.forward (diffkv.dense).  As in paged_attention_lse, a row may
     have fewer keys than queries in every mask mode.  max_query_len > 0 sizes the CUDA launch
     when the host copies are None (the caller vouches no row has more queries); 0 = every
