@@ -719,8 +719,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * Warp-specialized kernel (attention_sm90_tma_kernel, head 64 or 128): the same per-warpgroup
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
  * (setmaxnreg leaves it 56 registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers
- * (224 or 160 registers) with query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots (head
- * 64: one more) with a "full" mbarrier and an "empty" one (one arrive per consumer warp).  Two
+ * (224 or 160 registers) with query rows 64 (w - 1) ...  K has ST slots and V SV, each with a
+ * "full" mbarrier and an "empty" one (one arrive per consumer warp): H90T_STAGES of each at
+ * head 128, one V slot more with the cp.async producers, one more of each at head 64.  Two
  * producers:
  *   - TMA: one warp brings a key tile in as TMA boxes of the cache's tensor map, one box per
  *     (cache block, 64-dim half) -- BN / block_size blocks per tile, or a BN-key slice of one
@@ -731,9 +732,10 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     num_blocks * block_size token rows, and a tile whose blocks are consecutive ids (a cache
  *     filled in allocation order) comes in from it as one BN-row box per half: the TMA unit's
  *     box rate, not bandwidth, is what makes small boxes slow.
- *   - cp.async: h90_produce_cp_async, coalesced rows; the full barrier counts the 128 threads'
- *     cp.async arrivals, and the consumers fence the generic-proxy writes for wgmma after
- *     waiting.
+ *   - cp.async: h90_produce_cp_async_groups for power-of-two blocks of 16+ keys (per 16-key
+ *     group addresses in registers), h90_produce_cp_async otherwise (per-key addresses through
+ *     a shared ring), coalesced rows; the full barrier counts the 128 threads' cp.async
+ *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
@@ -1497,18 +1499,25 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     return cudaSuccess;
 }
 
-/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third does not
- * fit in shared memory); head 64: three consumer warpgroups (192 rows) -- its smaller tiles
- * leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at 1x16x16384x64
- * (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there, same run). */
+/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each
+ * does not fit in shared memory) and with the cp.async producers a third V stage (192 KB of
+ * tiles: h90_produce_cp_async_groups copies K and V of a tile together once both slots are free,
+ * and the extra V slot frees them one tile earlier); head 64: three consumer warpgroups (192 rows)
+ * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
+ * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
+ * same run). */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    if (a->head_size == 128) {
+    if (a->head_size == 128 && m.dims.box == 0) { /* cp.async: a third V slot (see there) */
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,
                                                                        neg_q, q_vec, o_vec, s);
+    }
+    if (a->head_size == 128) {
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES>(a, m, head_group, scale_log2,
+                                                                   neg_q, q_vec, o_vec, s);
     }
     return h90_launch_tma<T, H90T_STAGES + 1, 64, 3, H90T_STAGES + 1>(a, m, head_group, scale_log2,
                                                                       neg_q, q_vec, o_vec, s);
