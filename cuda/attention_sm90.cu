@@ -719,8 +719,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * Warp-specialized kernel (attention_sm90_tma_kernel, head 64 or 128): the same per-warpgroup
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
  * (setmaxnreg leaves it 56 registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers
- * (224 or 160 registers) with query rows 64 (w - 1) ...  K and V each have H90T_STAGES slots (head
- * 64: one more) with a "full" mbarrier and an "empty" one (one arrive per consumer warp).  Two
+ * (224 or 160 registers) with query rows 64 (w - 1) ...  K has ST slots and V SV, each with a
+ * "full" mbarrier and an "empty" one (one arrive per consumer warp): H90T_STAGES of each at
+ * head 128, one V slot more with the cp.async producers, one more of each at head 64.  Two
  * producers:
  *   - TMA: one warp brings a key tile in as TMA boxes of the cache's tensor map, one box per
  *     (cache block, 64-dim half) -- BN / block_size blocks per tile, or a BN-key slice of one
@@ -731,9 +732,10 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     num_blocks * block_size token rows, and a tile whose blocks are consecutive ids (a cache
  *     filled in allocation order) comes in from it as one BN-row box per half: the TMA unit's
  *     box rate, not bandwidth, is what makes small boxes slow.
- *   - cp.async: h90_produce_cp_async, coalesced rows; the full barrier counts the 128 threads'
- *     cp.async arrivals, and the consumers fence the generic-proxy writes for wgmma after
- *     waiting.
+ *   - cp.async: h90_produce_cp_async_groups for power-of-two blocks of 16+ keys (per 16-key
+ *     group addresses in registers), h90_produce_cp_async otherwise (per-key addresses through
+ *     a shared ring), coalesced rows; the full barrier counts the 128 threads' cp.async
+ *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
@@ -772,7 +774,7 @@ cp_async_arrive_noinc(uint32_t bar)
  * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
  * full barrier when its copies land (count 128).
  */
-template <int D, int BN, int ST>
+template <int D, int BN, int ST, int SV>
 static __device__ __forceinline__ void
 h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                      int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k, uint32_t full_v,
@@ -819,12 +821,13 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             }
         }
         named_barrier(15u, 128u); /* also: every thread is done reading tile kt - 2's ring slot */
-        const uint32_t slot = (uint32_t)(kt % ST);
-        const uint32_t ph = (uint32_t)((kt / ST - 1) & 1);
 #pragma unroll
         for (int kv = 0; kv < 2; kv++) {
-            if (kt >= ST) {
-                mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, ph);
+            const int stages = kv == 0 ? ST : SV;
+            const uint32_t slot = (uint32_t)(kt % stages);
+            if (kt >= stages) { /* the phase the slot's last use ended */
+                mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot,
+                          (uint32_t)((kt / stages - 1) & 1));
             }
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
             const char *const *rows = s_prow[kt & 1][kv];
@@ -836,6 +839,73 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             }
             cp_async_arrive_noinc((kv == 0 ? full_k : full_v) + 8u * slot);
         }
+    }
+    cp_async_wait_all(); /* nothing lands after the thread exits */
+}
+
+/*
+ * The cp.async producer for caches whose blocks hold a power of two of at least 16 keys:
+ * every 16 consecutive keys of a tile lie in one block, so instead of resolving each key's row
+ * into a shared ring (h90_produce_cp_async) every thread resolves the tile's 16-key groups
+ * itself -- one block-table load (an L1 broadcast) and one offset per group -- and adds the
+ * token offset of its own rows.  Per tile and thread that is BN / 16 loads and no shared-memory
+ * traffic besides the copies, which keeps the memory pipe free for the consumers' wgmma issue
+ * (the ring's loads and stores competed with it there).  K and V of a tile are copied together,
+ * row by row, once both slots are free (V has one slot more than K so that K is not held back),
+ * and the thread then arrives on both full barriers.
+ */
+template <int D, int BN, int ST, int SV>
+static __device__ __forceinline__ void
+h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
+                            int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
+                            uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
+{
+    constexpr uint32_t KVB = BN * D * 2;
+    constexpr int CH = D / 8;    /* 16-byte chunks per key row */
+    constexpr int RP = 128 / CH; /* rows per pass of the 128 threads (8 or 16) */
+    static_assert(RP <= 16 && 16 % RP == 0, "a pass lies in one 16-key group");
+    const int tid = (int)threadIdx.x; /* 0 .. 127 */
+    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
+    const int32_t *bt = a.block_table + row * a.bt_stride_row;
+    const uint32_t c = (uint32_t)(tid % CH);
+    const uint32_t rr = (uint32_t)(tid / CH);
+    const char *kc = (const char *)a.key_cache;
+    const char *vc = (const char *)a.value_cache;
+    const char *kc2 = (const char *)a.key_cache2;
+    const char *vc2 = (const char *)a.value_cache2;
+    const uint32_t bs = (uint32_t)a.block_size;
+    const uint32_t shift = (uint32_t)__ffs((int)bs) - 1u; /* bs is a power of two */
+    const int64_t tbytes = a.cache_stride_token * 2;
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t j0 = kt * BN;
+        const uint32_t slot_k = (uint32_t)(kt % ST);
+        const uint32_t slot_v = (uint32_t)(kt % SV);
+        if (kt >= ST) { /* the phase the slot's last use ended */
+            mbar_wait(empty_k + 8u * slot_k, (uint32_t)((kt / ST - 1) & 1));
+        }
+        if (kt >= SV) {
+            mbar_wait(empty_v + 8u * slot_v, (uint32_t)((kt / SV - 1) & 1));
+        }
+        const uint32_t dk = sk0 + slot_k * KVB;
+        const uint32_t dv = sv0 + slot_v * KVB;
+#pragma unroll
+        for (int q = 0; q < BN / 16; q++) {
+            const int32_t g = j0 + 16 * q; /* the group's first key */
+            const int32_t blk = g < kv_end ? dk_safe_block(a, bt[(uint32_t)g >> shift]) : 0;
+            const int64_t off = kv_block_offset(a, blk, (uint32_t)g & (bs - 1u), kvh);
+            const char *kr = kv_row(kc, kc2, off) + c * 16u;
+            const char *vr = kv_row(vc, vc2, off) + c * 16u;
+#pragma unroll
+            for (int pp = 0; pp < 16 / RP; pp++) {
+                const uint32_t r = (uint32_t)(16 * q + RP * pp) + rr; /* row in the tile */
+                const int64_t t = (int64_t)(RP * pp + (int)rr) * tbytes;
+                const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
+                cp_async16(dk + sw128(BN, r, c), kr + t, n);
+                cp_async16(dv + sw128(BN, r, c), vr + t, n);
+            }
+        }
+        cp_async_arrive_noinc(full_k + 8u * slot_k);
+        cp_async_arrive_noinc(full_v + 8u * slot_v);
     }
     cp_async_wait_all(); /* nothing lands after the thread exits */
 }
@@ -877,7 +947,7 @@ template <> struct h90_ws_regs<3> {
     }
 };
 
-template <typename T, int ST, int D, int NC>
+template <typename T, int ST, int D, int NC, int SV>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -902,8 +972,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     __shared__ int32_t s_lim[BM];
     __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
     __shared__ int32_t s_row;
-    /* full K[ST], full V[ST], empty K[ST], empty V[ST] */
-    __shared__ __align__(8) uint64_t s_bar[4 * ST];
+    /* full K[ST], full V[SV], empty K[ST], empty V[SV] */
+    __shared__ __align__(8) uint64_t s_bar[2 * (ST + SV)];
     const uint32_t raw = smem_addr(h90_smem);
     const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
     const uint32_t sq = raw + pad;       /* Q tile */
@@ -911,7 +981,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t sv0 = sk0 + ST * KVB; /* V slot i at sv0 + i KVB */
     const uint32_t full_k = smem_addr(s_bar);
     const uint32_t full_v = full_k + 8u * ST;
-    const uint32_t empty_k = full_v + 8u * ST;
+    const uint32_t empty_k = full_v + 8u * SV;
     const uint32_t empty_v = empty_k + 8u * ST;
 
     attn_cta cta;
@@ -934,7 +1004,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         }
         if (tid == 0) {
 #pragma unroll
-            for (int i = 0; i < 2 * ST; i++) {
+            for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
                 /* the producer warp's expect_tx, or each producer thread's cp.async */
                 mbar_init(full_k + 8u * (uint32_t)i, dims.box > 0 ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
@@ -954,8 +1024,14 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         h90_ws_regs<NC>::producer();
         if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
-            h90_produce_cp_async<D, BN, ST>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v,
-                                            empty_k, empty_v);
+            if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
+                h90_produce_cp_async_groups<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0,
+                                                           full_k, full_v, empty_k, empty_v);
+            }
+            else {
+                h90_produce_cp_async<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k,
+                                                    full_v, empty_k, empty_v);
+            }
             return;
         }
         /* ---------------- producer: warp 0 of TMA ---------------- */
@@ -996,15 +1072,15 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t frow = (second ? blk0 - (int32_t)a.blocks2 : blk0) * bs;
             const int32_t f1 = dims.flat == 1 ? frow : kvh;
             const int32_t f2 = dims.flat == 1 ? kvh : frow;
-            const uint32_t slot = (uint32_t)(kt % ST);
-            const uint32_t off =
-                slot * KVB + (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
-            const uint32_t ph = (uint32_t)((kt / ST - 1) & 1); /* the phase its last use ended */
+            const uint32_t off = (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
 #pragma unroll
             for (int kv = 0; kv < 2; kv++) {
+                const int stages = kv == 0 ? ST : SV;
+                const uint32_t slot = (uint32_t)(kt % stages);
                 const uint32_t full = (kv == 0 ? full_k : full_v) + 8u * slot;
-                if (kt >= ST) {
-                    mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, ph);
+                if (kt >= stages) { /* the phase the slot's last use ended */
+                    mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot,
+                              (uint32_t)((kt / stages - 1) & 1));
                 }
                 if (lane == 0) {
                     mbar_arrive_expect_tx(full, bytes);
@@ -1012,14 +1088,14 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 __syncwarp();
                 if (run) {
                     if (p == 0) {
-                        tma_load_3d((kv == 0 ? sk0 : sv0) + off,
+                        tma_load_3d((kv == 0 ? sk0 : sv0) + slot * KVB + off,
                                     kv == 0 ? (second ? &tfk2 : &tfk) : (second ? &tfv2 : &tfv),
                                     full, half * 64, f1, f2);
                     }
                 }
                 else if (mine) {
-                    tma_load_4d((kv == 0 ? sk0 : sv0) + off, kv == 0 ? &tmk : &tmv, full, half * 64,
-                                c1, c2, c3);
+                    tma_load_4d((kv == 0 ? sk0 : sv0) + slot * KVB + off, kv == 0 ? &tmk : &tmv,
+                                full, half * 64, c1, c2, c3);
                 }
             }
         }
@@ -1080,8 +1156,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 h90_softmax<NT>(s, m, l, alpha, j0, rows);
             }
             else {
-                const uint32_t pslot = (uint32_t)((kt - 1) % ST);
-                mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / ST) & 1)); /* V_{kt-1} */
+                const uint32_t pslot = (uint32_t)((kt - 1) % SV);
+                mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / SV) & 1)); /* V_{kt-1} */
                 if (dims.box == 0) {
                     fence_proxy_async();
                 }
@@ -1106,9 +1182,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         }
         /* The last tile's V: rows past kv_end become zeros (by both warpgroups: the same
          * values), then P V. */
-        const uint32_t lslot = (uint32_t)((n_tiles - 1) % ST);
+        const uint32_t lslot = (uint32_t)((n_tiles - 1) % SV);
         const uint32_t sv = sv0 + lslot * KVB;
-        mbar_wait(full_v + 8u * lslot, (uint32_t)(((n_tiles - 1) / ST) & 1));
+        mbar_wait(full_v + 8u * lslot, (uint32_t)(((n_tiles - 1) / SV) & 1));
         const int32_t valid = kv_end - (n_tiles - 1) * BN;
         for (int i = valid * (D / 8) + wt; i < BN * (D / 8); i += 128) {
             st_shared16(sv + sw128(BN, (uint32_t)(i / (D / 8)), (uint32_t)(i % (D / 8))),
@@ -1399,17 +1475,17 @@ h90_tma_maps(const dk_attention_args *a, h90_maps *m)
     return e.producer;
 }
 
-template <typename T, int ST, int D, int NC>
+template <typename T, int ST, int D, int NC, int SV>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
                bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     constexpr int BM = 64 * NC;
-    /* Q, ST K and V slots of 128 keys, alignment slack */
-    const size_t smem = (size_t)BM * D * 2 + 2 * ST * (size_t)128 * D * 2 + 1024;
+    /* Q, ST K and SV V slots of 128 keys, alignment slack */
+    const size_t smem = (size_t)BM * D * 2 + (size_t)(ST + SV) * 128 * D * 2 + 1024;
     const cudaError_t e =
-        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST, D, NC>, smem, attr_set);
+        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
@@ -1417,27 +1493,34 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     const int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_tma_kernel<T, ST, D, NC><<<blocks, 128 * (NC + 1), smem, s>>>(
+    attention_sm90_tma_kernel<T, ST, D, NC, SV><<<blocks, 128 * (NC + 1), smem, s>>>(
         m.k, m.v, m.flat_k, m.flat_v, m.flat_k2, m.flat_v2, *a, m.dims, tiles_per_row, head_group,
         scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
 }
 
-/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third does not
- * fit in shared memory); head 64: three consumer warpgroups (192 rows) -- its smaller tiles
- * leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at 1x16x16384x64
- * (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there, same run). */
+/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each
+ * does not fit in shared memory) and with the cp.async producers a third V stage (192 KB of
+ * tiles: h90_produce_cp_async_groups copies K and V of a tile together once both slots are free,
+ * and the extra V slot frees them one tile earlier); head 64: three consumer warpgroups (192 rows)
+ * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
+ * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
+ * same run). */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    if (a->head_size == 128) {
-        return h90_launch_tma<T, H90T_STAGES, 128, 2>(a, m, head_group, scale_log2, neg_q, q_vec,
-                                                      o_vec, s);
+    if (a->head_size == 128 && m.dims.box == 0) { /* cp.async: a third V slot (see there) */
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,
+                                                                       neg_q, q_vec, o_vec, s);
     }
-    return h90_launch_tma<T, H90T_STAGES + 1, 64, 3>(a, m, head_group, scale_log2, neg_q, q_vec,
-                                                     o_vec, s);
+    if (a->head_size == 128) {
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES>(a, m, head_group, scale_log2,
+                                                                   neg_q, q_vec, o_vec, s);
+    }
+    return h90_launch_tma<T, H90T_STAGES + 1, 64, 3, H90T_STAGES + 1>(a, m, head_group, scale_log2,
+                                                                      neg_q, q_vec, o_vec, s);
 }
 
 /* 1 when the current device is compute capability 9.x and this binary carries the kernel's

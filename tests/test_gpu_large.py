@@ -242,6 +242,8 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (4, "nhd", "runs", "sm90-ws", 64),  # 21 % of its tiles are runs: under the 25 % bar
         (8, "nhd", "runs", "sm90-tma", 128),
         (16, "nhd", "random", "sm90-ws", 64),
+        (16, "hnd", "random", "sm90-ws", 64),
+        (16, "layers", "random", "sm90-ws", 128),
     ],
 )
 def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, monkeypatch):
@@ -252,7 +254,8 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     ('sequential', 'runs'), which come in as one box per half -- reading past a row's last
     block into its spare neighbour -- and blocks too small for a box per lane when every tile
     is a run; other caches take the same warp-specialized kernel with a
-    cp.async producer, a cache whose head dim is not contiguous the cp.async wgmma kernel.
+    cp.async producer (per 16-key group addresses for power-of-two blocks of 16+ keys, per-key
+    ones otherwise: 48, 2), a cache whose head dim is not contiguous the cp.async wgmma kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
