@@ -1575,7 +1575,12 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         h90_producer pr = h90_tma_maps(a, &m);
-        if ((pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
+        /* Head 64 takes 16-key blocks through the block-group cp.async producer even when
+         * their tiles are runs: it beats the 128-row flat boxes there (H200, 1x16x16384x64,
+         * allocation order: 398-415 vs 374-377 TFLOP/s non-causal, 426 vs 412-416 causal),
+         * while at head 128 the boxes win (24x16k: 638-654 vs 565-595). */
+        const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
+        if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
             (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
             memset(&m, 0, sizeof(m));
             pr = H90_CP_ASYNC;

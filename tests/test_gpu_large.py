@@ -237,7 +237,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (48, "layers", "random", "sm90-ws", 128),
         (48, "nhd", "sequential", "sm90-ws", 128),
         (16, "strided-dim", "random", "sm90", 128),
-        (16, "nhd", "sequential", "sm90-tma", 64),
+        (16, "nhd", "sequential", "sm90-ws", 64),  # head 64: block groups beat the flat boxes
         (4, "nhd", "sequential", "sm90-tma", 64),
         (4, "nhd", "runs", "sm90-ws", 64),  # 21 % of its tiles are runs: under the 25 % bar
         (8, "nhd", "runs", "sm90-tma", 128),
