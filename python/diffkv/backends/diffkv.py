@@ -281,25 +281,8 @@ def run_forward_paged(
         check_metadata(metadata)
     mask, key_limits = ops.context_mask(paged_kv_context)
     query = paged_kv_context.query
-    if torch.compiler.is_compiling():
-        host = ops.graph_host_copies(metadata)
-        out = torch.ops.diffkv.forward_paged(
-            query,
-            paged_kv_context.key_write,
-            paged_kv_context.value_write,
-            kv_cache,
-            paged_kv_context.slot_mapping,
-            metadata.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            key_limits,
-            mask,
-            float(layer.softmax_scale),
-            *host,
-        )
-        return ops.restore_output(paged_kv_context, out)
-    out = torch.empty_like(query)
-    _C.forward_paged(
+    # the layer's inputs, in the order both the operator and the binding take them
+    inputs = (
         query,
         paged_kv_context.key_write,
         paged_kv_context.value_write,
@@ -311,9 +294,12 @@ def run_forward_paged(
         key_limits,
         mask,
         float(layer.softmax_scale),
-        out,
-        metadata.block_table_cpu,
-        metadata.query_start_loc_cpu,
-        metadata.seq_lens_cpu,
+    )
+    if torch.compiler.is_compiling():
+        out = torch.ops.diffkv.forward_paged(*inputs, *ops.graph_host_copies(metadata))
+        return ops.restore_output(paged_kv_context, out)
+    out = torch.empty_like(query)
+    _C.forward_paged(
+        *inputs, out, metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     )
     return paged_kv_context.restore_output(out)
