@@ -199,6 +199,7 @@ fence_regs(float (&r)[N])
         "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
 #define H90_D32 H90_D8(0), H90_D8(8), H90_D8(16), H90_D8(24)
 #define H90_D64 H90_D32, H90_D8(32), H90_D8(40), H90_D8(48), H90_D8(56)
+#define H90_D88 H90_D64, H90_D8(64), H90_D8(72), H90_D8(80)
 #define H90_R32_BODY                                                                               \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -206,6 +207,11 @@ fence_regs(float (&r)[N])
 #define H90_R64                                                                                    \
     "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define H90_R88                                                                                    \
+    "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "   \
+    "%82, %83, %84, %85, %86, %87}"
 
 /* d (m64 x N) = A B + (scale_d ? d : 0), A and B from shared memory (both K-major). IA, IB, IP:
  * the operand numbers of desc_a, desc_b and scale_d (after the N/2 accumulators). */
@@ -235,6 +241,8 @@ fence_regs(float (&r)[N])
 
 H90_WGMMA_SS(wgmma_ss_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66")
 H90_WGMMA_SS(wgmma_ss_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66")
+H90_WGMMA_SS(wgmma_ss_m64n176_bf16, 176, "bf16", H90_R88, H90_D88, "%88", "%89", "%90")
+H90_WGMMA_SS(wgmma_ss_m64n176_f16, 176, "f16", H90_R88, H90_D88, "%88", "%89", "%90")
 H90_WGMMA_SS(wgmma_ss_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34")
 H90_WGMMA_SS(wgmma_ss_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34")
 H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
@@ -258,6 +266,10 @@ template <> struct h90_mma<__nv_bfloat16> {
     {
         wgmma_ss_m64n64_bf16(s, a, b, acc);
     }
+    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n176_bf16(s, a, b, acc);
+    }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_bf16(o, p, b, 1);
@@ -275,6 +287,10 @@ template <> struct h90_mma<__half> {
     static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
     {
         wgmma_ss_m64n64_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n176_f16(s, a, b, acc);
     }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
@@ -719,7 +735,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * Warp-specialized kernel (attention_sm90_tma_kernel, head 64 or 128): the same per-warpgroup
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
  * (setmaxnreg leaves it 56 registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers
- * (224 or 160 registers) with query rows 64 (w - 1) ...  K has ST slots and V SV, each with a
+ * (224 or 160 registers) with query rows 64 (w - 1) ...  Key tiles of BN = 128 keys, or 176
+ * for unmasked head-128 calls fed by TMA (h90_wide_tiles; producer 24 registers, consumers
+ * 240: a tile's fixed costs over 37 % more keys).  K has ST slots and V SV, each with a
  * "full" mbarrier and an "empty" one (one arrive per consumer warp): H90T_STAGES of each at
  * head 128, one V slot more with the cp.async producers, one more of each at head 64.  Two
  * producers:
@@ -756,6 +774,11 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * it is taken from 25 %. */
 #define H90T_MIN_BOX 32
 #define H90T_MIN_RUNS 250
+/* Longest row (keys) from which unmasked calls take 176-key tiles: H200, bf16, 176- against
+ * 128-key tiles -- 1x24x16384x128 in allocation order 604-678 TFLOP/s (median of six runs 648)
+ * vs 586-611, 40 heads x 32760 dense 606-620 vs 583-589, but four packed 8190-key documents
+ * 552 vs 564-569 (interleaved in one run). */
+#define H90_WIDE_MIN_KEYS 16384
 
 #ifdef H90_DEVICE_CODE
 /* Arrive on `bar` once all of this thread's earlier cp.async copies have landed, without
@@ -923,31 +946,25 @@ struct h90_tma_dims {
                           the caller vouched): flat boxes only, no per-block map */
 };
 
-/* Registers after setmaxnreg: the producer warpgroup keeps 56 (two consumers) or 32 (three), the
- * consumer warpgroups share the rest of the CTA's 65536 (a multiple of 8 each). */
-template <int NC> struct h90_ws_regs;
-template <> struct h90_ws_regs<2> {
+/* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
+ * take the rest of what the CTA was launched with -- 168 per thread at 384 threads, 64,512; a
+ * consumer asking for more than is free waits in setmaxnreg forever (multiples of 8 each):
+ * 56 / 224 with two consumers and 128-key tiles, 24 / 240 with 176-key tiles (S, P and O of a
+ * warpgroup: 88 + 44 + 64 registers per thread; only the TMA producer, one warp, runs with 24),
+ * 32 / 160 with three (128 per thread at 512 threads). */
+template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
+    static_assert(PRODUCER % 8 == 0 && CONSUMER % 8 == 0, "setmaxnreg takes multiples of 8");
     static __device__ __forceinline__ void producer()
     {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER) : "memory");
     }
     static __device__ __forceinline__ void consumer()
     {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    }
-};
-template <> struct h90_ws_regs<3> {
-    static __device__ __forceinline__ void producer()
-    {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
-    }
-    static __device__ __forceinline__ void consumer()
-    {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER) : "memory");
     }
 };
 
-template <typename T, int ST, int D, int NC, int SV>
+template <typename T, int ST, int D, int NC, int SV, int BN>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -961,8 +978,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 /* clang-format on */
 {
 #ifdef H90_DEVICE_CODE
-    constexpr int BN = 128;
     constexpr int BM = 64 * NC; /* query rows per CTA */
+    static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
+    using regs = h90_ws_regs<NC == 3 ? 32 : BN == 176 ? 24 : 56, NC == 3 ? 160 : BN == 176 ? 240 : 224>;
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
     constexpr uint32_t QB = BM * D * 2;
@@ -1021,8 +1039,13 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
-        h90_ws_regs<NC>::producer();
-        if (dims.box == 0) {
+        regs::producer();
+        if constexpr (BN != 128) { /* the host gives 176-key tiles TMA boxes only */
+            if (dims.box == 0) {
+                __trap();
+            }
+        }
+        else if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 h90_produce_cp_async_groups<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0,
@@ -1103,7 +1126,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     }
 
     /* ---------------- consumers ---------------- */
-    h90_ws_regs<NC>::consumer();
+    regs::consumer();
     const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
     const int wt = tid - 128 * wg; /* thread within the warpgroup */
     const int w4 = wt / 32;
@@ -1292,6 +1315,7 @@ struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
     CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
     h90_tma_dims dims;
+    int32_t tile; /* keys per tile the maps' boxes were cut for: 128 or 176 */
 };
 
 /* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
@@ -1339,7 +1363,7 @@ enum h90_producer {
  * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
  * cannot encode maps). */
 static h90_producer
-h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
+h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
     const int64_t bs = a->block_size;
     /* power-of-two blocks: a tile never straddles two; one block per row (dense K/V): a tile
@@ -1351,7 +1375,7 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
     const int64_t row_stride = bs == 1 ? a->cache_stride_block : a->cache_stride_token;
     const bool flat = pow2 && bs < 128 && a->cache_stride_block == bs * row_stride &&
                       a->num_blocks <= (int64_t)INT32_MAX / bs;
-    const bool small = flat && bs < H90T_MIN_BOX && (128 / bs) * (a->head_size / 64) <= 32;
+    const bool small = flat && bs < H90T_MIN_BOX && (tile / bs) * (a->head_size / 64) <= 32;
     /* blocks too small for a box each (dense one-token blocks): flat boxes or nothing */
     const bool all_runs = flat && bs < H90T_MIN_BOX && !small;
     /* a second source (blocks blocks2 .. of key_cache2): flat boxes only, a tile from one */
@@ -1378,10 +1402,10 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
         const int64_t fs[2] = {tok_first ? row_stride : a->cache_stride_head,
                                tok_first ? a->cache_stride_head : row_stride};
         const int tok = tok_first ? 1 : 2;
-        if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, 128) &&
-            h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, 128) &&
-            (!two || (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, 128) &&
-                      h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, 128)))) {
+        if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, tile) &&
+            h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, tile) &&
+            (!two || (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, tile) &&
+                      h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, tile)))) {
             m->dims.flat = tok;
         }
         else if (small || all_runs) {
@@ -1413,7 +1437,7 @@ h90_tma_maps_encode(const dk_attention_args *a, h90_maps *m)
                                         : &m->dims.block;
         *slot = k + 1;
     }
-    m->dims.box = (int32_t)(bs < 128 ? bs : 128);
+    m->dims.box = (int32_t)(bs < tile ? bs : tile);
     if (!h90_encode(encode, &m->k, a, a->key_cache, 4, sx, sst, m->dims.token, m->dims.box) ||
         !h90_encode(encode, &m->v, a, a->value_cache, 4, sx, sst, m->dims.token, m->dims.box)) {
         return H90_CP_ASYNC;
@@ -1427,7 +1451,7 @@ struct h90_maps_key {
     const void *k, *v, *k2, *v2;
     int64_t block_size, num_blocks, blocks2, num_kv_heads, head_size, bt_cols_one;
     int64_t stride_token, stride_head, stride_block;
-    int32_t dtype;
+    int32_t dtype, tile;
 };
 
 #define H90_MAPS_CACHE 64 /* caches (layers) remembered per host thread */
@@ -1435,7 +1459,7 @@ struct h90_maps_key {
 /* h90_tma_maps_encode through a per-thread cache of the last H90_MAPS_CACHE caches' maps
  * (hashed by the K pointer).  A cache the maps cannot serve is remembered too. */
 static h90_producer
-h90_tma_maps(const dk_attention_args *a, h90_maps *m)
+h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
     struct entry {
         h90_maps_key key;
@@ -1457,14 +1481,15 @@ h90_tma_maps(const dk_attention_args *a, h90_maps *m)
     key.stride_head = a->cache_stride_head;
     key.stride_block = a->cache_stride_block;
     key.dtype = (int32_t)a->dtype;
+    key.tile = tile;
     key.k2 = a->key_cache2;
     key.v2 = a->value_cache2;
     key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
     const uintptr_t p = (uintptr_t)a->key_cache;
-    entry &e = cache[(p >> 8 ^ p >> 20) % H90_MAPS_CACHE];
+    entry &e = cache[(p >> 8 ^ p >> 20 ^ (uintptr_t)tile) % H90_MAPS_CACHE]; /* both tile widths of a cache fit */
     if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
         memset(&e.maps, 0, sizeof(e.maps));
-        e.producer = h90_tma_maps_encode(a, &e.maps);
+        e.producer = h90_tma_maps_encode(a, tile, &e.maps);
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
@@ -1475,17 +1500,17 @@ h90_tma_maps(const dk_attention_args *a, h90_maps *m)
     return e.producer;
 }
 
-template <typename T, int ST, int D, int NC, int SV>
+template <typename T, int ST, int D, int NC, int SV, int BN = 128>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
                bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     constexpr int BM = 64 * NC;
-    /* Q, ST K and SV V slots of 128 keys, alignment slack */
-    const size_t smem = (size_t)BM * D * 2 + (size_t)(ST + SV) * 128 * D * 2 + 1024;
-    const cudaError_t e =
-        attn_allow_smem((const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV>, smem, attr_set);
+    /* Q, ST K and SV V slots of BN keys, alignment slack */
+    const size_t smem = (size_t)BM * D * 2 + (size_t)(ST + SV) * BN * D * 2 + 1024;
+    const cudaError_t e = attn_allow_smem(
+        (const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV, BN>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
@@ -1493,7 +1518,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     const int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_tma_kernel<T, ST, D, NC, SV><<<blocks, 128 * (NC + 1), smem, s>>>(
+    attention_sm90_tma_kernel<T, ST, D, NC, SV, BN><<<blocks, 128 * (NC + 1), smem, s>>>(
         m.k, m.v, m.flat_k, m.flat_v, m.flat_k2, m.flat_v2, *a, m.dims, tiles_per_row, head_group,
         scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
@@ -1506,11 +1531,34 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
  * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
  * same run). */
+/* Whether a head-128 call takes 176-key tiles (FlashAttention-3's choice without a mask: each
+ * tile's fixed costs -- the barrier waits, the row maxima's shuffles, O's rescale -- spread over
+ * 37 % more keys; 2 K + 2 V stages of them and Q fill 209 KB): no mask, rows of at least
+ * H90_WIDE_MIN_KEYS keys, and a cache whose tiles TMA can cut at any multiple of 176 keys --
+ * one block per row (dense K/V) or 16-key blocks of a flat cache (per-block boxes, 11 per tile,
+ * or flat boxes over runs).  Two sources (dense joint tokens) keep 128: their split point is a
+ * multiple of 128 keys. */
+static bool
+h90_wide_tiles(const dk_attention_args *a)
+{
+    if (a->head_size != 128 || a->mask != DK_MASK_NONE || a->key_cache2 != NULL ||
+        a->max_seq_len < H90_WIDE_MIN_KEYS) {
+        return false;
+    }
+    const bool one_block = a->bt_cols == 1 && a->block_size >= 128;
+    const bool flat16 = a->block_size == 16 && a->cache_stride_block == 16 * a->cache_stride_token;
+    return one_block || flat16;
+}
+
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
+    if (a->head_size == 128 && m.dims.box != 0 && m.tile == 176) {
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(a, m, head_group, scale_log2,
+                                                                        neg_q, q_vec, o_vec, s);
+    }
     if (a->head_size == 128 && m.dims.box == 0) { /* cp.async: a third V slot (see there) */
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,
                                                                        neg_q, q_vec, o_vec, s);
@@ -1574,7 +1622,9 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
     const char *kernel = "sm90";
     if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
-        h90_producer pr = h90_tma_maps(a, &m);
+        const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
+        h90_producer pr = h90_tma_maps(a, tile, &m);
+        m.tile = tile;
         /* Head 64 takes 16-key blocks through the block-group cp.async producer even when
          * their tiles are runs: it beats the 128-row flat boxes there (H200, 1x16x16384x64,
          * allocation order: 398-415 vs 374-377 TFLOP/s non-causal, 426 vs 412-416 causal),
@@ -1582,7 +1632,7 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
         if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
             (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
-            memset(&m, 0, sizeof(m));
+            memset(&m, 0, sizeof(m)); /* box 0, 128-key tiles */
             pr = H90_CP_ASYNC;
         }
         kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";

@@ -17,9 +17,9 @@ import diffkv  # noqa: F401  (configures the tensor bridge)
 from diffkv import _C
 
 
-def _attention_case(dtype, head, block, mask, strided, sequential=False):
+def _attention_case(dtype, head, block, mask, strided, sequential=False, seq_lens=(37, 70)):
     g = torch.Generator().manual_seed(head + block + mask)
-    rows, seq_lens, query_lens, heads, kv_heads = 2, [37, 70], [20, 70], 4, 2
+    rows, seq_lens, query_lens, heads, kv_heads = 2, list(seq_lens), [20, 70], 4, 2
     blocks = [-(-s // block) for s in seq_lens]
     nb = sum(blocks) + 3
     # sequential: blocks in allocation order (a flat cache's tiles of consecutive blocks)
@@ -141,6 +141,9 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
+    # a row of 16384+ keys, unmasked: 176-key tiles on Hopper in allocation order (random: cp.async)
+    for sequential in (False, True):
+        _attention_case(torch.bfloat16, 128, 16, _C.MASK_NONE, False, sequential, seq_lens=(37, 16400))
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     torch.cuda.synchronize()

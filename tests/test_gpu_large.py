@@ -244,6 +244,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (16, "nhd", "random", "sm90-ws", 64),
         (16, "hnd", "random", "sm90-ws", 64),
         (16, "layers", "random", "sm90-ws", 128),
+        (4096, "nhd", "random", "sm90-tma", 128),  # one block per row
     ],
 )
 def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, monkeypatch):
@@ -261,7 +262,33 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
-    seq_lens, query_lens = [1000, 77, 2333], [1000, 77, 300]
+    _poisoned_call(block, layout, order, kernel, head, [1000, 77, 2333], [1000, 77, 300])
+
+
+@pytest.mark.parametrize(
+    ("block", "layout", "order", "kernel"),
+    [
+        (16, "nhd", "sequential", "sm90-tma"),
+        (16, "nhd", "runs", "sm90-tma"),
+        (32768, "nhd", "random", "sm90-tma"),  # one block per row
+        (32768, "hnd", "random", "sm90-tma"),
+        (16, "nhd", "random", "sm90-ws"),  # cp.async: 128-key tiles whatever the mask
+    ],
+)
+def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, monkeypatch):
+    """Unmasked head-128 calls whose longest row has 16384+ keys take 176-key tiles when TMA
+    can cut them (16-key blocks of a flat cache, one block per row): rows shorter than a tile,
+    rows ending mid-tile next to NaN slots, and a long row all meet the reference (the masked
+    call on the same cache takes 128-key tiles and is checked too)."""
+    monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
+    if _C.build_info()["attention_kernel"] != "sm90-tma":
+        pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
+    _poisoned_call(block, layout, order, kernel, 128, [1000, 77, 16500], [1000, 77, 200])
+
+
+def _poisoned_call(block, layout, order, kernel, head, seq_lens, query_lens):
+    """test_tma_kernel_layouts_blocks_and_poison's call: NaN in every slot no row may read,
+    unmasked and with key limits, each against the reference."""
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, block, torch.bfloat16, seed=block, order=order)
     cache = p["cache"]
     used = torch.zeros(cache.shape[1], dtype=torch.bool)
