@@ -1524,13 +1524,6 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     return cudaSuccess;
 }
 
-/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each
- * does not fit in shared memory) and with the cp.async producers a third V stage (192 KB of
- * tiles: h90_produce_cp_async_groups copies K and V of a tile together once both slots are free,
- * and the extra V slot frees them one tile earlier); head 64: three consumer warpgroups (192 rows)
- * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
- * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
- * same run). */
 /* Whether a head-128 call takes 176-key tiles (FlashAttention-3's choice without a mask: each
  * tile's fixed costs -- the barrier waits, the row maxima's shuffles, O's rescale -- spread over
  * 37 % more keys; 2 K + 2 V stages of them and Q fill 209 KB): no mask, rows of at least
@@ -1550,6 +1543,13 @@ h90_wide_tiles(const dk_attention_args *a)
     return one_block || flat16;
 }
 
+/* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each
+ * does not fit in shared memory) and with the cp.async producers a third V stage (192 KB of
+ * tiles: h90_produce_cp_async_groups copies K and V of a tile together once both slots are free,
+ * and the extra V slot frees them one tile earlier); head 64: three consumer warpgroups (192 rows)
+ * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
+ * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
+ * same run).  Head 128 with TMA boxes takes 176-key tiles where h90_wide_tiles says so. */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
