@@ -939,7 +939,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
  * head and the block (dims sorted by stride; dim 0 is head_size). */
 struct h90_tma_dims {
     int32_t token, head, block;
-    int32_t box;       /* keys per box: min(block_size, 128) */
+    int32_t box;       /* keys per box: min(block_size, the tile: 128 or 176) */
     int32_t flat;      /* 0: no flat map; else which of its dims 1..2 is the token row (the other
                           is the kv head) */
     int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
