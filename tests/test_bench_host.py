@@ -22,14 +22,10 @@ ROWS = (
 
 def test_bench_host_runs_every_row_and_writes_json(tmp_path):
     out = tmp_path / "host.json"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]),
-    )
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_host.py"), "--device", "cpu", "--quick",
          "--calls", "20", "--samples", "3", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
+        capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     for row in ROWS:
