@@ -980,7 +980,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 #ifdef H90_DEVICE_CODE
     constexpr int BM = 64 * NC; /* query rows per CTA */
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
-    using regs = h90_ws_regs<NC == 3 ? 32 : BN == 176 ? 24 : 56, NC == 3 ? 160 : BN == 176 ? 240 : 224>;
+    constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
+    constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
+    using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
     constexpr uint32_t QB = BM * D * 2;
@@ -1404,8 +1406,9 @@ h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
         const int tok = tok_first ? 1 : 2;
         if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, tile) &&
             h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, tile) &&
-            (!two || (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, tile) &&
-                      h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, tile)))) {
+            (!two ||
+             (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, tile) &&
+              h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, tile)))) {
             m->dims.flat = tok;
         }
         else if (small || all_runs) {
@@ -1486,7 +1489,8 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     key.v2 = a->value_cache2;
     key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
     const uintptr_t p = (uintptr_t)a->key_cache;
-    entry &e = cache[(p >> 8 ^ p >> 20 ^ (uintptr_t)tile) % H90_MAPS_CACHE]; /* both tile widths of a cache fit */
+    /* the tile in the hash: a cache's maps for 128- and 176-key tiles take different entries */
+    entry &e = cache[(p >> 8 ^ p >> 20 ^ (uintptr_t)tile) % H90_MAPS_CACHE];
     if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
         memset(&e.maps, 0, sizeof(e.maps));
         e.producer = h90_tma_maps_encode(a, tile, &e.maps);
@@ -1556,8 +1560,8 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
     if (a->head_size == 128 && m.dims.box != 0 && m.tile == 176) {
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(a, m, head_group, scale_log2,
-                                                                        neg_q, q_vec, o_vec, s);
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     if (a->head_size == 128 && m.dims.box == 0) { /* cp.async: a third V slot (see there) */
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,
