@@ -138,7 +138,7 @@ def test_packed_varlen_documents_stay_apart(device, dtype, causal, cu_on_cpu):
     }
     impl = _impl(64, causal)
     out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
-    if device == "cuda" and dtype != torch.float32 and _C.build_info()["attention_kernel"] == "sm90-tma":
+    if device.type == "cuda" and dtype != torch.float32 and _C.build_info()["attention_kernel"] == "sm90-tma":
         # each document's keys are one run of rows: TMA boxes of the key tensor's flat map
         assert _C.last_attention_kernel() == "sm90-tma"
     visible = torch.zeros(1, tq, tk, dtype=torch.bool)
@@ -638,6 +638,36 @@ def test_joint_attention_whole_tile_sources(device, strategy, sj, sk, head):
     impl = _impl(head, causal=False)
     meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy)
     out = impl.forward(q, k, v, meta)
-    if device == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
         assert _C.last_attention_kernel() == "sm90-tma"
     _close(out, _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front"), dtype)
+
+
+@pytest.mark.parametrize("first", [0, 5])
+def test_packed_varlen_tokens_outside_documents(device, first):
+    """Host cu_seqlens_q must cover every packed query token (a ValueError naming it, before
+    anything runs); device ones are not read back, and tokens before cu_seqlens_q[0] or past
+    cu_seqlens_q[-1] come back as zeros, also when the output's memory last held NaN (the
+    allocator hands the freed block of the same size back)."""
+    lens = [40, 9, 70]
+    total = first + sum(lens) + 11
+    q, k, v = _qkv(1, total, total, 64, torch.float32, device, seed=12)
+    cu = torch.tensor([first, *(first + torch.tensor(lens).cumsum(0)).tolist()], dtype=torch.int32)
+    impl = _impl(64, False)
+    with pytest.raises(
+        ValueError, match=rf"extra\['cu_seqlens_q'\] must run from 0 to the {total} packed query"
+    ):
+        impl.forward(q, k, v, AttentionMetadata(extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu}))
+    if device.type == "cpu":
+        return
+    poison = torch.full_like(q[0], float("nan"))
+    del poison
+    cu_dev = cu.to(device)
+    out = impl.forward(q, k, v, AttentionMetadata(extra={"cu_seqlens_q": cu_dev, "cu_seqlens_k": cu_dev}))
+    assert not out.isnan().any()
+    assert (out[0, :first] == 0).all() and (out[0, int(cu[-1]) :] == 0).all()
+    visible = torch.zeros(1, total, total, dtype=torch.bool)
+    for r in range(len(lens)):
+        a, b = int(cu[r]), int(cu[r + 1])
+        visible[0, a:b, a:b] = True
+    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
