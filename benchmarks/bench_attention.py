@@ -30,7 +30,7 @@ import argparse
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -80,28 +80,35 @@ def _cases(quick: bool) -> list[Case]:
         s16, s_wan, h24, h40, h16, chunk = 16384, 32760, 24, 40, 16, 1560
         s_pow2 = 32768
     hunyuan_seq = tuple(p + image for p in prefixes)
+    denoise = Case(
+        "hunyuan_denoise",
+        hn,
+        hkv,
+        d,
+        tuple((image, s) for s in hunyuan_seq),
+        "span",
+        span_starts=prefixes,
+        what="HunyuanImage-3.0 denoise: 2 rows, prefixes 500/3500 + 4097 image tokens, full span",
+    )
+    h24_pair = [Case(f"h24_s16k_{m}", h24, h24, 128, ((s16, s16),), mask) for m, mask in _NC_CAUSAL]
+    d64_pair = [Case(f"h16_s16k_d64_{m}", h16, h16, 64, ((s16, s16),), mask) for m, mask in _NC_CAUSAL]
+    piecewise = Case(
+        "piecewise_s16k_c1560",
+        h24,
+        h24,
+        128,
+        ((s16, s16),),
+        "chunks",
+        chunk=chunk,
+        compare="causal",
+        what="block-causal chunks of 1560 tokens (one video frame)",
+    )
+    paged16 = Case(
+        "paged_b16_s16k", h24, h24, 128, ((s16, s16),), "none", block_size=16, compare="contiguous"
+    )
     return [
-        Case(
-            "hunyuan_denoise",
-            hn,
-            hkv,
-            d,
-            tuple((image, s) for s in hunyuan_seq),
-            "span",
-            span_starts=prefixes,
-            what="HunyuanImage-3.0 denoise: 2 rows, prefixes 500/3500 + 4097 image tokens, full span",
-        ),
-        Case(
-            "hunyuan_denoise_alloc",
-            hn,
-            hkv,
-            d,
-            tuple((image, s) for s in hunyuan_seq),
-            "span",
-            span_starts=prefixes,
-            what="the same, blocks in allocation order",
-            order="allocation",
-        ),
+        denoise,
+        _in_allocation_order(denoise),
         Case(
             "hunyuan_prefill",
             hn,
@@ -112,10 +119,8 @@ def _cases(quick: bool) -> list[Case]:
             span_starts=prefixes,
             what="HunyuanImage-3.0 prefill: causal prompt + full image span",
         ),
-        Case("h24_s16k_nc", h24, h24, 128, ((s16, s16),), "none"),
-        Case("h24_s16k_causal", h24, h24, 128, ((s16, s16),), "causal"),
-        Case("h24_s16k_nc_alloc", h24, h24, 128, ((s16, s16),), "none", order="allocation"),
-        Case("h24_s16k_causal_alloc", h24, h24, 128, ((s16, s16),), "causal", order="allocation"),
+        *h24_pair,
+        *map(_in_allocation_order, h24_pair),
         Case("wan_s32760_nc", h40, h40, 128, ((s_wan, s_wan),), "none", what="Wan-14B 480p"),
         Case("wan_s32760_causal", h40, h40, 128, ((s_wan, s_wan),), "causal", what="Wan-14B 480p"),
         Case(
@@ -127,47 +132,27 @@ def _cases(quick: bool) -> list[Case]:
             "none",
             what="the 32760 case's power-of-two neighbour (a 32760 length should cost nothing extra)",
         ),
-        Case("h16_s16k_d64_nc", h16, h16, 64, ((s16, s16),), "none"),
-        Case("h16_s16k_d64_causal", h16, h16, 64, ((s16, s16),), "causal"),
-        Case("h16_s16k_d64_nc_alloc", h16, h16, 64, ((s16, s16),), "none", order="allocation"),
-        Case("h16_s16k_d64_causal_alloc", h16, h16, 64, ((s16, s16),), "causal", order="allocation"),
-        Case(
-            "piecewise_s16k_c1560",
-            h24,
-            h24,
-            128,
-            ((s16, s16),),
-            "chunks",
-            chunk=chunk,
-            compare="causal",
-            what="block-causal chunks of 1560 tokens (one video frame)",
-        ),
-        Case(
-            "piecewise_s16k_c1560_alloc",
-            h24,
-            h24,
-            128,
-            ((s16, s16),),
-            "chunks",
-            chunk=chunk,
-            compare="causal",
-            what="the same, blocks in allocation order",
-            order="allocation",
-        ),
-        Case("paged_b16_s16k", h24, h24, 128, ((s16, s16),), "none", block_size=16, compare="contiguous"),
-        Case(
-            "paged_b16_s16k_alloc",
-            h24,
-            h24,
-            128,
-            ((s16, s16),),
-            "none",
-            block_size=16,
-            compare="contiguous",
-            order="allocation",
-        ),
+        *d64_pair,
+        *map(_in_allocation_order, d64_pair),
+        piecewise,
+        _in_allocation_order(piecewise),
+        paged16,
+        _in_allocation_order(paged16),
         Case("paged_b128_s16k", h24, h24, 128, ((s16, s16),), "none", block_size=128, compare="contiguous"),
     ]
+
+
+_NC_CAUSAL = (("nc", "none"), ("causal", "causal"))
+
+
+def _in_allocation_order(case: Case) -> Case:
+    """The case's twin reading a cache whose blocks are in allocation order ('<name>_alloc')."""
+    return replace(
+        case,
+        name=f"{case.name}_alloc",
+        order="allocation",
+        what="the same, blocks in allocation order" if case.what else "",
+    )
 
 
 # --- masks -------------------------------------------------------------------------------------
