@@ -797,6 +797,32 @@ cp_async_arrive_noinc(uint32_t bar)
  * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
  * full barrier when its copies land (count 128).
  */
+/* What each of a cp.async producer's 128 threads needs about its CTA's row: the kv head, the
+ * row's block table, its 16-byte chunk c of a key row and first row rr of a pass, the caches
+ * (the second source's too). */
+struct h90_cp_thread {
+    int64_t kvh;
+    const int32_t *bt;
+    uint32_t c, rr;
+    const char *kc, *vc, *kc2, *vc2;
+};
+
+template <int D>
+static __device__ __forceinline__ h90_cp_thread
+h90_cp_setup(const dk_attention_args &a, int64_t h, int64_t row)
+{
+    constexpr int CH = D / 8; /* 16-byte chunks per key row */
+    const int tid = (int)threadIdx.x;
+    return {h / (a.num_heads / a.num_kv_heads),
+            a.block_table + row * a.bt_stride_row,
+            (uint32_t)(tid % CH),
+            (uint32_t)(tid / CH),
+            (const char *)a.key_cache,
+            (const char *)a.value_cache,
+            (const char *)a.key_cache2,
+            (const char *)a.value_cache2};
+}
+
 template <int D, int BN, int ST, int SV>
 static __device__ __forceinline__ void
 h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
@@ -808,14 +834,7 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
     constexpr int RP = 128 / CH;             /* rows per pass of the 128 threads */
     __shared__ const char *s_prow[2][2][BN]; /* [tile & 1][K, V][row]: row addresses */
     const int tid = (int)threadIdx.x;        /* 0 .. 127 */
-    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
-    const int32_t *bt = a.block_table + row * a.bt_stride_row;
-    const uint32_t c = (uint32_t)(tid % CH);
-    const uint32_t rr = (uint32_t)(tid / CH);
-    const char *kc = (const char *)a.key_cache;
-    const char *vc = (const char *)a.value_cache;
-    const char *kc2 = (const char *)a.key_cache2;
-    const char *vc2 = (const char *)a.value_cache2;
+    const auto [kvh, bt, c, rr, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
     /* Block ids of this thread's keys (tid and tid + 128 of every tile: BN <= 256), loaded one
      * tile ahead so that the block-table latency hides behind a tile's copies. */
     constexpr int KPT = (BN + 127) / 128;
@@ -887,15 +906,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     constexpr int CH = D / 8;    /* 16-byte chunks per key row */
     constexpr int RP = 128 / CH; /* rows per pass of the 128 threads (8 or 16) */
     static_assert(RP <= 16 && 16 % RP == 0, "a pass lies in one 16-key group");
-    const int tid = (int)threadIdx.x; /* 0 .. 127 */
-    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
-    const int32_t *bt = a.block_table + row * a.bt_stride_row;
-    const uint32_t c = (uint32_t)(tid % CH);
-    const uint32_t rr = (uint32_t)(tid / CH);
-    const char *kc = (const char *)a.key_cache;
-    const char *vc = (const char *)a.value_cache;
-    const char *kc2 = (const char *)a.key_cache2;
-    const char *vc2 = (const char *)a.value_cache2;
+    const auto [kvh, bt, c, rr, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t shift = (uint32_t)__ffs((int)bs) - 1u; /* bs is a power of two */
     const int64_t tbytes = a.cache_stride_token * 2;
