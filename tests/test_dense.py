@@ -417,13 +417,24 @@ def test_bad_inputs_raise_before_anything_runs():
     )
 
 
-def test_dense_attention_binding_checks_key_index():
+def _one_row_binding(key_index):
+    """dense_attention's inputs for one row of 3 queries (2 heads x 4) over 4 keys (1 KV head):
+    q, k, key_index (int32), query_start_loc, seq_lens, a zeroed output."""
     q = torch.randn(3, 2, 4)
     k = torch.randn(4, 1, 4)
-    index = torch.tensor([[0, 9, 1]], dtype=torch.int32)
-    qsl = torch.tensor([0, 3], dtype=torch.int32)
-    sl = torch.tensor([3], dtype=torch.int32)
-    out = torch.zeros(3, 2, 4)
+    index = torch.tensor(key_index, dtype=torch.int32)
+    return (
+        q,
+        k,
+        index,
+        torch.tensor([0, 3], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+        torch.zeros(3, 2, 4),
+    )
+
+
+def test_dense_attention_binding_checks_key_index():
+    q, k, index, qsl, sl, out = _one_row_binding([[0, 9, 1]])
     _raises(
         ValueError,
         "dense_attention(): key_index[0][1] must be in [0, num_keys=4), got 9",
@@ -493,12 +504,7 @@ def test_dense_attention_binding_checks_key_index():
 
 
 def test_dense_attention_binding_checks_joint_keys():
-    q = torch.randn(3, 2, 4)
-    k = torch.randn(4, 1, 4)
-    index = torch.tensor([[0, 4, 1]], dtype=torch.int32)
-    qsl = torch.tensor([0, 3], dtype=torch.int32)
-    sl = torch.tensor([3], dtype=torch.int32)
-    out = torch.zeros(3, 2, 4)
+    q, k, index, qsl, sl, out = _one_row_binding([[0, 4, 1]])
     jk = torch.randn(2, 1, 4)
 
     def call(joint_key, joint_value):
