@@ -660,10 +660,12 @@ def test_packed_varlen_tokens_outside_documents(device, first):
     q, k, v = _qkv(1, total, total, 64, torch.float32, device, seed=12)
     cu = torch.tensor([first, *(first + torch.tensor(lens).cumsum(0)).tolist()], dtype=torch.int32)
     impl = _impl(64, False)
-    with pytest.raises(
-        ValueError, match=rf"extra\['cu_seqlens_q'\] must run from 0 to the {total} packed query"
-    ):
-        impl.forward(q, k, v, AttentionMetadata(extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu}))
+    _raises(
+        ValueError,
+        f"DiffKVAttentionImpl.forward(): extra['cu_seqlens_q'] must run from 0 to the {total} packed "
+        f"query tokens, got {first} .. {int(cu[-1])}",
+        lambda: impl.forward(q, k, v, AttentionMetadata(extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu})),
+    )
     if device.type == "cpu":
         return
     poison = torch.full_like(q[0], float("nan"))
