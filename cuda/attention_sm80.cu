@@ -502,7 +502,11 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     const int64_t query_len = a.query_start_loc[row + 1] - q_start;
     /* The table's reach bounds the keys read, whatever the device seq_lens says. */
     const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
-    const int32_t lim = key_limit(a, t, t - q_start, query_len, seq_len);
+    /* A token outside every row (before query_start_loc[0] or past query_start_loc[num_rows])
+     * sees no key: zeros and lse -inf, what the callers of the tiled kernels (which leave such
+     * tokens alone) have zeroed there beforehand. */
+    const int64_t i = t - q_start;
+    const int32_t lim = i >= 0 && i < query_len ? key_limit(a, t, i, query_len, seq_len) : 0;
     const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
     const int32_t *bt = a.block_table + row * a.bt_stride_row;
     const float *q = (const float *)a.query + t * a.q_stride_token + h * a.q_stride_head;
