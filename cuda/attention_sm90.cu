@@ -462,7 +462,6 @@ struct h90_rows {
     int32_t g_min;   /* smallest key limit of the warpgroup's rows */
     int tq;          /* lane % 4 */
     float scale_log2;
-    float lazy_raw; /* 8 / scale_log2: how far (raw score) a lazy max may lag (LAZY only) */
 };
 
 /* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
@@ -490,17 +489,17 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
  * max m (raw scores) and this thread's partial sums l, and returns the factor alpha by which
  * O must be rescaled.  s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1).
  * p = 2^(s * scale_log2 - m * scale_log2); a row with no visible key so far keeps max -inf
- * and subtracts 0 instead, so that 2^-inf = 0 rather than nan.  LAZY (FlashAttention-4's
- * conditional rescaling) keeps a row's max until a tile's exceeds it by more than 2^8 in the
- * exponent, and returns false when no row of the warp moved (alpha is 1: O's rescale can be
- * skipped); otherwise returns true.
+ * and subtracts 0 instead, so that 2^-inf = 0 rather than nan.  Returns whether O needs
+ * the rescale: with SKIP, false when no row of the warp raised its max in this tile (every
+ * alpha is then exactly 1, as the eager form computes it: skipping is bit-identical); without,
+ * always true.
  */
-template <int NT, bool LAZY = false>
+template <int NT, bool SKIP = false>
 static __device__ __forceinline__ bool
 h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
             const h90_rows &r)
 {
-    bool upd[2] = {true, true};
+    bool raised = false;
     if (j0 + NT * 8 > r.g_min) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
@@ -521,16 +520,10 @@ h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2],
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float mn = fmaxf(m[hf], mx);
-        if (LAZY) {
-            /* keep the running max unless the tile's exceeds it by more than 2^8 in the
-             * exponent: p stays <= 256 (fp32 sums, fp16/bf16 P), O and l keep the same reference
-             * and need no rescale; -inf + x is -inf, so a row's first visible tile updates */
-            upd[hf] = mn > m[hf] + r.lazy_raw;
-            mn = upd[hf] ? mn : m[hf];
-        }
+        const float mn = fmaxf(m[hf], mx);
+        raised = raised || mn > m[hf];
         const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, r.scale_log2);
-        alpha[hf] = LAZY && !upd[hf] ? 1.0f : fast_exp2(__fmul_rn(m[hf], r.scale_log2) - base);
+        alpha[hf] = fast_exp2(__fmul_rn(m[hf], r.scale_log2) - base);
         m[hf] = mn;
         float sum = 0.0f;
 #pragma unroll
@@ -543,8 +536,7 @@ h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2],
         }
         l[hf] = l[hf] * alpha[hf] + sum;
     }
-    /* whether O needs its rescale: any row of the warp moved its max (warp-uniform) */
-    return !LAZY || __any_sync(0xffffffffu, upd[0] || upd[1]) != 0;
+    return !SKIP || __any_sync(0xffffffffu, raised) != 0; /* warp-uniform */
 }
 
 #endif /* H90_DEVICE_CODE */
@@ -1185,9 +1177,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     rows.g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
     rows.tq = tq;
     rows.scale_log2 = scale_log2;
-    /* Lazy rescale (h90_softmax LAZY) at head 128 only: there it saved 2-10 % (fewer O
-     * rescales of 64 registers); at head 64 causal it lost 5 % and non-causal did not gain. */
-    rows.lazy_raw = 8.0f / scale_log2;
+    /* Head 128 skips O's rescale on tiles where no row of the warp raised its max (h90_softmax
+     * SKIP; bit-identical): 2-7 % faster there.  Head 64 rescales every tile (the lossy lazy
+     * form lost 5 % there; the skip alone was not measured at head 64). */
 
     if (n_tiles > 0) {
         for (int32_t kt = 0; kt < n_tiles; kt++) {
@@ -1229,7 +1221,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (lane == 0) {
                     mbar_arrive(empty_v + 8u * pslot);
                 }
-                if (rescale) {
+                if (rescale) { /* head 128: skipped while the warp's rows keep their max */
                     h90_rescale_o<DT>(o, alpha);
                 }
             }
