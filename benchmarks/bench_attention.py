@@ -16,7 +16,9 @@ counted exactly.  A baseline that cannot express a case's mask runs the causal m
 same rows instead (marked ``*``; its TFLOP/s counts its own causal pairs).  Every ratio is
 diffkv TFLOP/s / baseline TFLOP/s (> 1: diffkv faster); for an exact baseline this equals
 baseline time / diffkv time.  diffkv's output is checked against every exact baseline (or a
-float32 reference when the case is small).
+float32 reference when the case is small).  A case's calls (diffkv, its contiguous or causal
+comparison, the baselines) are timed interleaved: every repetition round runs each once, in
+an order rotated per round, so a drift of the GPU's clock falls on all of them alike.
 
     python benchmarks/bench_attention.py [--quick] [--cases a,b] [--baselines flash,cudnn,flex]
                                          [--device cuda|cpu] [--json out.json]
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common import environment, fmt, median, print_table, time_us, write_json
+from common import environment, fmt, median, print_table, time_many_us, write_json
 from diffkv import _C
 
 BASELINES = ("flash", "cudnn", "flex")
@@ -506,16 +508,19 @@ def _shape(case: Case) -> str:
 
 
 def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
+    """One case: diffkv, its comparison (contiguous K/V or causal) and every baseline set up
+    first, then timed together (``time_many_us``: round-robin, so the GPU's clock drift under
+    its power cap is shared by all of them rather than handed to a ratio)."""
     dtype = torch.bfloat16
     seed = 1234
-    timing = {"warmup": args.warmup, "reps": args.reps}
     data = _make_data(case, device, dtype, seed)
     paged = _make_paged(case, data, case.block_size, False, device, seed)
     out = torch.empty_like(data.query)
     diffkv_run = _diffkv_fn(case, data, paged, data.mask_code, data.key_limits, out)
-    t = time_us(diffkv_run, device, **timing)
-    us = t["median_us"]
-    kernel = _C.last_attention_kernel()  # the kernel this case's calls launched
+    diffkv_run()
+    kernel = _C.last_attention_kernel()  # the kernel this case's calls launch
+    diffkv_out = out.clone()
+    timers: dict[str, Callable[[], Any]] = {"diffkv": diffkv_run}
     result: dict[str, Any] = {
         "case": case.name,
         "what": case.what,
@@ -532,14 +537,10 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
         "dtype": "bfloat16",
         "pairs": data.pairs,
         "flops": 4 * case.heads * case.head_size * data.pairs,
-        "diffkv_us": us,
-        "diffkv_samples_us": t["samples_us"],
-        "diffkv_tflops": _tflops(data.pairs, case, us),
         "baselines": {},
         "checks": {},
         "extra": {},
     }
-    diffkv_out = out.clone()
 
     # A float32 reference with the explicit mask when its score matrix is small (<= 64 MiB).
     small = sum(q * s for q, s in case.rows) * case.heads <= (1 << 24)
@@ -550,64 +551,73 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
         contig = _make_paged(case, data, case.block_size, True, device, seed)
         out2 = torch.empty_like(data.query)
         try:
-            t2 = time_us(
-                _diffkv_fn(case, data, contig, data.mask_code, data.key_limits, out2), device, **timing
-            )
+            contig_run = _diffkv_fn(case, data, contig, data.mask_code, data.key_limits, out2)
+            contig_run()
         except ValueError as exc:
             # diffkv refused a block this large: use an identity table of 256-token blocks
             # instead (the same memory order; the kernel still translates every block).
             contig = _make_paged_identity(case, data, 256, device)
             contig.layout += f" [one block per row refused: {exc}]"
-            t2 = time_us(
-                _diffkv_fn(case, data, contig, data.mask_code, data.key_limits, out2), device, **timing
-            )
+            contig_run = _diffkv_fn(case, data, contig, data.mask_code, data.key_limits, out2)
+            contig_run()
         result["extra"]["contiguous_layout"] = contig.layout
-        result["extra"]["contiguous_us"] = t2["median_us"]
-        result["extra"]["paged_vs_contiguous"] = t2["median_us"] / us
         result["checks"]["contiguous_vs_paged"] = (out2.float() - diffkv_out.float()).abs().max().item()
-        del contig, out2
+        timers["contiguous"] = contig_run
     elif case.compare == "causal":
         causal_out = torch.empty_like(data.query)
-        causal_pairs = sum(_causal_pairs(q, s) for q, s in case.rows)
-        t2 = time_us(_diffkv_fn(case, data, paged, _C.MASK_CAUSAL, None, causal_out), device, **timing)
-        causal_tflops = _tflops(causal_pairs, case, t2["median_us"])
-        result["extra"]["causal_us"] = t2["median_us"]
-        result["extra"]["causal_tflops"] = causal_tflops
-        result["extra"]["vs_causal"] = result["diffkv_tflops"] / causal_tflops
+        timers["causal"] = _diffkv_fn(case, data, paged, _C.MASK_CAUSAL, None, causal_out)
 
+    setups: dict[str, dict[str, Any]] = {}
     for name in BASELINES:
-        entry: dict[str, Any]
         if name not in args.baselines:
-            entry = {"status": "skipped", "reason": "not requested"}
+            result["baselines"][name] = {"status": "skipped", "reason": "not requested"}
         elif device.type != "cuda":
-            entry = {"status": "n/a", "reason": _CPU_ONLY}
+            result["baselines"][name] = {"status": "n/a", "reason": _CPU_ONLY}
         else:
             try:
                 setup = _flex_setup(case, data) if name == "flex" else _sdpa_setup(name, case, data)
             except Exception as exc:  # a baseline that cannot run is reported, not fatal
                 setup = {"reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             if "run" not in setup:
-                entry = {"status": "n/a", "reason": setup["reason"]}
+                result["baselines"][name] = {"status": "n/a", "reason": setup["reason"]}
             else:
-                tb = time_us(setup["run"], device, **timing)
-                b_tflops = _tflops(setup["pairs"], case, tb["median_us"])
-                entry = {
-                    "status": "ok",
-                    "exact_mask": setup["exact"],
-                    "mask_run": "same" if setup["exact"] else "causal (flash/cuDNN cannot express the mask)",
-                    "gqa": setup["gqa"],
-                    "us": tb["median_us"],
-                    "samples_us": tb["samples_us"],
-                    "pairs": setup["pairs"],
-                    "tflops": b_tflops,
-                    "ratio": result["diffkv_tflops"] / b_tflops,
-                }
-                if setup["exact"]:
-                    result["checks"][name] = _max_diff(case, data, diffkv_out, setup["outs"])
-                del setup
-        result["baselines"][name] = entry
+                setups[name] = setup
+                timers[name] = setup["run"]
+
+    timed = time_many_us(timers, device, warmup=args.warmup, reps=args.reps)
+    us = timed["diffkv"]["median_us"]
+    result["diffkv_us"] = us
+    result["diffkv_samples_us"] = timed["diffkv"]["samples_us"]
+    result["diffkv_tflops"] = _tflops(data.pairs, case, us)
+    if "contiguous" in timed:
+        result["extra"]["contiguous_us"] = timed["contiguous"]["median_us"]
+        result["extra"]["paged_vs_contiguous"] = timed["contiguous"]["median_us"] / us
+    if "causal" in timed:
+        causal_pairs = sum(_causal_pairs(q, s) for q, s in case.rows)
+        causal_tflops = _tflops(causal_pairs, case, timed["causal"]["median_us"])
+        result["extra"]["causal_us"] = timed["causal"]["median_us"]
+        result["extra"]["causal_tflops"] = causal_tflops
+        result["extra"]["vs_causal"] = result["diffkv_tflops"] / causal_tflops
+    for name, setup in setups.items():
+        tb = timed[name]
+        b_tflops = _tflops(setup["pairs"], case, tb["median_us"])
+        result["baselines"][name] = {
+            "status": "ok",
+            "exact_mask": setup["exact"],
+            "mask_run": "same" if setup["exact"] else "causal (flash/cuDNN cannot express the mask)",
+            "gqa": setup["gqa"],
+            "us": tb["median_us"],
+            "samples_us": tb["samples_us"],
+            "pairs": setup["pairs"],
+            "tflops": b_tflops,
+            "ratio": result["diffkv_tflops"] / b_tflops,
+        }
+        if setup["exact"]:
+            result["checks"][name] = _max_diff(case, data, diffkv_out, setup["outs"])
+    # the report keeps the baselines in BASELINES order
+    result["baselines"] = {name: result["baselines"][name] for name in BASELINES}
     result["check_ok"] = all(v <= CHECK_TOL for v in result["checks"].values())
-    del data, paged, out, diffkv_out
+    del data, paged, out, diffkv_out, setups, timers
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import diffkv
-from common import environment, print_table, time_us, write_json
+from common import environment, print_table, time_many_us, write_json
 from diffkv.backends.abstract import AttentionMetadata
 
 CASES = ("wan_nc", "wan_keypad", "varlen_4docs", "wan_causal", "wan_joint512")
@@ -47,14 +47,21 @@ def _sdpa(backend: SDPBackend, q, k, v, mask=None, causal=False):
         ).transpose(1, 2)
 
 
-def _time(fn, device, args) -> float | None:
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except RuntimeError as exc:
-        print(f"    (baseline unavailable: {str(exc).splitlines()[0][:100]})")
-        return None
-    return time_us(fn, device, warmup=args.warmup, reps=args.reps)["median_us"]
+def _time(fns: dict[str, Any], device, args) -> dict[str, float | None]:
+    """Median us of each call, timed interleaved (``time_many_us``: every round runs each once,
+    so the GPU's clock drift falls on all alike); a call whose first run raises is reported
+    unavailable (None)."""
+    ok = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            print(f"    ({name} unavailable: {str(exc).splitlines()[0][:100]})")
+            continue
+        ok[name] = fn
+    timed = time_many_us(ok, device, warmup=args.warmup, reps=args.reps)
+    return {name: timed[name]["median_us"] if name in timed else None for name in fns}
 
 
 def _case(name: str, device: torch.device, args) -> dict[str, Any]:
@@ -70,9 +77,12 @@ def _case(name: str, device: torch.device, args) -> dict[str, Any]:
     if name in ("wan_nc", "wan_causal"):
         causal = name == "wan_causal"
         pairs = s * (s + 1) // 2 if causal else s * s
-        res["diffkv"] = _time(lambda: impl.forward(q, k, v), device, args)
-        res["flash"] = _time(lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal=causal), device, args)
-        res["cudnn"] = _time(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal=causal), device, args)
+        fns = {
+            "diffkv": lambda: impl.forward(q, k, v),
+            "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal=causal),
+            "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal=causal),
+        }
+        res.update(_time(fns, device, args))
         ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal=causal)
         res["max_diff"] = (impl.forward(q, k, v).float() - ref.float()).abs().max().item()
     elif name == "wan_joint512":
@@ -81,9 +91,12 @@ def _case(name: str, device: torch.device, args) -> dict[str, Any]:
         meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy="front")
         cq, ck, cv = (torch.cat(p, dim=1) for p in ((jq, q), (jk, k), (jv, v)))
         pairs = (s + 512) ** 2
-        res["diffkv"] = _time(lambda: impl.forward(q, k, v, meta), device, args)
-        res["flash"] = _time(lambda: _sdpa(SDPBackend.FLASH_ATTENTION, cq, ck, cv), device, args)
-        res["cudnn"] = _time(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, cq, ck, cv), device, args)
+        fns = {
+            "diffkv": lambda: impl.forward(q, k, v, meta),
+            "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, cq, ck, cv),
+            "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, cq, ck, cv),
+        }
+        res.update(_time(fns, device, args))
         ref = _sdpa(SDPBackend.FLASH_ATTENTION, cq, ck, cv)
         res["max_diff"] = (impl.forward(q, k, v, meta).float() - ref.float()).abs().max().item()
     elif name == "wan_keypad":
@@ -92,12 +105,13 @@ def _case(name: str, device: torch.device, args) -> dict[str, Any]:
         keep[:, :valid] = True
         meta = AttentionMetadata(attn_mask=keep)
         pairs = s * valid
-        res["diffkv"] = _time(lambda: impl.forward(q, k, v, meta), device, args)
-        res["flash"] = _time(
-            lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k[:, :valid], v[:, :valid]), device, args
-        )
         bool_mask = keep[:, None, None, :]
-        res["cudnn"] = _time(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, mask=bool_mask), device, args)
+        fns = {
+            "diffkv": lambda: impl.forward(q, k, v, meta),
+            "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k[:, :valid], v[:, :valid]),
+            "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, mask=bool_mask),
+        }
+        res.update(_time(fns, device, args))
         ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k[:, :valid], v[:, :valid])
         res["max_diff"] = (impl.forward(q, k, v, meta).float() - ref.float()).abs().max().item()
     else:
@@ -112,9 +126,12 @@ def _case(name: str, device: torch.device, args) -> dict[str, Any]:
         def per_doc(backend):
             return [_sdpa(backend, q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs]
 
-        res["diffkv"] = _time(lambda: impl.forward(q, k, v, meta), device, args)
-        res["flash"] = _time(lambda: per_doc(SDPBackend.FLASH_ATTENTION), device, args)
-        res["cudnn"] = _time(lambda: per_doc(SDPBackend.CUDNN_ATTENTION), device, args)
+        fns = {
+            "diffkv": lambda: impl.forward(q, k, v, meta),
+            "flash": lambda: per_doc(SDPBackend.FLASH_ATTENTION),
+            "cudnn": lambda: per_doc(SDPBackend.CUDNN_ATTENTION),
+        }
+        res.update(_time(fns, device, args))
         ref = torch.cat(per_doc(SDPBackend.FLASH_ATTENTION), dim=1)
         res["max_diff"] = (impl.forward(q, k, v, meta).float() - ref.float()).abs().max().item()
     res["kernel"] = diffkv._C.last_attention_kernel()

@@ -6,7 +6,7 @@ around the call only, the median of the repetitions.  On CPU the same loop runs 
 time.perf_counter_ns.  ``device_times_us`` times GPU work from the profiler's kernel records
 instead, for calls that synchronise the host inside (events would count the sync).
 
-Entry points: time_us, device_times_us, environment, write_json, print_table, median, fmt.
+Entry points: time_us, time_many_us, device_times_us, environment, write_json, print_table, median, fmt.
 """
 
 from __future__ import annotations
@@ -50,6 +50,23 @@ def time_us(
     'samples_us': [reps]}."""
     timed = _bench.time_us(fn, torch.device(device), warmup, reps)
     return {"median_us": timed["us"], "min_us": timed["min_us"], "samples_us": timed["samples_us"]}
+
+
+def time_many_us(
+    fns: dict[str, Callable[[], Any]],
+    device: torch.device | str,
+    *,
+    warmup: int = 3,
+    reps: int = 10,
+) -> dict[str, dict[str, Any]]:
+    """``time_us`` for the calls of one comparison, interleaved (``diffkv._bench.time_interleaved``:
+    every round runs each call once, order rotated, so drift in the GPU's clock falls on all of
+    them alike).  Returns {name: {'median_us', 'min_us', 'samples_us'}}."""
+    timed = _bench.time_interleaved(fns, torch.device(device), warmup, reps)
+    return {
+        name: {"median_us": t["us"], "min_us": t["min_us"], "samples_us": t["samples_us"]}
+        for name, t in timed.items()
+    }
 
 
 def _flush_kernel_names(device: torch.device) -> set[str]:

@@ -268,26 +268,57 @@ def time_us(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int)
     """Times fn(): warmup untimed calls, then reps timed ones, each after an L2 flush and
     between CUDA events (CUDA) or perf_counter readings (CPU).  Returns {'us': median,
     'min_us', 'samples_us': [reps]}.  Also used by the repo's benchmarks/."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
+    return time_interleaved({"fn": fn}, device, warmup, reps)["fn"]
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
+) -> dict[str, dict[str, Any]]:
+    """Times the calls of one comparison against each other: warmup untimed calls of each,
+    then reps rounds in which each runs once (after an L2 flush, between CUDA events or
+    perf_counter readings), the order rotated by one every round.  So every contestant is
+    measured across the same stretch of time: an H200 held at its power cap moves its clock
+    by 5-10 % over seconds, and back-to-back blocks of repetitions would hand that drift to
+    the ratio.  Returns {name: {'us': median, 'min_us', 'samples_us': [reps]}}, names in the
+    order given.  Also used by the repo's benchmarks/."""
+    names = list(fns)
+    if not names:
+        raise ValueError("time_interleaved(): fns must name at least one call")
+    device = torch.device(device)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            flush_l2(device)
-            starts[i].record()
-            fn()
-            ends[i].record()
+    events = []
+    for r in range(reps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if cuda:
+                flush_l2(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events.append((name, start, end))
+            else:
+                t0 = time.perf_counter_ns()
+                fns[name]()
+                samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+    if cuda:
         torch.cuda.synchronize(device)
-        samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
-    else:
-        samples = []
-        for _ in range(reps):
-            start = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - start) / 1e3)
-    return {"us": float(statistics.median(samples)), "min_us": min(samples), "samples_us": samples}
+        for name, start, end in events:
+            samples[name].append(start.elapsed_time(end) * 1e3)
+    return {
+        name: {
+            "us": float(statistics.median(samples[name])),
+            "min_us": min(samples[name]),
+            "samples_us": samples[name],
+        }
+        for name in names
+    }
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -1,0 +1,68 @@
+"""The benchmarks' interleaved timer (diffkv._bench.time_interleaved) and bench_attention's use
+of it, on the CPU: every call of a comparison runs warmup + reps times, one repetition of each
+per round in an order rotated every round, and a case's diffkv call, its contiguous or causal
+comparison and its baselines all come back from one command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffkv import _bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_time_interleaved_rotates_the_order_every_round():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timed = _bench.time_interleaved(fns, torch.device("cpu"), 2, 4)
+    assert list(timed) == ["a", "b", "c"]
+    warm, rounds = calls[:6], calls[6:]
+    assert warm == ["a", "a", "b", "b", "c", "c"]
+    assert rounds == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    for name, t in timed.items():
+        assert len(t["samples_us"]) == 4, name
+        assert t["min_us"] <= t["us"], name
+        assert all(s >= 0 for s in t["samples_us"]), name
+
+
+def test_time_us_is_the_one_call_case():
+    calls = []
+    t = _bench.time_us(lambda: calls.append(1), torch.device("cpu"), 3, 5)
+    assert len(calls) == 8
+    assert len(t["samples_us"]) == 5 and t["min_us"] <= t["us"]
+
+
+def test_time_interleaved_needs_a_call():
+    with pytest.raises(ValueError, match="time_interleaved\\(\\): fns must name at least one call"):
+        _bench.time_interleaved({}, torch.device("cpu"), 1, 1)
+
+
+def test_bench_attention_times_a_case_and_its_comparison_together(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), "--quick", "--device", "cpu",
+         "--cases", "piecewise_s16k_c1560,paged_b16_s16k", "--reps", "3", "--warmup", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    piecewise, paged = results["piecewise_s16k_c1560"], results["paged_b16_s16k"]
+    for r in (piecewise, paged):
+        assert r["diffkv_us"] > 0 and len(r["diffkv_samples_us"]) == 3
+        assert list(r["baselines"]) == ["flash", "cudnn", "flex"]
+        assert all(b["status"] == "n/a" for b in r["baselines"].values())  # CUDA only
+        assert r["check_ok"]
+    assert piecewise["extra"]["causal_us"] > 0
+    assert piecewise["extra"]["vs_causal"] == pytest.approx(
+        piecewise["diffkv_tflops"] / piecewise["extra"]["causal_tflops"]
+    )
+    assert paged["extra"]["paged_vs_contiguous"] == pytest.approx(
+        paged["extra"]["contiguous_us"] / paged["diffkv_us"]
+    )
+    assert paged["checks"]["contiguous_vs_paged"] == 0.0
