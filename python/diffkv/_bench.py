@@ -12,7 +12,9 @@ cannot run is skipped with its reason in the notes.  Baselines do not depend on 
 they are timed once per (seq_len, rows) and reported on every block size's point.
 
 Timing: CUDA events around the call only, warm-up calls first, the L2 cache flushed before
-every repetition, the median of the repetitions (perf_counter on CPU).  TFLOP/s counts
+every repetition, the median of the repetitions (perf_counter on CPU); a (seq_len, rows)
+shape's calls -- diffkv at each block size and every baseline -- are timed interleaved, one of
+each per repetition round, so a drift of the GPU's clock falls on all of them alike.  TFLOP/s counts
 4 * H * D * visible (query, key) pairs.  diffkv's output is checked against every baseline's
 (or a float32 reference when none ran and the case is small).
 
@@ -535,13 +537,13 @@ def _paged(k, v, block_size: int, gen: torch.Generator) -> dict[str, Any]:
 def _group(
     cfg: dict[str, Any], seq_len: int, rows: int, progress: Progress, notes: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """Times the baselines once and diffkv at every block size on one (seq_len, rows) shape.
-    Returns one point per block size."""
+    """Times diffkv at every block size and the baselines on one (seq_len, rows) shape, all in
+    one interleaved run (``time_interleaved``: each repetition round runs every call once, so
+    the GPU's clock drift falls on all alike).  Returns one point per block size."""
     device, dtype = cfg["device"], DTYPES[cfg["dtype"]]
     heads, kv_heads, head_size = cfg["heads"], cfg["kv_heads"], cfg["head_size"]
     causal = cfg["mask"] == "causal"
     scale = head_size**-0.5
-    timing = {"warmup": cfg["warmup"], "reps": cfg["reps"]}
     flops = 4 * heads * head_size * rows * _pairs(seq_len, causal)
     where = f"seq {_seq_label(seq_len)} rows {rows}"
 
@@ -551,8 +553,10 @@ def _group(
     k = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
     v = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
 
+    timers: dict[str, Callable[[], Any]] = {}
     baselines: dict[str, dict[str, Any]] = {}
-    refs: dict[str, torch.Tensor] = {}
+    setups: dict[str, dict[str, Any]] = {}
+    steps = 0  # progress steps this group owes: one per requested baseline and block size
     for name in BASELINES:
         if name not in cfg["baselines"]:
             why = "--quick runs diffkv only" if cfg["quick"] else "not requested (--baselines)"
@@ -561,7 +565,8 @@ def _group(
         if device.type != "cuda":
             baselines[name] = {"status": "skipped", "reason": "baselines run on CUDA only"}
             continue
-        progress.show(f"{where}: {name}")
+        steps += 1
+        progress.show(f"{where}: {name} setup")
         try:
             if name == "flex":
                 setup = _flex_setup(q, k, v, causal, scale)
@@ -570,29 +575,19 @@ def _group(
         except Exception as exc:  # a baseline that cannot run is reported, not fatal
             setup = {"reason": _first_line(exc)}
         if "run" in setup:
-            t = time_us(setup["run"], device, **timing)
-            refs[name] = setup["out"]
-            baselines[name] = {
-                "status": "ok",
-                "us": t["us"],
-                "tflops": _tflops(flops, t["us"]),
-                "gqa": setup["gqa"],
-                "samples_us": t["samples_us"],
-            }
+            setups[name] = setup
+            timers[name] = setup["run"]
         else:
             baselines[name] = {"status": "skipped", "reason": setup["reason"]}
             notes.setdefault(f"{name}: {setup['reason']}", where)
-        del setup
-        progress.advance(flops)
-    if not refs and rows * heads * seq_len * seq_len <= REFERENCE_MAX_SCORES:
-        refs["fp32_reference"] = _reference(q, k, v, causal, scale)
 
     query = q.transpose(1, 2).reshape(rows * seq_len, heads, head_size).contiguous()
     mask_code = _C.MASK_CAUSAL if causal else _C.MASK_NONE
     tol = 5e-3 if dtype == torch.float32 else 3e-2
-    points = []
+    runs: dict[int, dict[str, Any]] = {}
     for block_size in cfg["block_sizes"]:
-        progress.show(f"{where}: diffkv block {block_size}")
+        steps += 1
+        progress.show(f"{where}: diffkv block {block_size} setup")
         paged = _paged(k, v, block_size, torch.Generator().manual_seed(block_size))
         out = torch.empty_like(query)
 
@@ -610,28 +605,55 @@ def _group(
                 *host,
             )
 
+        entry: dict[str, Any] = {"paged": paged, "out": out}
         try:
-            t = time_us(run, device, **timing)
-        except Exception as exc:  # recorded on the point; the sweep goes on and the run fails
-            result: dict[str, Any] = {"error": _first_line(exc), "us": None, "tflops": None}
+            run()  # a refusal is recorded on the point; the sweep goes on and the run fails
+            entry["kernel"] = _C.last_attention_kernel()  # e.g. TMA boxes or not, per block size
+            timers[f"diffkv block {block_size}"] = run
+        except Exception as exc:
+            entry["error"] = _first_line(exc)
+            notes.setdefault(f"diffkv: {entry['error']}", f"{where} block {block_size}")
+        runs[block_size] = entry
+
+    progress.show(f"{where}: timing {len(timers)} calls interleaved")
+    timed = time_interleaved(timers, device, cfg["warmup"], cfg["reps"]) if timers else {}
+    refs: dict[str, torch.Tensor] = {}
+    for name, setup in setups.items():
+        t = timed[name]
+        refs[name] = setup["out"]
+        baselines[name] = {
+            "status": "ok",
+            "us": t["us"],
+            "tflops": _tflops(flops, t["us"]),
+            "gqa": setup["gqa"],
+            "samples_us": t["samples_us"],
+        }
+    if not refs and rows * heads * seq_len * seq_len <= REFERENCE_MAX_SCORES:
+        refs["fp32_reference"] = _reference(q, k, v, causal, scale)
+    baselines = {name: baselines[name] for name in BASELINES}
+
+    points = []
+    for block_size, entry in runs.items():
+        if "error" in entry:
+            result: dict[str, Any] = {"error": entry["error"], "us": None, "tflops": None}
             checks: dict[str, float] = {}
             ok = False
-            notes.setdefault(f"diffkv: {result['error']}", f"{where} block {block_size}")
         else:
+            t = timed[f"diffkv block {block_size}"]
             result = {
                 "us": t["us"],
                 "tflops": _tflops(flops, t["us"]),
                 "min_us": t["min_us"],
                 "samples_us": t["samples_us"],
-                "kernel": _C.last_attention_kernel(),  # e.g. TMA boxes or not, per block size
+                "kernel": entry["kernel"],
             }
-            checks = {name: _max_diff(out, ref) for name, ref in refs.items()}
+            checks = {name: _max_diff(entry["out"], ref) for name, ref in refs.items()}
             ok = all(d <= tol for d in checks.values())
         point = {
             "seq_len": seq_len,
             "rows": rows,
             "block_size": block_size,
-            "num_blocks": paged["num_blocks"],
+            "num_blocks": entry["paged"]["num_blocks"],
             "pairs": rows * _pairs(seq_len, causal),
             "flops": flops,
             "diffkv": result,
@@ -640,15 +662,15 @@ def _group(
             "check_tol": tol,
             "check_ok": ok,
         }
-        for name, entry in baselines.items():
-            entry = dict(entry)
-            if entry["status"] == "ok" and result["tflops"] is not None:
-                entry["ratio"] = result["tflops"] / entry["tflops"]
-            point["baselines"][name] = entry
+        for name, b in baselines.items():
+            b = dict(b)
+            if b["status"] == "ok" and result["tflops"] is not None:
+                b["ratio"] = result["tflops"] / b["tflops"]
+            point["baselines"][name] = b
         points.append(point)
-        del paged, out
+    for _ in range(steps):
         progress.advance(flops)
-    del q, k, v, refs
+    del q, k, v, refs, runs, setups, timers
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return points
