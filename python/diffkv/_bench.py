@@ -285,7 +285,7 @@ def time_interleaved(
     order given.  Also used by the repo's benchmarks/."""
     names = list(fns)
     if not names:
-        raise ValueError("time_interleaved(): fns must name at least one call")
+        raise ValueError("time_interleaved(): fns must name at least one call, got none")
     device = torch.device(device)
     for name in names:
         for _ in range(warmup):
