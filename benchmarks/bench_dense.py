@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import diffkv
-from common import environment, print_table, time_many_us, write_json
+from common import environment, print_table, runnable, time_many_us, write_json
 from diffkv.backends.abstract import AttentionMetadata
 
 CASES = ("wan_nc", "wan_keypad", "varlen_4docs", "wan_causal", "wan_joint512")
@@ -51,16 +51,7 @@ def _time(fns: dict[str, Any], device, args) -> dict[str, float | None]:
     """Median us of each call, timed interleaved (``time_many_us``: every round runs each once,
     so the GPU's clock drift falls on all alike); a call whose first run raises is reported
     unavailable (None)."""
-    ok = {}
-    for name, fn in fns.items():
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except RuntimeError as exc:
-            print(f"    ({name} unavailable: {str(exc).splitlines()[0][:100]})")
-            continue
-        ok[name] = fn
-    timed = time_many_us(ok, device, warmup=args.warmup, reps=args.reps)
+    timed = time_many_us(runnable(fns), device, warmup=args.warmup, reps=args.reps)
     return {name: timed[name]["median_us"] if name in timed else None for name in fns}
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import environment, print_table, time_many_us, write_json
+from common import environment, print_table, runnable, time_many_us, write_json
 from diffkv import _C
 
 BLOCK = 16
@@ -148,20 +148,13 @@ def main() -> int:
     kernel = _C.last_attention_kernel()
     # diffkv and the torch layers timed interleaved (one of each per repetition round), so the
     # GPU's clock drift falls on all alike
-    timers: dict[str, Any] = {"diffkv": run}
-    torch_outs: dict[str, Any] = {}
+    layers: dict[str, Any] = {}
     if device.type == "cuda":
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            trun, touts = _torch_layer(p, backend)
-            try:
-                trun()
-                torch.cuda.synchronize()
-            except RuntimeError as exc:
-                print(f"  {name}: unavailable ({str(exc).splitlines()[0][:100]})")
-                continue
-            timers[name] = trun
-            torch_outs[name] = touts
-    timed = time_many_us(timers, device, warmup=args.warmup, reps=args.reps)
+            layers[name] = _torch_layer(p, backend)
+    timers = runnable({name: trun for name, (trun, _) in layers.items()})
+    torch_outs = {name: layers[name][1] for name in timers}
+    timed = time_many_us({"diffkv": run, **timers}, device, warmup=args.warmup, reps=args.reps)
     t = timed["diffkv"]["median_us"]
     res: dict[str, Any] = {
         "case": "hunyuan_denoise_layer",

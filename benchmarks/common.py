@@ -6,7 +6,8 @@ around the call only, the median of the repetitions.  On CPU the same loop runs 
 time.perf_counter_ns.  ``device_times_us`` times GPU work from the profiler's kernel records
 instead, for calls that synchronise the host inside (events would count the sync).
 
-Entry points: time_us, time_many_us, device_times_us, environment, write_json, print_table, median, fmt.
+Entry points: time_us, time_many_us, runnable, device_times_us, environment, write_json,
+print_table, median, fmt.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def time_us(
     ``warmup`` untimed calls, then ``reps`` timed ones, each after an L2 flush (CUDA) and
     bracketed by CUDA events (CUDA) or perf_counter (CPU)).  Returns {'median_us', 'min_us',
     'samples_us': [reps]}."""
-    timed = _bench.time_us(fn, torch.device(device), warmup, reps)
-    return {"median_us": timed["us"], "min_us": timed["min_us"], "samples_us": timed["samples_us"]}
+    return time_many_us({"fn": fn}, device, warmup=warmup, reps=reps)["fn"]
 
 
 def time_many_us(
@@ -67,6 +67,23 @@ def time_many_us(
         name: {"median_us": t["us"], "min_us": t["min_us"], "samples_us": t["samples_us"]}
         for name, t in timed.items()
     }
+
+
+def runnable(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
+    """The calls of ``fns`` whose first run succeeds (each run once, then the GPU synchronised
+    when one is present); a call that raises RuntimeError -- a torch backend that cannot run the
+    case -- is reported unavailable and left out."""
+    ok = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except RuntimeError as exc:
+            print(f"  {name}: unavailable ({str(exc).splitlines()[0][:100]})")
+            continue
+        ok[name] = fn
+    return ok
 
 
 def _flush_kernel_names(device: torch.device) -> set[str]:

@@ -14,6 +14,8 @@ import torch
 from diffkv import _bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import common  # noqa: E402  (benchmarks/common.py: the scripts' timers)
 
 
 def test_time_interleaved_rotates_the_order_every_round():
@@ -32,9 +34,9 @@ def test_time_interleaved_rotates_the_order_every_round():
 
 def test_time_us_is_the_one_call_case():
     calls = []
-    t = _bench.time_us(lambda: calls.append(1), torch.device("cpu"), 3, 5)
+    t = common.time_us(lambda: calls.append(1), "cpu", warmup=3, reps=5)
     assert len(calls) == 8
-    assert len(t["samples_us"]) == 5 and t["min_us"] <= t["us"]
+    assert len(t["samples_us"]) == 5 and t["min_us"] <= t["median_us"]
 
 
 def test_time_interleaved_needs_a_call():

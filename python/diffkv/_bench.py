@@ -266,13 +266,6 @@ def flush_l2(device: torch.device) -> None:
     buf.fill_(7)
 
 
-def time_us(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> dict[str, Any]:
-    """Times fn(): warmup untimed calls, then reps timed ones, each after an L2 flush and
-    between CUDA events (CUDA) or perf_counter readings (CPU).  Returns {'us': median,
-    'min_us', 'samples_us': [reps]}.  Also used by the repo's benchmarks/."""
-    return time_interleaved({"fn": fn}, device, warmup, reps)["fn"]
-
-
 def time_interleaved(
     fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
 ) -> dict[str, dict[str, Any]]:
