@@ -181,6 +181,13 @@ named_barrier(uint32_t id, uint32_t n)
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+/* Arrives on barrier `id` (1..15) of `n` threads without waiting. */
+static __device__ __forceinline__ void
+named_arrive(uint32_t id, uint32_t n)
+{
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 /* Keeps the compiler from moving accumulator reads or writes across a wgmma issue or wait. */
 template <int N>
 static __device__ __forceinline__ void
@@ -1177,11 +1184,23 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     rows.g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
     rows.tq = tq;
     rows.scale_log2 = scale_log2;
-    /* Head 128 skips O's rescale on tiles where no row of the warp raised its max (h90_softmax
-     * SKIP; bit-identical): 2-7 % faster there.  Head 64 rescales every tile (the lossy lazy
-     * form lost 5 % there; the skip alone was not measured at head 64). */
+    /* O's rescale is skipped on tiles where no row of the warp raised its max (h90_softmax
+     * SKIP; bit-identical: alpha is exp2(0) = 1 exactly there): 2-7 % faster at head 128 and
+     * 2-5 % at head 64 on the H200 (interleaved A/Bs; the lossy lazy form, which rescales only
+     * when a max grows by 2^8, lost accuracy on growing scores: README, tried and dropped). */
 
     if (n_tiles > 0) {
+        /* Ping-pong (FlashAttention-3's inter-warpgroup schedule): the consumer warpgroups take
+         * turns issuing a tile's GEMMs, 0, 1, .., NC - 1, 0, ..  (named barrier 8 + cw: this
+         * warpgroup's 128 threads wait, the previous warpgroup's 128 arrive), so that one
+         * warpgroup's softmax runs while the others' GEMMs do rather than all warpgroups
+         * contending for the tensor cores at once; the last warpgroup opens the first turn.
+         * Interleaved A/B on the H200 (bench_attention, bench_dense, two rounds): +1-6 % on the
+         * cp.async (sm90-ws) cases at both head sizes, within +-1 % on the TMA-box cases, -2 % on
+         * the key-padding dense case. */
+        if (cw == NC - 1) {
+            named_arrive(8u, 256u);
+        }
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const int32_t j0 = kt * BN;
             const uint32_t slot = (uint32_t)(kt % ST);
@@ -1191,14 +1210,16 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             float alpha[2];
             if (kt == 0) {
+                named_barrier(8u + (uint32_t)cw, 256u);
                 h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0);
                 wgmma_commit();
+                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
                 fence_regs(s);
                 if (lane == 0) {
                     mbar_arrive(empty_k + 8u * slot);
                 }
-                h90_softmax<NT, D == 128>(s, m, l, alpha, j0, rows);
+                h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
             }
             else {
                 const uint32_t pslot = (uint32_t)((kt - 1) % SV);
@@ -1206,16 +1227,18 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (dims.box == 0) {
                     fence_proxy_async();
                 }
+                named_barrier(8u + (uint32_t)cw, 256u);
                 h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB);
                 wgmma_commit();
                 h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
+                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
                 fence_regs(s);
                 if (lane == 0) {
                     mbar_arrive(empty_k + 8u * slot);
                 }
-                const bool rescale = h90_softmax<NT, D == 128>(s, m, l, alpha, j0, rows);
+                const bool rescale = h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
                 wgmma_wait_all();
                 fence_regs(o);
                 if (lane == 0) {
@@ -1226,6 +1249,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 }
             }
             h90_pack_p<T, BN>(pa, s);
+        }
+        if (cw == 0) {
+            named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
         }
         /* The last tile's V: rows past kv_end become zeros (by both warpgroups: the same
          * values), then P V. */
