@@ -901,13 +901,17 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
 /*
  * The cp.async producer for caches whose blocks hold a power of two of at least 16 keys:
  * every 16 consecutive keys of a tile lie in one block, so instead of resolving each key's row
- * into a shared ring (h90_produce_cp_async) every thread resolves the tile's 16-key groups
- * itself -- one block-table load (an L1 broadcast) and one offset per group -- and adds the
- * token offset of its own rows.  Per tile and thread that is BN / 16 loads and no shared-memory
- * traffic besides the copies, which keeps the memory pipe free for the consumers' wgmma issue
- * (the ring's loads and stores competed with it there).  K and V of a tile are copied together,
- * row by row, once both slots are free (V has one slot more than K so that K is not held back),
- * and the thread then arrives on both full barriers.
+ * into a shared ring (h90_produce_cp_async) each warp resolves 16-key groups itself -- one
+ * block-table load (an L1 broadcast, loaded a tile ahead) and one offset per group -- and its
+ * lanes add the token offsets of their rows.  The four warps split a tile's groups (warp w
+ * takes groups w, w + 4, ..): each copies whole 16-row groups, so a group's address arithmetic
+ * (64-bit, on the uniform datapath) runs once per tile and not once per warp -- those
+ * instructions share the SM's issue slots with the consumers' softmax (Nsight Compute: 50 %
+ * more instructions issued than the TMA producer's run on the same rows, every warp resolving
+ * every group).  No shared-memory traffic besides the copies, which keeps the memory pipe free
+ * for the consumers' wgmma issue (the ring's loads and stores competed with it there).  K and V
+ * of a tile are copied together, row by row, once both slots are free (V has one slot more than
+ * K so that K is not held back), and every thread then arrives on both full barriers.
  */
 template <int D, int BN, int ST, int SV>
 static __device__ __forceinline__ void
@@ -916,13 +920,27 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                             uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
 {
     constexpr uint32_t KVB = BN * D * 2;
-    constexpr int CH = D / 8;    /* 16-byte chunks per key row */
-    constexpr int RP = 128 / CH; /* rows per pass of the 128 threads (8 or 16) */
-    static_assert(RP <= 16 && 16 % RP == 0, "a pass lies in one 16-key group");
-    const auto [kvh, bt, c, rr, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
+    constexpr int CH = D / 8;       /* 16-byte chunks per key row (16 or 8) */
+    constexpr int RW = 32 / CH;     /* rows per warp-wide copy (2 or 4) */
+    constexpr int GW = BN / 16 / 4; /* 16-key groups per warp and tile */
+    static_assert(BN % 64 == 0 && 32 % CH == 0, "four warps split a tile's 16-key groups");
+    const auto [kvh, bt, c_unused, rr_unused, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
+    (void)c_unused;
+    (void)rr_unused;
+    const uint32_t lane = threadIdx.x & 31u;
+    const int32_t warp = (int32_t)((threadIdx.x >> 5) & 3u);
+    const uint32_t c = lane % CH;  /* this lane's chunk of a row */
+    const uint32_t rr = lane / CH; /* and its row within each RW-row copy */
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t shift = (uint32_t)__ffs((int)bs) - 1u; /* bs is a power of two */
     const int64_t tbytes = a.cache_stride_token * 2;
+    const int64_t t0 = (int64_t)rr * tbytes + (int64_t)c * 16; /* the lane's bytes in a group */
+    int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
+#pragma unroll
+    for (int g = 0; g < GW; g++) {
+        const int32_t key = 16 * (warp + 4 * g);
+        blk[g] = key < kv_end ? bt[(uint32_t)key >> shift] : 0;
+    }
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
         const uint32_t slot_k = (uint32_t)(kt % ST);
@@ -936,16 +954,20 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         const uint32_t dk = sk0 + slot_k * KVB;
         const uint32_t dv = sv0 + slot_v * KVB;
 #pragma unroll
-        for (int q = 0; q < BN / 16; q++) {
-            const int32_t g = j0 + 16 * q; /* the group's first key */
-            const int32_t blk = g < kv_end ? dk_safe_block(a, bt[(uint32_t)g >> shift]) : 0;
-            const int64_t off = kv_block_offset(a, blk, (uint32_t)g & (bs - 1u), kvh);
-            const char *kr = kv_row(kc, kc2, off) + c * 16u;
-            const char *vr = kv_row(vc, vc2, off) + c * 16u;
+        for (int g = 0; g < GW; g++) {
+            const int32_t q = warp + 4 * g; /* the group within the tile */
+            const int32_t gk = j0 + 16 * q; /* its first key */
+            const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
+                                                              (uint32_t)gk & (bs - 1u), kvh)
+                                            : 0;
+            const char *kr = kv_row(kc, kc2, off) + t0;
+            const char *vr = kv_row(vc, vc2, off) + t0;
+            const int32_t nk = gk + BN; /* the same group of the next tile */
+            blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
 #pragma unroll
-            for (int pp = 0; pp < 16 / RP; pp++) {
-                const uint32_t r = (uint32_t)(16 * q + RP * pp) + rr; /* row in the tile */
-                const int64_t t = (int64_t)(RP * pp + (int)rr) * tbytes;
+            for (int p = 0; p < 16 / RW; p++) {
+                const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
+                const int64_t t = (int64_t)(RW * p) * tbytes;
                 const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
                 cp_async16(dk + sw128(BN, r, c), kr + t, n);
                 cp_async16(dv + sw128(BN, r, c), vr + t, n);
