@@ -12,7 +12,8 @@ the GPU work per call is a few microseconds and the host path is what is measure
 * prepare_batch (+ activate/deactivate): once per phase, not per layer.
 
 Each figure is the median over samples of ``--calls`` back-to-back calls (wall clock, per
-call).  On CUDA the device is synchronised only between samples, outside the timed loop, so
+call); the parts are timed interleaved, each sample round timing every part once in a rotated
+order.  On CUDA the device is synchronised only between samples, outside the timed loop, so
 launches are asynchronous as in a model.
 
     python benchmarks/bench_host.py [--device cpu|cuda] [--calls 2000] [--samples 15] [--json out.json]
@@ -36,20 +37,31 @@ from diffkv import _C
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, PREFIX = 2, 1, 64, 16, 63
 
 
-def _per_call_us(fn: Callable[[], Any], device: torch.device, calls: int, samples: int) -> dict[str, Any]:
-    """Median over samples of the mean wall time per call of `calls` back-to-back calls."""
+def _per_call_us(
+    fns: dict[str, Callable[[], Any]], device: torch.device, calls: int, samples: int
+) -> dict[str, dict[str, Any]]:
+    """For each named call: the median over samples of the mean wall time per call of `calls`
+    back-to-back calls.  The calls are timed interleaved -- each sample round times every one
+    of them once, in an order rotated by one per round -- so that a host whose clock or load
+    drifts over the run hands the drift to all of them alike (timed one after another, the
+    first part measured on an H200 host ran up to 1.5x slower than later ones)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(max(10, calls // 10)):
-        fn()
+    names = list(fns)
+    for name in names:
+        for _ in range(max(10, calls // 10)):
+            fns[name]()
     sync()
-    values = []
-    for _ in range(samples):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        values.append((time.perf_counter_ns() - start) / calls / 1e3)
-        sync()
-    return {"median_us": median(values), "min_us": min(values), "samples_us": values}
+    values: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(samples):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn = fns[name]
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            values[name].append((time.perf_counter_ns() - start) / calls / 1e3)
+            sync()
+    return {name: {"median_us": median(v), "min_us": min(v), "samples_us": v} for name, v in values.items()}
 
 
 def _build(device: torch.device):
@@ -101,8 +113,13 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
         with adapter.activate(batch):
             pass
 
-    timings["prepare_batch + activate (per phase)"] = _per_call_us(
-        prepare_and_activate, device, max(1, calls // 10), samples
+    timings.update(
+        _per_call_us(
+            {"prepare_batch + activate (per phase)": prepare_and_activate},
+            device,
+            max(1, calls // 10),
+            samples,
+        )
     )
 
     batch = adapter.prepare_batch(rows)
@@ -162,8 +179,7 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
             ("  forward_paged with spans", forward_only_spans),
             ("  _C.forward_paged (binding + launches)", binding_only),
         )
-        for name, fn in parts:
-            timings[name] = _per_call_us(fn, device, calls, samples)
+        timings.update(_per_call_us(dict(parts), device, calls, samples))
     return timings
 
 
