@@ -18,9 +18,68 @@
 #define DIFFKV_CUDA_ARCHS ""
 #endif
 
+/* The per-call context's attribute names forward_context reads (interned once). */
+enum {
+    CTX_LAYER,
+    CTX_KV_CACHE,
+    CTX_IMPL,
+    CTX_NATIVE_METADATA,
+    CTX_PIECEWISE_PLAN,
+    CTX_KEY_LIMITS,
+    CTX_CAUSAL,
+    CTX_QUERY,
+    CTX_KEY_WRITE,
+    CTX_VALUE_WRITE,
+    CTX_SLOT_MAPPING,
+    CTX_BLOCK_TABLE,
+    CTX_QUERY_START_LOC,
+    CTX_SEQ_LENS,
+    CTX_SOFTMAX_SCALE,
+    CTX_BLOCK_TABLE_CPU,
+    CTX_QUERY_START_LOC_CPU,
+    CTX_SEQ_LENS_CPU,
+    CTX_RESTORE_OUTPUT,
+    CTX_OUTPUT_SCATTER_INDICES,
+    CTX_QUERY_HAS_HEAD_DIMS,
+    CTX_QUERY_TOKEN_SHAPE,
+    CTX_NUM_HEADS,
+    CTX_HEAD_SIZE_V,
+    CTX_NAMES
+};
+
+static const char *const ctx_name_text[CTX_NAMES] = {
+    "layer",
+    "kv_cache",
+    "impl",
+    "native_metadata",
+    "piecewise_plan",
+    "key_limits",
+    "causal",
+    "query",
+    "key_write",
+    "value_write",
+    "slot_mapping",
+    "block_table",
+    "query_start_loc",
+    "seq_lens",
+    "softmax_scale",
+    "block_table_cpu",
+    "query_start_loc_cpu",
+    "seq_lens_cpu",
+    "restore_output",
+    "output_scatter_indices",
+    "query_has_head_dims",
+    "query_token_shape",
+    "num_heads",
+    "head_size_v",
+};
+
 typedef struct {
     dk_bridge bridge;
-    PyObject *cuda_error; /* diffkv.CudaError */
+    PyObject *cuda_error;           /* diffkv.CudaError */
+    PyObject *empty_like;           /* torch.empty_like (forward_context's first call), or NULL */
+    PyObject *context_type;         /* diffkv.DiffusionPagedAttentionContext (ditto), or NULL */
+    PyObject *ctx_names[CTX_NAMES]; /* interned attribute names */
 } module_state;
 
 static module_state *
@@ -3075,6 +3134,249 @@ py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* Per-call objects                                                                            */
 /* ------------------------------------------------------------------------------------------ */
 
+/* ctx's attribute `name` as a new reference; *plain = 0 (and no error) when it is missing
+ * (AttributeError) or None -- getattr(ctx, name, None) is None in Python; NULL with the error set
+ * for anything else getattr raised. */
+static PyObject *
+ctx_required(PyObject *obj, PyObject *name, int *plain)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            *plain = 0;
+        }
+        return NULL;
+    }
+    if (v == Py_None) {
+        Py_DECREF(v);
+        *plain = 0;
+        return NULL;
+    }
+    return v;
+}
+
+/* An int attribute of obj into *v: 1, or 0 when it is not an int (no error), -1 on error. */
+static int
+ctx_int(PyObject *obj, PyObject *name, long long *v)
+{
+    PyObject *x = PyObject_GetAttr(obj, name);
+    if (x == NULL) {
+        return -1;
+    }
+    int ok = PyLong_Check(x);
+    if (ok) {
+        *v = PyLong_AsLongLong(x);
+        if (*v == -1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* beyond int64: not the identity case */
+            ok = 0;
+        }
+    }
+    Py_DECREF(x);
+    return ok;
+}
+
+/*
+ * Whether DiffusionPagedAttentionContext.restore_output(out) is `out` itself: no scatter, the
+ * caller's query was [N, H, D] (query_token_shape a 1-tuple) and out is [N, H, Dv] -- the method's
+ * own first return.  1 or 0; -1 with an error set where reading an attribute raised.
+ */
+static int
+restore_is_identity(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *out)
+{
+    PyObject *const *nm = state_of(module)->ctx_names;
+    PyObject *x = PyObject_GetAttr(ctx, nm[CTX_OUTPUT_SCATTER_INDICES]);
+    if (x == NULL) {
+        return -1;
+    }
+    int none = x == Py_None;
+    Py_DECREF(x);
+    if (!none) {
+        return 0;
+    }
+    if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_HAS_HEAD_DIMS])) == NULL) {
+        return -1;
+    }
+    int heads = PyObject_IsTrue(x);
+    Py_DECREF(x);
+    if (heads <= 0) {
+        return heads;
+    }
+    if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_TOKEN_SHAPE])) == NULL) {
+        return -1;
+    }
+    long long n = -1;
+    if (PyTuple_Check(x) && PyTuple_Size(x) == 1 && PyLong_Check(PyTuple_GetItem(x, 0))) {
+        n = PyLong_AsLongLong(PyTuple_GetItem(x, 0));
+        if (n == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+    }
+    Py_DECREF(x);
+    if (n < 0) {
+        return 0;
+    }
+    long long h = -1, dv = -1;
+    int rc = ctx_int(layer, nm[CTX_NUM_HEADS], &h);
+    if (rc > 0) {
+        rc = ctx_int(layer, nm[CTX_HEAD_SIZE_V], &dv);
+    }
+    if (rc <= 0) {
+        return rc;
+    }
+    dk_tensor o;
+    if (tensor_arg(module, out, "forward_context", "out", &o) != 0) {
+        return -1;
+    }
+    return o.ndim == 3 && o.shape[0] == n && o.shape[1] == h && o.shape[2] == dv;
+}
+
+/*
+ * forward_context(ctx): DiffKVAttentionImpl.forward_paged of a per-call context
+ * (adapter.prepare_layer_context) in one call, for eager execution -- what
+ * backends.diffkv.run_forward_paged does in Python (the context's mask, the output from
+ * torch.empty_like(query), forward_paged with the batch's host tables, ctx.restore_output), with
+ * the same attribute reads in the same order and the same errors, minus the interpreter's ~1 us
+ * (~3 us on the H200 hosts) per layer call.  Returns None, having read only ctx.layer and its
+ * kv_cache and impl and done nothing, when one of those is missing or None: the Python path then
+ * raises the contract's errors.
+ */
+static PyObject *
+py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "forward_context";
+    if (check_nargs(op, nargs, 1) != 0) {
+        return NULL;
+    }
+    module_state *st = state_of(module);
+    PyObject *const *nm = st->ctx_names;
+    if (st->empty_like == NULL) { /* torch.empty_like, looked up once (no libtorch link) */
+        PyObject *torch = PyImport_ImportModule("torch");
+        if (torch == NULL) {
+            return NULL;
+        }
+        st->empty_like = PyObject_GetAttrString(torch, "empty_like");
+        Py_DECREF(torch);
+        if (st->empty_like == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *ctx = args[0];
+    /* owned references, released at the end */
+    PyObject *layer = NULL, *kv_cache = NULL, *impl = NULL, *meta = NULL, *plan = NULL;
+    PyObject *key_limits = NULL, *mask = NULL, *scale = NULL, *out = NULL, *result = NULL;
+    PyObject *t[9] = {NULL}; /* query, key_write, value_write, slot_mapping, block_table,
+                                query_start_loc, seq_lens, and scratch */
+    PyObject *host[3] = {NULL, NULL, NULL};
+    int plain = 1;
+    layer = ctx_required(ctx, nm[CTX_LAYER], &plain);
+    if (layer != NULL) {
+        kv_cache = ctx_required(layer, nm[CTX_KV_CACHE], &plain);
+    }
+    if (kv_cache != NULL) {
+        impl = ctx_required(layer, nm[CTX_IMPL], &plain);
+    }
+    if (impl == NULL) {
+        if (!plain) {
+            result = Py_NewRef(Py_None); /* not the plain kind: the Python path decides */
+        }
+        goto done;
+    }
+    if ((meta = PyObject_GetAttr(ctx, nm[CTX_NATIVE_METADATA])) == NULL ||
+        (plan = PyObject_GetAttr(ctx, nm[CTX_PIECEWISE_PLAN])) == NULL) {
+        goto done;
+    }
+    if (plan != Py_None) { /* ops.context_mask */
+        mask = PyLong_FromLong(DK_MASK_LIMITS);
+        key_limits = PyObject_GetAttr(plan, nm[CTX_KEY_LIMITS]);
+    }
+    else {
+        PyObject *causal = PyObject_GetAttr(meta, nm[CTX_CAUSAL]);
+        int c = causal == NULL ? -1 : PyObject_IsTrue(causal);
+        Py_XDECREF(causal);
+        if (c >= 0) {
+            mask = PyLong_FromLong(c ? DK_MASK_CAUSAL : DK_MASK_NONE);
+            key_limits = Py_NewRef(Py_None);
+        }
+    }
+    if (mask == NULL || key_limits == NULL) {
+        goto done;
+    }
+    static const int ctx_field[4] = {CTX_QUERY, CTX_KEY_WRITE, CTX_VALUE_WRITE, CTX_SLOT_MAPPING};
+    static const int meta_field[3] = {CTX_BLOCK_TABLE, CTX_QUERY_START_LOC, CTX_SEQ_LENS};
+    for (int i = 0; i < 4; i++) {
+        if ((t[i] = PyObject_GetAttr(ctx, nm[ctx_field[i]])) == NULL) {
+            goto done;
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        if ((t[4 + i] = PyObject_GetAttr(meta, nm[meta_field[i]])) == NULL) {
+            goto done;
+        }
+    }
+    PyObject *raw_scale = PyObject_GetAttr(layer, nm[CTX_SOFTMAX_SCALE]);
+    if (raw_scale == NULL) {
+        goto done;
+    }
+    scale = PyNumber_Float(raw_scale);
+    Py_DECREF(raw_scale);
+    if (scale == NULL || (out = PyObject_CallFunctionObjArgs(st->empty_like, t[0], NULL)) == NULL) {
+        goto done;
+    }
+    static const int host_field[3] = {CTX_BLOCK_TABLE_CPU, CTX_QUERY_START_LOC_CPU,
+                                      CTX_SEQ_LENS_CPU};
+    for (int i = 0; i < 3; i++) {
+        if ((host[i] = PyObject_GetAttr(meta, nm[host_field[i]])) == NULL) {
+            goto done;
+        }
+    }
+    PyObject *fp_args[15] = {t[0],       t[1], t[2],  kv_cache, t[3],    t[4],    t[5],   t[6],
+                             key_limits, mask, scale, out,      host[0], host[1], host[2]};
+    PyObject *r = py_forward_paged(module, fp_args, 15);
+    if (r == NULL) {
+        goto done;
+    }
+    Py_DECREF(r);
+    /* ctx.restore_output(out); for diffkv's own context with [N, H, D] queries that is out
+     * itself (a Python method call less: ~1.4 us on the H200 hosts) */
+    if (st->context_type == NULL) {
+        PyObject *adapter = PyImport_ImportModule("diffkv.adapter");
+        if (adapter == NULL) {
+            goto done;
+        }
+        st->context_type = PyObject_GetAttrString(adapter, "DiffusionPagedAttentionContext");
+        Py_DECREF(adapter);
+        if (st->context_type == NULL) {
+            goto done;
+        }
+    }
+    int same = (PyObject *)Py_TYPE(ctx) == st->context_type
+                   ? restore_is_identity(module, ctx, layer, out)
+                   : 0;
+    if (same < 0) {
+        goto done;
+    }
+    result =
+        same ? Py_NewRef(out) : PyObject_CallMethodObjArgs(ctx, nm[CTX_RESTORE_OUTPUT], out, NULL);
+done:
+    Py_XDECREF(layer);
+    Py_XDECREF(kv_cache);
+    Py_XDECREF(impl);
+    Py_XDECREF(meta);
+    Py_XDECREF(plan);
+    Py_XDECREF(key_limits);
+    Py_XDECREF(mask);
+    Py_XDECREF(scale);
+    Py_XDECREF(out);
+    for (int i = 0; i < 9; i++) {
+        Py_XDECREF(t[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        Py_XDECREF(host[i]);
+    }
+    return result;
+}
+
 /*
  * new_with_slots(cls, descriptors, *values): object.__new__(cls) -- cls a Python class whose
  * instances object.__new__ creates (a heap type with object's tp_new, not abstract) -- with
@@ -3177,6 +3479,8 @@ static PyMethodDef module_methods[] = {
     FAST(rows_gather, "dst[n] = src[index[n]]."),
     FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),
     FAST(new_with_slots, "new_with_slots(cls, descriptors, *values): cls's instance, no __init__."),
+    FAST(forward_context, "forward_context(ctx): a per-call context's forward_paged in one call "
+                          "(None when ctx is not the plain kind)."),
     {NULL, NULL, 0, NULL},
 };
 
@@ -3191,6 +3495,11 @@ module_exec(PyObject *module)
         PyExc_RuntimeError, NULL);
     if (st->cuda_error == NULL || PyModule_AddObjectRef(module, "CudaError", st->cuda_error) < 0) {
         return -1;
+    }
+    for (int i = 0; i < CTX_NAMES; i++) {
+        if ((st->ctx_names[i] = PyUnicode_InternFromString(ctx_name_text[i])) == NULL) {
+            return -1;
+        }
     }
     if (PyModule_AddIntConstant(module, "DTYPE_FLOAT32", DK_F32) < 0 ||
         PyModule_AddIntConstant(module, "DTYPE_FLOAT16", DK_F16) < 0 ||
@@ -3212,6 +3521,8 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
         return 0;
     }
     Py_VISIT(st->cuda_error);
+    Py_VISIT(st->empty_like);
+    Py_VISIT(st->context_type);
     Py_VISIT(st->bridge.to_dlpack);
     Py_VISIT(st->bridge.stream_getter);
     for (int i = 0; i < st->bridge.num_types; i++) {
@@ -3228,6 +3539,11 @@ module_clear(PyObject *module)
         return 0;
     }
     Py_CLEAR(st->cuda_error);
+    Py_CLEAR(st->empty_like);
+    Py_CLEAR(st->context_type);
+    for (int i = 0; i < CTX_NAMES; i++) {
+        Py_CLEAR(st->ctx_names[i]);
+    }
     dk_bridge_clear(&st->bridge);
     return 0;
 }

@@ -6,6 +6,7 @@ the KV caches bit-exact against the expected scatter."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -425,9 +426,47 @@ def test_forward_paged_binding_errors(device):
         assert out.shape == (8, NUM_HEADS, HEAD_SIZE)
 
 
-def test_forward_paged_one_c_call(device, monkeypatch):
-    # The whole layer (write + attention) is one _C.forward_paged call with the right mask.
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_paged_one_c_call(device, layout, monkeypatch):
+    # The whole layer (write + attention) is one C call, _C.forward_context, which reads the
+    # context and runs forward_paged's binding itself (no _C function reached through Python).
+    # Its Python twin (run_forward_paged: while compiling, or for a context without its layer,
+    # cache or impl) is one _C.forward_paged call with the right mask, and both give
+    # bit-identical outputs and caches, in every Q/K/V layout (an [N, H, D] query's output is
+    # returned as is by both, the others go through restore_output).
     h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
+    rows = h.rows([(0, 8)])
+    spans = diffkv.AttentionMetadata(full_attn_spans=[[(2, 6)]])
+    batch = h.adapter.prepare_batch(rows)
+    with h.adapter.activate(batch):
+        q, k, v, _ = h.make_inputs(rows, layout)
+
+    def run_layers():
+        with h.adapter.activate(batch):
+            return [
+                h.layers[LAYERS[0]].impl.forward_paged(h.adapter.prepare_layer_context(LAYERS[0], q, k, v)),
+                h.layers[LAYERS[1]].impl.forward_paged(
+                    h.adapter.prepare_layer_context(LAYERS[1], q, k, v, omni_attn_metadata=spans)
+                ),
+            ]
+
+    contexts = []
+    real_context = _C.forward_context
+
+    def context_spy(ctx):
+        contexts.append(ctx)
+        return real_context(ctx)
+
+    with monkeypatch.context() as m:
+        m.setattr(_C, "forward_context", context_spy)
+        for name in ("forward_paged", "kv_write", "paged_attention"):
+            m.setattr(_C, name, None)
+        out_c = run_layers()
+    assert len(contexts) == 2
+    caches_c = [h.caches[name].clone() for name in LAYERS]
+    for name in LAYERS:
+        h.caches[name].zero_()
+
     calls = []
     real = _C.forward_paged
 
@@ -435,19 +474,76 @@ def test_forward_paged_one_c_call(device, monkeypatch):
         calls.append(args)
         return real(*args)
 
+    monkeypatch.setattr(_C, "forward_context", lambda ctx: None)
     monkeypatch.setattr(_C, "forward_paged", spy)
     monkeypatch.setattr(_C, "kv_write", None)
     monkeypatch.setattr(_C, "paged_attention", None)
-    rows = h.rows([(0, 8)])
-    with h.adapter.activate(h.adapter.prepare_batch(rows)):
-        q, k, v, _ = h.make_inputs(rows, "packed_heads")
-        h.layers[LAYERS[0]].impl.forward_paged(h.adapter.prepare_layer_context(LAYERS[0], q, k, v))
-        spans = diffkv.AttentionMetadata(full_attn_spans=[[(2, 6)]])
-        h.layers[LAYERS[1]].impl.forward_paged(
-            h.adapter.prepare_layer_context(LAYERS[1], q, k, v, omni_attn_metadata=spans)
-        )
+    out_py = run_layers()
     assert len(calls) == 2
     assert calls[0][9] == _C.MASK_CAUSAL and calls[0][8] is None
     assert calls[1][9] == _C.MASK_LIMITS
-    assert calls[1][8].tolist() == [1, 2, 6, 6, 6, 6, 7, 8]
+    if layout.startswith("packed"):
+        assert calls[1][8].tolist() == [1, 2, 6, 6, 6, 6, 7, 8]
     assert calls[0][10] == SCALE
+    for a, b in zip(out_c, out_py, strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    for name, cache in zip(LAYERS, caches_c, strict=True):
+        assert torch.equal(h.caches[name], cache)
+    assert not torch.equal(caches_c[0], torch.zeros_like(caches_c[0]))
+
+
+def test_forward_context_mirrors_the_python_path(device):
+    # _C.forward_context returns None (having done nothing) exactly when run_forward_paged's
+    # binding checks would raise, and raises what the Python path raises for a context missing
+    # any other field.
+    h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
+    rows = h.rows([(0, 8)])
+    name = LAYERS[0]
+    layer = h.layers[name]
+    with h.adapter.activate(h.adapter.prepare_batch(rows)):
+        q, k, v, _ = h.make_inputs(rows, "packed_heads")
+        context = h.adapter.prepare_layer_context(name, q, k, v)
+        before = h.caches[name].clone()
+        assert _C.forward_context(SimpleNamespace(query=q)) is None
+        assert _C.forward_context(SimpleNamespace(layer=None)) is None
+        impl, cache = layer.impl, layer.kv_cache
+        layer.kv_cache = None
+        assert _C.forward_context(context) is None
+        layer.kv_cache = cache
+        layer.impl = None
+        assert _C.forward_context(context) is None
+        layer.impl = impl
+        assert torch.equal(h.caches[name], before)
+        names = ("native_metadata", "piecewise_plan", "query", "key_write", "value_write", "slot_mapping")
+        fields = {f: getattr(context, f) for f in (*names, "restore_output")}
+        for missing in names:
+            partial = SimpleNamespace(layer=layer, **{f: val for f, val in fields.items() if f != missing})
+            with pytest.raises(AttributeError, match=missing):
+                _C.forward_context(partial)
+            with pytest.raises(AttributeError, match=missing):
+                diffkv.backends.diffkv.run_forward_paged(partial)
+        assert torch.equal(h.caches[name], before)
+        bad = SimpleNamespace(
+            **{f: getattr(context, f) for f in ("layer", "native_metadata", "piecewise_plan")}
+        )
+        bad.query, bad.key_write, bad.value_write = q[:, :1], context.key_write, context.value_write
+        bad.slot_mapping, bad.restore_output = context.slot_mapping, context.restore_output
+        with pytest.raises(ValueError) as from_c:
+            _C.forward_context(bad)
+        with pytest.raises(ValueError) as from_py:
+            diffkv.backends.diffkv.run_forward_paged(bad)
+        assert str(from_c.value) == str(from_py.value)
+        assert torch.equal(h.caches[name], before)
+        out = _C.forward_context(context)
+        assert out.shape == (8, NUM_HEADS, HEAD_SIZE)
+        assert not torch.equal(h.caches[name], before)
+
+        # a context class of its own keeps its restore_output (the identity shortcut is for
+        # diffkv's own context only)
+        class Restoring(diffkv.DiffusionPagedAttentionContext):
+            def restore_output(self, output):
+                return ("restored", output)
+
+        sub = Restoring(**{f.name: getattr(context, f.name) for f in dataclasses.fields(context)})
+        tag, out_sub = _C.forward_context(sub)
+        assert tag == "restored" and torch.equal(out_sub, out)

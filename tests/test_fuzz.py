@@ -236,6 +236,31 @@ def _row(**kw: Any) -> diffkv.DiffusionPagedAttentionRow:
     return diffkv.DiffusionPagedAttentionRow(**fields)
 
 
+def _fake_context(p: AttentionProblem) -> SimpleNamespace:
+    """A per-call context shaped like DiffusionPagedAttentionContext over problem p (LIMITS mask:
+    a piecewise plan carrying p's key limits), for _C.forward_context."""
+    layer = SimpleNamespace(kv_cache=p.kv_cache, impl=object(), softmax_scale=p.scale)
+    meta = SimpleNamespace(
+        causal=True,
+        block_table=p.block_table,
+        query_start_loc=p.query_start_loc,
+        seq_lens=p.seq_lens,
+        block_table_cpu=p.block_table,
+        query_start_loc_cpu=p.query_start_loc,
+        seq_lens_cpu=p.seq_lens,
+    )
+    return SimpleNamespace(
+        layer=layer,
+        native_metadata=meta,
+        piecewise_plan=SimpleNamespace(key_limits=p.key_limits),
+        query=p.query,
+        key_write=p.key,
+        value_write=p.value,
+        slot_mapping=p.slot_mapping,
+        restore_output=lambda out: out,
+    )
+
+
 def _small_problem() -> AttentionProblem:
     block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
     return AttentionProblem(
@@ -400,6 +425,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "paged_attention_lse": (_lse_args(p), ()),
         "dense_attention": (_dense_args(), ()),
         "forward_paged": (p.forward_args(), ()),
+        "forward_context": ([_fake_context(_small_problem())], ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],
             (),
@@ -423,8 +449,9 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
 
 
 # Entry points that read attributes of row / binding objects (row.identity, row.query_len,
-# binding.row_index), as the seed does: a foreign object there raises AttributeError.
-_DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch")
+# binding.row_index), as the seed does, or of a per-call context (forward_context): a foreign
+# object there raises AttributeError.
+_DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch", "forward_context")
 # Entry points that keep the seed's Python arithmetic on the objects they are given (comparisons,
 # `%`, int()): a foreign object or float there may raise OverflowError (int(inf), a huge int
 # compared with a tensor), as in the seed.

@@ -211,6 +211,12 @@ class DiffKVAttentionImpl(AttentionImpl):
         ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token key
         limits; else causal or not per the native metadata) and returns the output in the
         caller's layout (``context.restore_output``; padded rows are zeros)."""
+        if not torch.compiler.is_compiling():
+            # run_forward_paged's eager path in one C call (the same reads, checks and errors);
+            # None when the context lacks its layer, cache or impl: the Python path raises.
+            out = _C.forward_context(paged_kv_context)
+            if out is not None:
+                return out
         return run_forward_paged(paged_kv_context)
 
     # --- dense path (diffkv.dense: the same kernels over contiguous K/V) ---------------------
