@@ -913,7 +913,7 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * of a tile are copied together, row by row, once both slots are free (V has one slot more than
  * K so that K is not held back), and every thread then arrives on both full barriers.
  */
-template <int D, int BN, int ST, int SV>
+template <int D, int BN, int ST, int SV, bool TWO>
 static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
@@ -935,6 +935,13 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const uint32_t shift = (uint32_t)__ffs((int)bs) - 1u; /* bs is a power of two */
     const int64_t tbytes = a.cache_stride_token * 2;
     const int64_t t0 = (int64_t)rr * tbytes + (int64_t)c * 16; /* the lane's bytes in a group */
+    /* One source (every paged cache): the head's and the lane's offsets folded into the base
+     * pointers, so that a group costs one multiply-add on its block id and token. */
+    const int64_t head_bytes = kvh * a.cache_stride_head * 2 + t0;
+    const char *const kb = kc + head_bytes;
+    const char *const vb = vc + head_bytes;
+    const int64_t bbytes = a.cache_stride_block * 2;
+    const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
     int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
 #pragma unroll
     for (int g = 0; g < GW; g++) {
@@ -957,11 +964,22 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         for (int g = 0; g < GW; g++) {
             const int32_t q = warp + 4 * g; /* the group within the tile */
             const int32_t gk = j0 + 16 * q; /* its first key */
-            const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
-                                                              (uint32_t)gk & (bs - 1u), kvh)
-                                            : 0;
-            const char *kr = kv_row(kc, kc2, off) + t0;
-            const char *vr = kv_row(vc, vc2, off) + t0;
+            const char *kr, *vr;
+            if (TWO) { /* dense joint tokens: a block of either source */
+                const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
+                                                                  (uint32_t)gk & (bs - 1u), kvh)
+                                                : 0;
+                kr = kv_row(kc, kc2, off) + t0;
+                vr = kv_row(vc, vc2, off) + t0;
+            }
+            else { /* dk_safe_block's clamp; past kv_end any real block (never read) */
+                const uint32_t b =
+                    gk < kv_end && (uint32_t)blk[g] < nblocks ? (uint32_t)blk[g] : 0u;
+                const int64_t off =
+                    (int64_t)b * bbytes + (int64_t)((uint32_t)gk & (bs - 1u)) * tbytes;
+                kr = kb + off;
+                vr = vb + off;
+            }
             const int32_t nk = gk + BN; /* the same group of the next tile */
             blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
 #pragma unroll
@@ -1096,8 +1114,14 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         else if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
-                h90_produce_cp_async_groups<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0,
-                                                           full_k, full_v, empty_k, empty_v);
+                if (a.key_cache2 != NULL) {
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(
+                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
+                }
+                else {
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(
+                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
+                }
             }
             else {
                 h90_produce_cp_async<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k,
