@@ -924,9 +924,12 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     constexpr int RW = 32 / CH;     /* rows per warp-wide copy (2 or 4) */
     constexpr int GW = BN / 16 / 4; /* 16-key groups per warp and tile */
     static_assert(BN % 64 == 0 && 32 % CH == 0, "four warps split a tile's 16-key groups");
-    const auto [kvh, bt, c_unused, rr_unused, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
-    (void)c_unused;
-    (void)rr_unused;
+    /* th.c and th.rr spread the warpgroup's threads over a pass's rows; here each warp copies
+     * whole groups, so its lanes take c and rr below instead */
+    const h90_cp_thread th = h90_cp_setup<D>(a, h, row);
+    const int64_t kvh = th.kvh;
+    const int32_t *const bt = th.bt;
+    const char *const kc = th.kc, *const vc = th.vc, *const kc2 = th.kc2, *const vc2 = th.vc2;
     const uint32_t lane = threadIdx.x & 31u;
     const int32_t warp = (int32_t)((threadIdx.x >> 5) & 3u);
     const uint32_t c = lane % CH;  /* this lane's chunk of a row */
@@ -941,6 +944,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const char *const kb = kc + head_bytes;
     const char *const vb = vc + head_bytes;
     const int64_t bbytes = a.cache_stride_block * 2;
+    /* dk_safe_block's bound in 32 bits (block ids are int32; a negative one clamps too) */
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
     int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
 #pragma unroll
