@@ -3265,8 +3265,8 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* owned references, released at the end */
     PyObject *layer = NULL, *kv_cache = NULL, *impl = NULL, *meta = NULL, *plan = NULL;
     PyObject *key_limits = NULL, *mask = NULL, *scale = NULL, *out = NULL, *result = NULL;
-    PyObject *t[9] = {NULL}; /* query, key_write, value_write, slot_mapping, block_table,
-                                query_start_loc, seq_lens, and scratch */
+    PyObject *t[7] = {NULL}; /* query, key_write, value_write, slot_mapping, block_table,
+                                query_start_loc, seq_lens */
     PyObject *host[3] = {NULL, NULL, NULL};
     int plain = 1;
     layer = ctx_required(ctx, nm[CTX_LAYER], &plain);
@@ -3368,7 +3368,7 @@ done:
     Py_XDECREF(mask);
     Py_XDECREF(scale);
     Py_XDECREF(out);
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 7; i++) {
         Py_XDECREF(t[i]);
     }
     for (int i = 0; i < 3; i++) {
