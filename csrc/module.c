@@ -3255,10 +3255,16 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (torch == NULL) {
             return NULL;
         }
-        st->empty_like = PyObject_GetAttrString(torch, "empty_like");
+        PyObject *fn = PyObject_GetAttrString(torch, "empty_like");
         Py_DECREF(torch);
-        if (st->empty_like == NULL) {
+        if (fn == NULL) {
             return NULL;
+        }
+        if (st->empty_like == NULL) { /* the import may release the GIL: first one wins */
+            st->empty_like = fn;
+        }
+        else {
+            Py_DECREF(fn);
         }
     }
     PyObject *ctx = args[0];
@@ -3344,10 +3350,16 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (adapter == NULL) {
             goto done;
         }
-        st->context_type = PyObject_GetAttrString(adapter, "DiffusionPagedAttentionContext");
+        PyObject *cls = PyObject_GetAttrString(adapter, "DiffusionPagedAttentionContext");
         Py_DECREF(adapter);
-        if (st->context_type == NULL) {
+        if (cls == NULL) {
             goto done;
+        }
+        if (st->context_type == NULL) { /* as empty_like above */
+            st->context_type = cls;
+        }
+        else {
+            Py_DECREF(cls);
         }
     }
     int same = (PyObject *)Py_TYPE(ctx) == st->context_type
