@@ -7,7 +7,9 @@ the GPU work per call is a few microseconds and the host path is what is measure
 * layer call: ``adapter.prepare_layer_context(...)`` + ``layer.impl.forward_paged(ctx)``,
   without spans (causal mask) and with ``full_attn_spans`` (piecewise plan, LIMITS mask), with
   q/k/v as ``[N, H*D]`` and as ``[N, H, D]`` (no reshapes in or out: ~0.6 us each on CPU);
-* prepare_layer_context alone; forward_paged alone (one prepared context reused);
+* prepare_layer_context alone; forward_paged alone (one prepared context reused), and the
+  same steps on the Python path (``run_forward_paged``, taken while compiling) that
+  ``_C.forward_context`` replaces;
 * _C.forward_paged alone (the binding: validation + KV-write and attention launches);
 * prepare_batch (+ activate/deactivate): once per phase, not per layer.
 
@@ -33,6 +35,7 @@ import torch
 import diffkv as dk
 from common import environment, fmt, median, print_table, write_json
 from diffkv import _C
+from diffkv.backends.diffkv import run_forward_paged
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, PREFIX = 2, 1, 64, 16, 63
 
@@ -151,6 +154,9 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
         def forward_only_spans():
             impl.forward_paged(ctx_spans)
 
+        def forward_python_path():
+            run_forward_paged(ctx)
+
         def binding_only():
             _C.forward_paged(
                 ctx.query,
@@ -177,6 +183,7 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
             ("  prepare_layer_context", prepare_only),
             ("  forward_paged", forward_only),
             ("  forward_paged with spans", forward_only_spans),
+            ("  forward_paged, Python path (run_forward_paged)", forward_python_path),
             ("  _C.forward_paged (binding + launches)", binding_only),
         )
         timings.update(_per_call_us(dict(parts), device, calls, samples))

@@ -16,6 +16,7 @@ ROWS = (
     "prepare_layer_context",
     "forward_paged",
     "forward_paged with spans",
+    "forward_paged, Python path (run_forward_paged)",
     "_C.forward_paged (binding + launches)",
 )
 
