@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import diffkv
-from _helpers import HEAD_SIZE, make_adapter
+from _helpers import HEAD_SIZE, fake_forward_context, make_adapter
 from diffkv import _C
 from fuzz_strategies import (
     AttentionProblem,
@@ -236,31 +236,6 @@ def _row(**kw: Any) -> diffkv.DiffusionPagedAttentionRow:
     return diffkv.DiffusionPagedAttentionRow(**fields)
 
 
-def _fake_context(p: AttentionProblem) -> SimpleNamespace:
-    """A per-call context shaped like DiffusionPagedAttentionContext over problem p (LIMITS mask:
-    a piecewise plan carrying p's key limits), for _C.forward_context."""
-    layer = SimpleNamespace(kv_cache=p.kv_cache, impl=object(), softmax_scale=p.scale)
-    meta = SimpleNamespace(
-        causal=True,
-        block_table=p.block_table,
-        query_start_loc=p.query_start_loc,
-        seq_lens=p.seq_lens,
-        block_table_cpu=p.block_table,
-        query_start_loc_cpu=p.query_start_loc,
-        seq_lens_cpu=p.seq_lens,
-    )
-    return SimpleNamespace(
-        layer=layer,
-        native_metadata=meta,
-        piecewise_plan=SimpleNamespace(key_limits=p.key_limits),
-        query=p.query,
-        key_write=p.key,
-        value_write=p.value,
-        slot_mapping=p.slot_mapping,
-        restore_output=lambda out: out,
-    )
-
-
 def _small_problem() -> AttentionProblem:
     block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
     return AttentionProblem(
@@ -425,7 +400,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "paged_attention_lse": (_lse_args(p), ()),
         "dense_attention": (_dense_args(), ()),
         "forward_paged": (p.forward_args(), ()),
-        "forward_context": ([_fake_context(_small_problem())], ()),
+        "forward_context": ([fake_forward_context(_small_problem().forward_args())], ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],
             (),

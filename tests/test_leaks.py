@@ -63,7 +63,7 @@ import pytest
 import torch
 
 import diffkv
-from _helpers import make_adapter, row
+from _helpers import fake_forward_context, make_adapter, row
 from diffkv import _C
 
 
@@ -1106,29 +1106,6 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
         return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
 
-    def ctx(sm=slots, kl=None, drop=()):
-        """A per-call context over fwd()'s tensors (a piecewise plan when kl is given)."""
-        meta = SimpleNamespace(
-            causal=True,
-            block_table=bt,
-            query_start_loc=qsl,
-            seq_lens=sl,
-            block_table_cpu=bt,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=sl,
-        )
-        fields = {
-            "layer": SimpleNamespace(kv_cache=cache, impl=True, softmax_scale=0.5),
-            "native_metadata": meta,
-            "piecewise_plan": None if kl is None else SimpleNamespace(key_limits=kl),
-            "query": q,
-            "key_write": key,
-            "value_write": value,
-            "slot_mapping": sm,
-            "restore_output": lambda o: o,
-        }
-        return SimpleNamespace(**{f: v for f, v in fields.items() if f not in drop})
-
     src = torch.randn(3, H, D)
     gather_index = torch.tensor([2, 0], dtype=I64)
     gathered = torch.empty(2, H, D)
@@ -1352,18 +1329,26 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
             bad("forward_paged nargs", TypeError, "takes 15 arguments", _C.forward_paged, q),
         ],
         "forward_context": [
-            ok("forward_context causal", _C.forward_context, ctx()),
-            ok("forward_context limits", _C.forward_context, ctx(kl=limits)),
-            ok("forward_context no layer", _C.forward_context, ctx(drop=("layer",))),
+            ok("forward_context causal", _C.forward_context, fake_forward_context(fwd())),
+            ok(
+                "forward_context limits",
+                _C.forward_context,
+                fake_forward_context(fwd(mask=_C.MASK_LIMITS, kl=limits)),
+            ),
+            ok("forward_context no layer", _C.forward_context, fake_forward_context(fwd(), drop=("layer",))),
             bad(
-                "forward_context no query", AttributeError, "query", _C.forward_context, ctx(drop=("query",))
+                "forward_context no query",
+                AttributeError,
+                "query",
+                _C.forward_context,
+                fake_forward_context(fwd(), drop=("query",)),
             ),
             bad(
                 "forward_context slot",
                 ValueError,
                 "slot_mapping",
                 _C.forward_context,
-                ctx(sm=torch.tensor([4, 99], dtype=I64)),
+                fake_forward_context(fwd(sm=torch.tensor([4, 99], dtype=I64))),
             ),
             bad("forward_context nargs", TypeError, "takes 1 arguments", _C.forward_context),
         ],
