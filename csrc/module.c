@@ -3134,6 +3134,33 @@ py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* Per-call objects                                                                            */
 /* ------------------------------------------------------------------------------------------ */
 
+/* *slot = module.name, looked up on the first call and kept (a new reference owned by the
+ * module state): 0, or -1 with the import's or getattr's error.  The import may release the
+ * GIL, so another thread may have set *slot meanwhile: the first one stays. */
+static int
+cached_attr(PyObject **slot, const char *module, const char *name)
+{
+    if (*slot != NULL) {
+        return 0;
+    }
+    PyObject *m = PyImport_ImportModule(module);
+    if (m == NULL) {
+        return -1;
+    }
+    PyObject *v = PyObject_GetAttrString(m, name);
+    Py_DECREF(m);
+    if (v == NULL) {
+        return -1;
+    }
+    if (*slot == NULL) {
+        *slot = v;
+    }
+    else {
+        Py_DECREF(v);
+    }
+    return 0;
+}
+
 /* ctx's attribute `name` as a new reference; *plain = 0 (and no error) when it is missing
  * (AttributeError) or None -- getattr(ctx, name, None) is None in Python; NULL with the error set
  * for anything else getattr raised. */
@@ -3250,22 +3277,8 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     module_state *st = state_of(module);
     PyObject *const *nm = st->ctx_names;
-    if (st->empty_like == NULL) { /* torch.empty_like, looked up once (no libtorch link) */
-        PyObject *torch = PyImport_ImportModule("torch");
-        if (torch == NULL) {
-            return NULL;
-        }
-        PyObject *fn = PyObject_GetAttrString(torch, "empty_like");
-        Py_DECREF(torch);
-        if (fn == NULL) {
-            return NULL;
-        }
-        if (st->empty_like == NULL) { /* the import may release the GIL: first one wins */
-            st->empty_like = fn;
-        }
-        else {
-            Py_DECREF(fn);
-        }
+    if (cached_attr(&st->empty_like, "torch", "empty_like") != 0) { /* no libtorch link */
+        return NULL;
     }
     PyObject *ctx = args[0];
     /* owned references, released at the end */
@@ -3345,22 +3358,8 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(r);
     /* ctx.restore_output(out); for diffkv's own context with [N, H, D] queries that is out
      * itself (a Python method call less: ~1.4 us on the H200 hosts) */
-    if (st->context_type == NULL) {
-        PyObject *adapter = PyImport_ImportModule("diffkv.adapter");
-        if (adapter == NULL) {
-            goto done;
-        }
-        PyObject *cls = PyObject_GetAttrString(adapter, "DiffusionPagedAttentionContext");
-        Py_DECREF(adapter);
-        if (cls == NULL) {
-            goto done;
-        }
-        if (st->context_type == NULL) { /* as empty_like above */
-            st->context_type = cls;
-        }
-        else {
-            Py_DECREF(cls);
-        }
+    if (cached_attr(&st->context_type, "diffkv.adapter", "DiffusionPagedAttentionContext") != 0) {
+        goto done;
     }
     int same = (PyObject *)Py_TYPE(ctx) == st->context_type
                    ? restore_is_identity(module, ctx, layer, out)
