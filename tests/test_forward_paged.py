@@ -547,3 +547,10 @@ def test_forward_context_mirrors_the_python_path(device):
         sub = Restoring(**{f.name: getattr(context, f.name) for f in dataclasses.fields(context)})
         tag, out_sub = _C.forward_context(sub)
         assert tag == "restored" and torch.equal(out_sub, out)
+
+
+def test_forward_context_argument_count():
+    with pytest.raises(TypeError, match=r"^forward_context\(\) takes 1 arguments, got 0$"):
+        _C.forward_context()
+    with pytest.raises(TypeError, match=r"^forward_context\(\) takes 1 arguments, got 2$"):
+        _C.forward_context(None, None)
