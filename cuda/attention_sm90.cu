@@ -174,6 +174,18 @@ tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int3
                  : "memory");
 }
 
+/* One TMA box of a 5-d tensor map, as tma_load_4d. */
+static __device__ __forceinline__ void
+tma_load_5d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
+            int32_t c3, int32_t c4)
+{
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+                 "r"(bar)
+                 : "memory");
+}
+
 /* Barrier `id` (1..15) over `n` threads. */
 static __device__ __forceinline__ void
 named_barrier(uint32_t id, uint32_t n)
@@ -472,11 +484,14 @@ struct h90_rows {
 };
 
 /* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
- * dims, 32 bytes apart within a 128-byte row, 64-dim panels BM * 128 (Q) or BN * 128 (K)
- * bytes apart; 8-row groups 1024 bytes apart. */
+ * dims, 32 bytes apart within a 128-byte row; Q's 64-dim panels BM * 128 bytes apart and its
+ * 8-row groups 1024.  K: panels khalf bytes apart and 8-row groups ksbo -- BN * 128 and 1024
+ * (each panel a block of rows), or 1024 and 2048 (K_GROUPS: the panels of each 8-row group
+ * side by side, as one TMA box per 16-key block lands them). */
 template <typename T, int D, int BN, int BM = H90_BM>
 static __device__ __forceinline__ void
-h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
+h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 128u,
+       uint32_t ksbo = 1024u)
 {
     fence_regs(s);
     wgmma_fence();
@@ -485,7 +500,7 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk)
         const uint32_t koff = (uint32_t)(kk & 3) * 32u;
         const uint64_t da =
             wgmma_desc(q_slab + (uint32_t)(kk >> 2) * (BM * 128u) + koff, 16u, 1024u);
-        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * (BN * 128u) + koff, 16u, 1024u);
+        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * khalf + koff, 16u, ksbo);
         h90_mma<T>::qk(s, da, db, kk > 0);
     }
 }
@@ -913,12 +928,14 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * of a tile are copied together, row by row, once both slots are free (V has one slot more than
  * K so that K is not held back), and every thread then arrives on both full barriers.
  */
-template <int D, int BN, int ST, int SV, bool TWO>
+template <int D, int BN, int ST, int SV, bool TWO, bool KG = false>
 static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
-                            uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
+                            uint32_t full_v, uint32_t empty_k, uint32_t empty_v,
+                            const CUtensorMap *kmap)
 {
+    static_assert(!KG || (D == 128 && !TWO), "K boxes: head 128, one source, 16-key blocks");
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int CH = D / 8;       /* 16-byte chunks per key row (16 or 8) */
     constexpr int RW = 32 / CH;     /* rows per warp-wide copy (2 or 4) */
@@ -959,11 +976,33 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         if (kt >= ST) { /* the phase the slot's last use ended */
             mbar_wait(empty_k + 8u * slot_k, (uint32_t)((kt / ST - 1) & 1));
         }
+        const uint32_t dk = sk0 + slot_k * KVB;
+        const uint32_t dv = sv0 + slot_v * KVB;
+        if constexpr (KG) {
+            /* K: lane 0 of each warp issues its groups' boxes (a block each, 4 KB: both halves
+             * of its two 8-row groups, K_GROUPS layout), warp 0 expects the tile's bytes --
+             * before or after the boxes land, the barrier's one arrival completes the phase */
+            const uint32_t bar = full_k + 8u * slot_k;
+            if (lane == 0) {
+                if (warp == 0) {
+                    const int32_t blocks = min(BN / 16, (kv_end - j0 + 15) / 16);
+                    mbar_arrive_expect_tx(bar, (uint32_t)blocks * 4096u);
+                }
+#pragma unroll
+                for (int g = 0; g < GW; g++) {
+                    const int32_t q = warp + 4 * g;
+                    const int32_t gk = j0 + 16 * q;
+                    if (gk < kv_end) {
+                        const int32_t b = (uint32_t)blk[g] < nblocks ? blk[g] : 0;
+                        tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0, (int32_t)(2 * kvh),
+                                    0, b);
+                    }
+                }
+            }
+        }
         if (kt >= SV) {
             mbar_wait(empty_v + 8u * slot_v, (uint32_t)((kt / SV - 1) & 1));
         }
-        const uint32_t dk = sk0 + slot_k * KVB;
-        const uint32_t dv = sv0 + slot_v * KVB;
 #pragma unroll
         for (int g = 0; g < GW; g++) {
             const int32_t q = warp + 4 * g; /* the group within the tile */
@@ -991,11 +1030,15 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                 const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
                 const int64_t t = (int64_t)(RW * p) * tbytes;
                 const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
-                cp_async16(dk + sw128(BN, r, c), kr + t, n);
+                if constexpr (!KG) {
+                    cp_async16(dk + sw128(BN, r, c), kr + t, n);
+                }
                 cp_async16(dv + sw128(BN, r, c), vr + t, n);
             }
         }
-        cp_async_arrive_noinc(full_k + 8u * slot_k);
+        if constexpr (!KG) {
+            cp_async_arrive_noinc(full_k + 8u * slot_k);
+        }
         cp_async_arrive_noinc(full_v + 8u * slot_v);
     }
     cp_async_wait_all(); /* nothing lands after the thread exits */
@@ -1012,6 +1055,8 @@ struct h90_tma_dims {
                           is the kv head) */
     int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
                           the caller vouched): flat boxes only, no per-block map */
+    int32_t k_groups;  /* cp.async producer for V, K by one TMA box per 16-key block (the 5-d
+                          map h90_kgroups_encode makes; its K tiles in the K_GROUPS layout) */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
@@ -1094,7 +1139,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 #pragma unroll
             for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
                 /* the producer warp's expect_tx, or each producer thread's cp.async */
-                mbar_init(full_k + 8u * (uint32_t)i, dims.box > 0 ? 1u : 128u);
+                const bool tma = dims.box > 0 || (dims.k_groups != 0 && i < ST);
+                mbar_init(full_k + 8u * (uint32_t)i, tma ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
             }
             mbar_init_fence();
@@ -1119,12 +1165,19 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(
-                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(a, h, row, kv_end, n_tiles,
+                                                                     sk0, sv0, full_k, full_v,
+                                                                     empty_k, empty_v, nullptr);
+                }
+                else if (D == 128 && dims.k_groups != 0) {
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false, D == 128>(
+                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
+                        &tmk);
                 }
                 else {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(
-                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(a, h, row, kv_end, n_tiles,
+                                                                      sk0, sv0, full_k, full_v,
+                                                                      empty_k, empty_v, nullptr);
                 }
             }
             else {
@@ -1208,6 +1261,9 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int w4 = wt / 32;
     const int g = lane >> 2;
     const int tq = lane & 3;
+    /* K tiles' layout (h90_qk) */
+    const uint32_t khalf = dims.k_groups != 0 ? 1024u : BN * 128u;
+    const uint32_t ksbo = dims.k_groups != 0 ? 2048u : 1024u;
 
     /* This warpgroup's 64 Q rows (zeros past the row's end), negated for a negative scale. */
     h90_load_q<D, BM, 128, 64>(a, sq, wt, cw * 64, q0, q_start, query_len, h, q_vec);
@@ -1261,7 +1317,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             float alpha[2];
             if (kt == 0) {
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0);
+                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
@@ -1278,7 +1334,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                     fence_proxy_async();
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB);
+                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                 wgmma_commit();
                 h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
@@ -1414,8 +1470,10 @@ h90_encoder(void)
 struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
     CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
+    CUtensorMap k_groups;         /* K by one box per 16-key block (h90_kgroups_encode) */
     h90_tma_dims dims;
-    int32_t tile; /* keys per tile the maps' boxes were cut for: 128 or 176 */
+    int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
+    int32_t k_groups_ok; /* k_groups is encoded */
 };
 
 /* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
@@ -1441,6 +1499,47 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     const CUtensorMapDataType ty =
         a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     return encode(map, ty, (cuuint32_t)rank, (void *)base, gdim, gstride, box, estride,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* The K map of the mixed producer ("sm90-mixed"): a head-128 cache of 16-key blocks whose kv
+ * heads are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one),
+ * as 5 dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head
+ * folded into the half: 128 bytes apart either way), 2 groups of 8 tokens, block -- so that one
+ * 64 x 8 x 2 x 2 box brings a whole block, both halves, as two 8-row groups of both panels
+ * (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random block tables (no runs for the
+ * flat boxes) then take 8 boxes per K tile instead of 16 per-half ones, while V stays with the
+ * block-group cp.async producer: the two engines fill shared memory side by side.  H200,
+ * benchmarks/probe_gather.cu (one CTA per SM streaming random 16-key blocks, no math): 24.4
+ * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
+ * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once. */
+static bool
+h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
+{
+    if (a->head_size != 128 || a->block_size != 16 || a->key_cache2 != NULL ||
+        a->cache_stride_head != 128 || a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX ||
+        a->num_kv_heads < 1 || a->num_kv_heads > (int64_t)INT32_MAX / 2 ||
+        a->cache_stride_token <= 0 || a->cache_stride_block <= 0 ||
+        a->cache_stride_token % 8 != 0 || a->cache_stride_block % 8 != 0 ||
+        a->cache_stride_block * 2 >= ((int64_t)1 << 40) ||
+        a->cache_stride_token * 16 >= ((int64_t)1 << 40)) {
+        return false;
+    }
+    const h90_encode_fn encode = h90_encoder();
+    if (encode == NULL) {
+        return false;
+    }
+    const cuuint64_t tok = (cuuint64_t)a->cache_stride_token * 2; /* bytes */
+    const cuuint64_t gdim[5] = {64, 8, (cuuint64_t)(2 * a->num_kv_heads), 2,
+                                (cuuint64_t)a->num_blocks};
+    const cuuint64_t gstride[4] = {tok, 128, 8 * tok, (cuuint64_t)a->cache_stride_block * 2};
+    const cuuint32_t box[5] = {64, 8, 2, 2, 1};
+    const cuuint32_t estride[5] = {1, 1, 1, 1, 1};
+    const CUtensorMapDataType ty =
+        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, ty, 5, (void *)a->key_cache, gdim, gstride, box, estride,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -1595,6 +1694,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
+        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups) ? 1 : 0;
         e.key = key;
         e.used = true;
     }
@@ -1734,10 +1834,18 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
         if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
             (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
-            memset(&m, 0, sizeof(m)); /* box 0, 128-key tiles */
+            const int32_t kg = m.k_groups_ok;
+            memset(&m.dims, 0, sizeof(m.dims)); /* box 0, 128-key tiles, no flat map */
+            m.tile = 0;
+            m.k_groups_ok = kg;
             pr = H90_CP_ASYNC;
         }
         kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
+        if (pr == H90_CP_ASYNC && m.k_groups_ok != 0) {
+            m.k = m.k_groups; /* the kernel's per-block K map */
+            m.dims.k_groups = 1;
+            kernel = "sm90-mixed";
+        }
         e = bf16
                 ? h90_launch_ws<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s)
                 : h90_launch_ws<__half>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);

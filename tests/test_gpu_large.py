@@ -232,8 +232,8 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
     # block 16 in random order: the cp.async producer (TMA boxes take blocks of 32+, or runs
-    # of consecutive 16-key blocks)
-    launched = {"sm90-tma": "sm90-ws"}.get(built, built)
+    # of consecutive 16-key blocks), at head 128 for V only (K by one box per block)
+    launched = {"sm90-tma": "sm90-mixed" if head == 128 else "sm90-ws"}.get(built, built)
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
@@ -250,7 +250,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
 @pytest.mark.parametrize(
     ("block", "layout", "order", "kernel", "head"),
     [
-        (16, "nhd", "random", "sm90-ws", 128),
+        (16, "nhd", "random", "sm90-mixed", 128),  # K one box per block, V cp.async
         (16, "nhd", "sequential", "sm90-tma", 128),
         (16, "nhd", "runs", "sm90-tma", 128),
         (16, "hnd", "sequential", "sm90-ws", 128),
@@ -265,7 +265,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (4, "nhd", "sequential", "sm90-tma", 128),  # every tile a run: flat boxes only
         (1, "nhd", "sequential", "sm90-tma", 128),
         (2, "nhd", "runs", "sm90-ws", 128),  # some tiles are not runs: no box per block here
-        (16, "layers", "sequential", "sm90-ws", 128),
+        (16, "layers", "sequential", "sm90-mixed", 128),
         (48, "layers", "random", "sm90-ws", 128),
         (48, "nhd", "sequential", "sm90-ws", 128),
         (16, "strided-dim", "random", "sm90", 128),
@@ -275,7 +275,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (8, "nhd", "runs", "sm90-tma", 128),
         (16, "nhd", "random", "sm90-ws", 64),
         (16, "hnd", "random", "sm90-ws", 64),
-        (16, "layers", "random", "sm90-ws", 128),
+        (16, "layers", "random", "sm90-mixed", 128),
         (4096, "nhd", "random", "sm90-tma", 128),  # one block per row
     ],
 )
@@ -304,7 +304,7 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
         (16, "nhd", "runs", "sm90-tma"),
         (32768, "nhd", "random", "sm90-tma"),  # one block per row
         (32768, "hnd", "random", "sm90-tma"),
-        (16, "nhd", "random", "sm90-ws"),  # cp.async: 128-key tiles whatever the mask
+        (16, "nhd", "random", "sm90-mixed"),  # V by cp.async: 128-key tiles whatever the mask
     ],
 )
 def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, monkeypatch):
