@@ -782,13 +782,17 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     group addresses in registers), h90_produce_cp_async otherwise (per-key addresses through
  *     a shared ring), coalesced rows; the full barrier counts the 128 threads' cp.async
  *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
+ *   - mixed (dims.k_groups, head 128, 16-key blocks with adjacent kv-head rows): V as the
+ *     block-group cp.async producer copies it, K by one TMA box per block of a 5-d map
+ *     (h90_kgroups_encode) -- the two engines fill shared memory side by side; K tiles then
+ *     land as 8-row groups of both 64-dim panels (h90_qk's K_GROUPS layout).
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
  * in the block table it checks) -- blocks too small for a box per lane (under 8 keys at head
  * 128, 4 at head 64: a dense call's one-token blocks) only when every tile is such a run (the
  * host's count, or dense_attention's caller vouching for it: packed varlen documents), then
- * as flat boxes only; cp.async the rest.
+ * as flat boxes only; the mixed producer random 16-key tables at head 128; cp.async the rest.
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V.
