@@ -930,7 +930,9 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * every group).  No shared-memory traffic besides the copies, which keeps the memory pipe free
  * for the consumers' wgmma issue (the ring's loads and stores competed with it there).  K and V
  * of a tile are copied together, row by row, once both slots are free (V has one slot more than
- * K so that K is not held back), and every thread then arrives on both full barriers.
+ * K so that K is not held back), and every thread then arrives on both full barriers.  KG (the
+ * mixed producer, dims.k_groups): the warps copy V only; K comes as TMA boxes of kmap, one per
+ * 16-key block, issued by lane 0 of the warp that owns the group as soon as the K slot is free.
  */
 template <int D, int BN, int ST, int SV, bool TWO, bool KG = false>
 static __device__ __forceinline__ void
