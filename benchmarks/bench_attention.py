@@ -284,12 +284,19 @@ class Paged:
 
 
 def _make_paged(
-    case: Case, data: Data, block_size: int, contiguous: bool, device: torch.device, seed: int
+    case: Case,
+    data: Data,
+    block_size: int,
+    contiguous: bool,
+    device: torch.device,
+    seed: int,
+    kv_layout: str = "nhd",
 ) -> Paged:
     """Fills a cache with the rows' K/V.  Paged: blocks of block_size drawn from a random
     permutation of num_blocks = needed + spare (case.order 'allocation': in order).
     Contiguous: one block per row holding the whole row (block_size = longest row rounded up
-    to 16, block table [[0], [1], ...])."""
+    to 16, block table [[0], [1], ...]).  kv_layout 'hnd': the same [2, blocks, block, heads,
+    D] view over memory ordered [2, blocks, heads, block, D] (vLLM's HND stride order)."""
     seq_lens = [s for _, s in case.rows]
     if contiguous:
         block_size = -(-max(seq_lens) // 16) * 16
@@ -324,6 +331,9 @@ def _make_paged(
         slots = table_dev[r].long()[pos // block_size] * block_size + pos % block_size
         flat[0].index_copy_(0, slots, data.k_rows[r][0].transpose(0, 1))
         flat[1].index_copy_(0, slots, data.v_rows[r][0].transpose(0, 1))
+    if kv_layout == "hnd":
+        cache = cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+        layout += ", HND in memory"
     qsl = torch.tensor(data.query_start_loc, dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     return Paged(cache, table_dev, qsl.to(device), sl.to(device), table, qsl, sl, layout)
@@ -514,7 +524,7 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
     dtype = torch.bfloat16
     seed = 1234
     data = _make_data(case, device, dtype, seed)
-    paged = _make_paged(case, data, case.block_size, False, device, seed)
+    paged = _make_paged(case, data, case.block_size, False, device, seed, args.kv_layout)
     out = torch.empty_like(data.query)
     diffkv_run = _diffkv_fn(case, data, paged, data.mask_code, data.key_limits, out)
     diffkv_run()
@@ -548,7 +558,7 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
         result["checks"]["fp32_reference"] = _reference_diff(case, data, diffkv_out)
 
     if case.compare == "contiguous":
-        contig = _make_paged(case, data, case.block_size, True, device, seed)
+        contig = _make_paged(case, data, case.block_size, True, device, seed, args.kv_layout)
         out2 = torch.empty_like(data.query)
         try:
             contig_run = _diffkv_fn(case, data, contig, data.mask_code, data.key_limits, out2)
@@ -747,6 +757,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--json", default=None, help="write a JSON record here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--kv-layout",
+        choices=("nhd", "hnd"),
+        default="nhd",
+        help="memory order of each cache block: [block, heads, D] (nhd, default) or [heads, block, D]",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -939,7 +939,7 @@ static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
                             uint32_t full_v, uint32_t empty_k, uint32_t empty_v,
-                            const CUtensorMap *kmap)
+                            const CUtensorMap *kmap, bool hnd = false)
 {
     static_assert(!KG || (D == 128 && !TWO), "K boxes: head 128, one source, 16-key blocks");
     constexpr uint32_t KVB = BN * D * 2;
@@ -969,6 +969,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const int64_t bbytes = a.cache_stride_block * 2;
     /* dk_safe_block's bound in 32 bits (block ids are int32; a negative one clamps too) */
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
+    const int32_t heads = (int32_t)a.num_kv_heads; /* KG, HND: blocks * heads < 2^31 (host) */
     int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
 #pragma unroll
     for (int g = 0; g < GW; g++) {
@@ -1000,8 +1001,15 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                     const int32_t gk = j0 + 16 * q;
                     if (gk < kv_end) {
                         const int32_t b = (uint32_t)blk[g] < nblocks ? blk[g] : 0;
-                        tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0, (int32_t)(2 * kvh),
-                                    0, b);
+                        /* the kv head: a pair of halves (NHD) or a block of the map (HND) */
+                        if (hnd) {
+                            tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0, 0, 0,
+                                        b * heads + (int32_t)kvh);
+                        }
+                        else {
+                            tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0,
+                                        (int32_t)(2 * kvh), 0, b);
+                        }
                     }
                 }
             }
@@ -1062,7 +1070,9 @@ struct h90_tma_dims {
     int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
                           the caller vouched): flat boxes only, no per-block map */
     int32_t k_groups;  /* cp.async producer for V, K by one TMA box per 16-key block (the 5-d
-                          map h90_kgroups_encode makes; its K tiles in the K_GROUPS layout) */
+                          map h90_kgroups_encode makes; its K tiles in the K_GROUPS layout):
+                          1 the kv head folded into the map's halves (NHD), 2 into its blocks
+                          (HND) */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
@@ -1178,7 +1188,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 else if (D == 128 && dims.k_groups != 0) {
                     h90_produce_cp_async_groups<D, BN, ST, SV, false, D == 128>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
-                        &tmk);
+                        &tmk, dims.k_groups == 2);
                 }
                 else {
                     h90_produce_cp_async_groups<D, BN, ST, SV, false>(a, h, row, kv_end, n_tiles,
@@ -1479,7 +1489,7 @@ struct h90_maps {
     CUtensorMap k_groups;         /* K by one box per 16-key block (h90_kgroups_encode) */
     h90_tma_dims dims;
     int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
-    int32_t k_groups_ok; /* k_groups is encoded */
+    int32_t k_groups_ok; /* k_groups is encoded: its h90_tma_dims.k_groups (1 NHD, 2 HND), else 0 */
 };
 
 /* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
@@ -1513,42 +1523,52 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
 /* The K map of the mixed producer ("sm90-mixed"): a head-128 cache of 16-key blocks whose kv
  * heads are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one),
  * as 5 dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head
- * folded into the half: 128 bytes apart either way), 2 groups of 8 tokens, block -- so that one
- * 64 x 8 x 2 x 2 box brings a whole block, both halves, as two 8-row groups of both panels
+ * folded into the half: 128 bytes apart either way), 2 groups of 8 tokens, block -- or a
+ * contiguous HND cache with the kv head folded into the block instead (dims 64, 8, 2, 2,
+ * num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded for, 0 for none.
+ * One 64 x 8 x 2 x 2 box brings a whole block, both halves, as two 8-row groups of both panels
  * (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random block tables (no runs for the
  * flat boxes) then take 8 boxes per K tile instead of 16 per-half ones, while V stays with the
  * block-group cp.async producer: the two engines fill shared memory side by side.  H200,
  * benchmarks/probe_gather.cu (one CTA per SM streaming random 16-key blocks, no math): 24.4
  * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
  * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once. */
-static bool
+static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
 {
-    if (a->head_size != 128 || a->block_size != 16 || a->key_cache2 != NULL ||
-        a->cache_stride_head != 128 || a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX ||
-        a->num_kv_heads < 1 || a->num_kv_heads > (int64_t)INT32_MAX / 2 ||
-        a->cache_stride_token <= 0 || a->cache_stride_block <= 0 ||
-        a->cache_stride_token % 8 != 0 || a->cache_stride_block % 8 != 0 ||
-        a->cache_stride_block * 2 >= ((int64_t)1 << 40) ||
+    /* NHD: kv heads 128 elements apart, folded into the halves; HND ([blocks, kv heads, 16,
+     * 128] in memory: rows 128 apart, heads 16 rows, blocks all heads): into the blocks */
+    const bool nhd = a->cache_stride_head == 128;
+    const bool hnd = a->cache_stride_token == 128 && a->cache_stride_head == 16 * 128 &&
+                     a->cache_stride_block == a->num_kv_heads * a->cache_stride_head &&
+                     a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
+    if (a->head_size != 128 || a->block_size != 16 || a->key_cache2 != NULL || !(nhd || hnd) ||
+        a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
+        a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
+        a->cache_stride_block <= 0 || a->cache_stride_token % 8 != 0 ||
+        a->cache_stride_block % 8 != 0 || a->cache_stride_block * 2 >= ((int64_t)1 << 40) ||
         a->cache_stride_token * 16 >= ((int64_t)1 << 40)) {
-        return false;
+        return 0;
     }
     const h90_encode_fn encode = h90_encoder();
     if (encode == NULL) {
-        return false;
+        return 0;
     }
     const cuuint64_t tok = (cuuint64_t)a->cache_stride_token * 2; /* bytes */
-    const cuuint64_t gdim[5] = {64, 8, (cuuint64_t)(2 * a->num_kv_heads), 2,
-                                (cuuint64_t)a->num_blocks};
-    const cuuint64_t gstride[4] = {tok, 128, 8 * tok, (cuuint64_t)a->cache_stride_block * 2};
+    const cuuint64_t gdim[5] = {
+        64, 8, (cuuint64_t)(nhd ? 2 * a->num_kv_heads : 2), 2,
+        (cuuint64_t)(nhd ? a->num_blocks : a->num_blocks * a->num_kv_heads)};
+    const cuuint64_t gstride[4] = {
+        tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
     const cuuint32_t box[5] = {64, 8, 2, 2, 1};
     const cuuint32_t estride[5] = {1, 1, 1, 1, 1};
     const CUtensorMapDataType ty =
         a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, ty, 5, (void *)a->key_cache, gdim, gstride, box, estride,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    const bool ok = encode(map, ty, 5, (void *)a->key_cache, gdim, gstride, box, estride,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return ok ? (nhd ? 1 : 2) : 0;
 }
 
 /* How the warp-specialized kernel's producer brings a cache in. */
@@ -1700,7 +1720,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
-        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups) ? 1 : 0;
+        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups);
         e.key = key;
         e.used = true;
     }
@@ -1849,7 +1869,7 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         if (pr == H90_CP_ASYNC && m.k_groups_ok != 0) {
             m.k = m.k_groups; /* the kernel's per-block K map */
-            m.dims.k_groups = 1;
+            m.dims.k_groups = m.k_groups_ok;
             kernel = "sm90-mixed";
         }
         e = bf16

@@ -68,3 +68,20 @@ def test_bench_attention_times_a_case_and_its_comparison_together(tmp_path):
         paged["extra"]["contiguous_us"] / paged["diffkv_us"]
     )
     assert paged["checks"]["contiguous_vs_paged"] == 0.0
+
+
+def test_bench_attention_reads_an_hnd_cache(tmp_path):
+    """--kv-layout hnd: the same case through a cache whose blocks are [heads, block, D] in
+    memory, checked against the baselines' reference like the default layout."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), "--quick", "--device", "cpu",
+         "--cases", "paged_b16_s16k", "--reps", "2", "--warmup", "1", "--kv-layout", "hnd",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (paged,) = json.loads(out.read_text())["results"]
+    assert paged["layout"].endswith(", HND in memory")
+    assert paged["check_ok"]
+    assert paged["checks"]["contiguous_vs_paged"] == 0.0
