@@ -1541,7 +1541,7 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
     const bool nhd = a->cache_stride_head == 128;
     const bool hnd = a->cache_stride_token == 128 && a->cache_stride_head == 16 * 128 &&
                      a->cache_stride_block == a->num_kv_heads * a->cache_stride_head &&
-                     a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
+                     a->num_kv_heads >= 1 && a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
     if (a->head_size != 128 || a->block_size != 16 || a->key_cache2 != NULL || !(nhd || hnd) ||
         a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
         a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
