@@ -288,7 +288,10 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     block into its spare neighbour -- and blocks too small for a box per lane when every tile
     is a run; other caches take the same warp-specialized kernel with a
     cp.async producer (per 16-key group addresses for power-of-two blocks of 16+ keys, per-key
-    ones otherwise: 48, 2), a cache whose head dim is not contiguous the cp.async wgmma kernel.
+    ones otherwise: 48, 2) -- at head 128 16-key blocks in NHD, layer-strided or HND order for V
+    only, K coming as one TMA box per block ('sm90-mixed', whose last block's tail past a row's
+    end is read whole and masked) -- a cache whose head dim is not contiguous the cp.async wgmma
+    kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
