@@ -25,6 +25,8 @@
  *                   rings; the bytes of both counted)
  * Prints GB/s into shared memory and bytes per SM clock at the device's reported clock.
  */
+#include "../cuda/sm90_async.cuh" /* the kernel's mbarrier and TMA instructions */
+
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -59,61 +61,6 @@ smem_u32(const void *p)
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-static __device__ __forceinline__ void
-bar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-static __device__ __forceinline__ void
-bar_wait(uint32_t bar, uint32_t parity)
-{
-    asm volatile("{.reg .pred p;\nW_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra W_%=;}" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-bar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-static __device__ __forceinline__ void
-bar_expect(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-tma_3d(uint32_t dst, const CUtensorMap *m, uint32_t bar, int c0, int c1, int c2)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
-                 "l"((uint64_t)m), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-tma_4d(uint32_t dst, const CUtensorMap *m, uint32_t bar, int c0, int c1, int c2, int c3)
-{
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
-                 "l"((uint64_t)m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void
-tma_5d(uint32_t dst, const CUtensorMap *m, uint32_t bar, int c0, int c1, int c2, int c3, int c4)
-{
-    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];" ::"r"(dst),
-                 "l"((uint64_t)m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-                 : "memory");
-}
-
 struct probe_args {
     CUtensorMap half_boxes; /* 4-d: head_size, token, kv head, block; box 64 x 16 */
     CUtensorMap block_box;  /* 5-d: 64 dims, 8 rows, 2 * HEADS halves, 2 row groups, block */
@@ -124,21 +71,21 @@ struct probe_args {
 static __device__ __forceinline__ void
 issue_tma(form f, const probe_args &p, const int *tb, int t, int head, uint32_t dst, uint32_t bar)
 {
-    bar_expect(bar, TILE_BYTES);
+    mbar_arrive_expect_tx(bar, TILE_BYTES);
     for (int j = 0; j < TILE / BS; j++) {
         const int b = tb[t * (TILE / BS) + j];
         if (f == TMA_HALF_BOXES) {
-            tma_4d(dst + j * BS * 128, &p.half_boxes, bar, 0, 0, head, b);
-            tma_4d(dst + TILE_BYTES / 2 + j * BS * 128, &p.half_boxes, bar, 64, 0, head, b);
+            tma_load_4d(dst + j * BS * 128, &p.half_boxes, bar, 0, 0, head, b);
+            tma_load_4d(dst + TILE_BYTES / 2 + j * BS * 128, &p.half_boxes, bar, 64, 0, head, b);
         }
         else if (f == TMA_BLOCK_BOX) {
-            tma_5d(dst + j * BS * 256, &p.block_box, bar, 0, 0, 2 * head, 0, b);
+            tma_load_5d(dst + j * BS * 256, &p.block_box, bar, 0, 0, 2 * head, 0, b);
         }
     }
     if (f == TMA_FLAT) {
         const int row = (tb[t * (TILE / BS)] & ~(TILE / BS - 1)) * BS; /* an aligned run */
-        tma_3d(dst, &p.flat, bar, 0, 2 * head, row);
-        tma_3d(dst + TILE_BYTES / 2, &p.flat, bar, 0, 2 * head + 1, row);
+        tma_load_3d(dst, &p.flat, bar, 0, 2 * head, row);
+        tma_load_3d(dst + TILE_BYTES / 2, &p.flat, bar, 0, 2 * head + 1, row);
     }
 }
 
@@ -160,7 +107,7 @@ issue_cp_async(const char *cache, const int *tb, int t, int head, int tid, uint3
                          : "memory");
         }
     }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+    cp_async_arrive_noinc(bar);
 }
 
 /* One CTA per SM: ring 0 filled by form f (split: TMA block boxes), ring 1 (split only) by
@@ -179,11 +126,11 @@ static __global__ void __launch_bounds__(384)
         for (int r = 0; r < RINGS; r++) {
             for (int s = 0; s < STAGES; s++) {
                 const bool cp = F == CP_ASYNC || r == 1;
-                bar_init(smem_u32(&full[r][s]), cp ? 128u : 1u);
-                bar_init(smem_u32(&empty[r][s]), 1u);
+                mbar_init(smem_u32(&full[r][s]), cp ? 128u : 1u);
+                mbar_init(smem_u32(&empty[r][s]), 1u);
             }
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     const int ntiles = blocks_per_cta / (TILE / BS);
@@ -195,7 +142,7 @@ static __global__ void __launch_bounds__(384)
         for (int t = 0; t < ntiles; t++) {
             const int s = t % STAGES;
             if (t >= STAGES) {
-                bar_wait(smem_u32(&empty[ring][s]), (uint32_t)((t / STAGES - 1) & 1));
+                mbar_wait(smem_u32(&empty[ring][s]), (uint32_t)((t / STAGES - 1) & 1));
             }
             const uint32_t dst = base + (uint32_t)((ring * STAGES + s) * TILE_BYTES);
             const uint32_t bar = smem_u32(&full[ring][s]);
@@ -213,14 +160,14 @@ static __global__ void __launch_bounds__(384)
         for (int t = 0; t < ntiles; t++) {
             const int s = t % STAGES;
             for (int r = 0; r < RINGS; r++) {
-                bar_wait(smem_u32(&full[r][s]), (uint32_t)((t / STAGES) & 1));
+                mbar_wait(smem_u32(&full[r][s]), (uint32_t)((t / STAGES) & 1));
                 uint32_t v;
                 asm volatile(
                     "ld.shared.u32 %0, [%1];"
                     : "=r"(v)
                     : "r"(base + (uint32_t)((r * STAGES + s) * TILE_BYTES + (t & 63) * 16)));
                 acc += v;
-                bar_arrive(smem_u32(&empty[r][s]));
+                mbar_arrive(smem_u32(&empty[r][s]));
             }
         }
         sink[blockIdx.x] = acc;

@@ -30,6 +30,7 @@
  */
 #include "attention_common.cuh"
 #include "cuda_common.cuh"
+#include "sm90_async.cuh"
 
 #include <cuda.h> /* CUtensorMap and its encoder's types (header only) */
 #include <stdlib.h>
@@ -110,80 +111,6 @@ static __device__ __forceinline__ void
 fence_proxy_async(void)
 {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-/* ---- mbarriers (64-bit, in shared memory at shared address `bar`) and TMA ---- */
-static __device__ __forceinline__ void
-mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-/* Makes the barrier initialisations visible to the async proxy (TMA's complete_tx). */
-static __device__ __forceinline__ void
-mbar_init_fence(void)
-{
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void
-mbar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-/* Arrives and adds `bytes` to the transactions the current phase waits for. */
-static __device__ __forceinline__ void
-mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-/* Waits until the phase of parity `parity` of the barrier has completed. */
-static __device__ __forceinline__ void
-mbar_wait(uint32_t bar, uint32_t parity)
-{
-    asm volatile("{\n.reg .pred done;\n"
-                 "H90_WAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra H90_WAIT_%=;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
-/* One TMA box of a 4-d tensor map (coordinates innermost first) into shared memory at dst,
- * completing `bar`'s transactions by its size. */
-static __device__ __forceinline__ void
-tma_load_4d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
-            int32_t c3)
-{
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-                 : "memory");
-}
-
-/* One TMA box of a 3-d tensor map, as tma_load_4d. */
-static __device__ __forceinline__ void
-tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-                 : "memory");
-}
-
-/* One TMA box of a 5-d tensor map, as tma_load_4d. */
-static __device__ __forceinline__ void
-tma_load_5d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
-            int32_t c3, int32_t c4)
-{
-    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
-                 "r"(bar)
-                 : "memory");
 }
 
 /* Barrier `id` (1..15) over `n` threads. */
@@ -813,14 +740,6 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
 #define H90_WIDE_MIN_KEYS 16384
 
 #ifdef H90_DEVICE_CODE
-/* Arrive on `bar` once all of this thread's earlier cp.async copies have landed, without
- * counting as a pending arrival (the barrier's count includes it). */
-static __device__ __forceinline__ void
-cp_async_arrive_noinc(uint32_t bar)
-{
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
 /*
  * The producer warpgroup of attention_sm90_tma_kernel when the cache does not suit TMA boxes
  * (blocks under H90T_MIN_BOX keys or not a power of two, dense key indices): per key tile, thread t
@@ -1492,6 +1411,23 @@ struct h90_maps {
     int32_t k_groups_ok; /* k_groups is encoded: its h90_tma_dims.k_groups (1 NHD, 2 HND), else 0 */
 };
 
+/* Encodes a map of `rank` dims of the cache's dtype over `base` (byte strides of dims 1..), in
+ * the one form every map here takes: 128-byte swizzle (the wgmma layout), 256-byte L2
+ * promotion, no interleave, zeros out of bounds. */
+static bool
+h90_encode_tiled(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a,
+                 const void *base, int rank, const cuuint64_t *gdim, const cuuint64_t *gstride,
+                 const cuuint32_t *box)
+{
+    const cuuint32_t estride[5] = {1, 1, 1, 1, 1};
+    const CUtensorMapDataType ty =
+        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, ty, (cuuint32_t)rank, (void *)base, gdim, gstride, box, estride,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 /* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
  * the given extents and element strides (dims[0] fastest in memory), box 64 x box_rows on the
  * token dim (tok, 1-based) x 1. */
@@ -1502,7 +1438,6 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     cuuint64_t gdim[4] = {(cuuint64_t)a->head_size, 0, 0, 0};
     cuuint64_t gstride[3] = {0, 0, 0};
     cuuint32_t box[4] = {64, 1, 1, 1};
-    const cuuint32_t estride[4] = {1, 1, 1, 1};
     for (int k = 0; k + 1 < rank; k++) {
         if (stride[k] <= 0 || stride[k] * 2 >= ((int64_t)1 << 40) ||
             extent[k] > (int64_t)INT32_MAX) {
@@ -1512,12 +1447,7 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
         gstride[k] = (cuuint64_t)(stride[k] * 2);
     }
     box[tok] = (cuuint32_t)box_rows;
-    const CUtensorMapDataType ty =
-        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, ty, (cuuint32_t)rank, (void *)base, gdim, gstride, box, estride,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
 }
 
 /* The K map of the mixed producer ("sm90-mixed"): a head-128 cache of 16-key blocks whose kv
@@ -1561,14 +1491,10 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
     const cuuint64_t gstride[4] = {
         tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
     const cuuint32_t box[5] = {64, 8, 2, 2, 1};
-    const cuuint32_t estride[5] = {1, 1, 1, 1, 1};
-    const CUtensorMapDataType ty =
-        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    const bool ok = encode(map, ty, 5, (void *)a->key_cache, gdim, gstride, box, estride,
-                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-    return ok ? (nhd ? 1 : 2) : 0;
+    if (!h90_encode_tiled(encode, map, a, a->key_cache, 5, gdim, gstride, box)) {
+        return 0;
+    }
+    return nhd ? 1 : 2;
 }
 
 /* How the warp-specialized kernel's producer brings a cache in. */

@@ -1,0 +1,97 @@
+/*
+ * sm90_async.cuh -- the asynchronous-copy primitives of the Hopper kernel (attention_sm90.cu),
+ * as inline PTX: 64-bit mbarriers in shared memory (init, arrive, arrive with expected
+ * transaction bytes, parity wait), TMA tensor-map loads of 3 to 5 dims completing on an
+ * mbarrier, and the cp.async arrival on one.  Also included by benchmarks/probe_gather.cu, so
+ * that the probe issues exactly the instructions the kernel does.  Everything is static
+ * (each translation unit gets its own copy); only sm_90a code may call the TMA loads.
+ */
+#ifndef DIFFKV_SM90_ASYNC_CUH
+#define DIFFKV_SM90_ASYNC_CUH
+
+#include <cuda.h> /* CUtensorMap */
+#include <stdint.h>
+
+/* ---- mbarriers (64-bit, in shared memory at shared address `bar`) and TMA ---- */
+static __device__ __forceinline__ void
+mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+/* Makes the barrier initialisations visible to the async proxy (TMA's complete_tx). */
+static __device__ __forceinline__ void
+mbar_init_fence(void)
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void
+mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+/* Arrives and adds `bytes` to the transactions the current phase waits for. */
+static __device__ __forceinline__ void
+mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+/* Waits until the phase of parity `parity` of the barrier has completed. */
+static __device__ __forceinline__ void
+mbar_wait(uint32_t bar, uint32_t parity)
+{
+    asm volatile("{\n.reg .pred done;\n"
+                 "H90_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra H90_WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* One TMA box of a 4-d tensor map (coordinates innermost first) into shared memory at dst,
+ * completing `bar`'s transactions by its size. */
+static __device__ __forceinline__ void
+tma_load_4d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
+            int32_t c3)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+
+/* One TMA box of a 3-d tensor map, as tma_load_4d. */
+static __device__ __forceinline__ void
+tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+
+/* One TMA box of a 5-d tensor map, as tma_load_4d. */
+static __device__ __forceinline__ void
+tma_load_5d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t c0, int32_t c1, int32_t c2,
+            int32_t c3, int32_t c4)
+{
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+                 "r"(bar)
+                 : "memory");
+}
+
+/* Arrive on `bar` once all of this thread's earlier cp.async copies have landed, without
+ * counting as a pending arrival (the barrier's count includes it). */
+static __device__ __forceinline__ void
+cp_async_arrive_noinc(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+#endif /* DIFFKV_SM90_ASYNC_CUH */
