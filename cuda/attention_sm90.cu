@@ -127,6 +127,13 @@ named_arrive(uint32_t id, uint32_t n)
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+/* One 32-bit shared store. */
+static __device__ __forceinline__ void
+st_shared_f32(uint32_t addr, float v)
+{
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+
 /* Keeps the compiler from moving accumulator reads or writes across a wgmma issue or wait. */
 template <int N>
 static __device__ __forceinline__ void
@@ -694,8 +701,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * for unmasked head-128 calls fed by TMA (h90_wide_tiles; producer 24 registers, consumers
  * 240: a tile's fixed costs over 37 % more keys).  K has ST slots and V SV, each with a
  * "full" mbarrier and an "empty" one (one arrive per consumer warp): H90T_STAGES of each at
- * head 128, one V slot more with the cp.async producers, one more of each at head 64.  Two
- * producers:
+ * head 128, one V slot more with 128-key tiles, one more of each at head 64.  Producers:
  *   - TMA: one warp brings a key tile in as TMA boxes of the cache's tensor map, one box per
  *     (cache block, 64-dim half) -- BN / block_size blocks per tile, or a BN-key slice of one
  *     larger block -- each landing 1024-byte aligned, so the TMA's 128-byte swizzle is the
@@ -1027,6 +1033,16 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 {
 #ifdef H90_DEVICE_CODE
     constexpr int BM = 64 * NC; /* query rows per CTA */
+    /* Whether a tile's softmax overlaps the warpgroup's own P V of the tile before (the wait for
+     * it after the softmax, where the source puts it, kept there by the store below): the
+     * V slot is then released a softmax later, which costs the producer a stage -- so only
+     * where V has one more slot than K (head 128 with 128-key tiles).  Interleaved A/B on the
+     * H200 (bench_attention, three rounds, ratios to cuDNN): with the third V slot +1-3 %
+     * (24x16k random non-causal 0.91 -> 0.93, allocation-order causal 0.98 -> 1.00, piecewise
+     * 0.98 -> 1.00, 32760 causal 0.94 -> 0.96); with two V slots 3-8 % slower (176-key tiles
+     * 0.97 -> 0.94, allocation-order causal 0.98 -> 0.90); head 64 (three V slots, three
+     * consumer warpgroups) 1-3 % slower. */
+    constexpr bool LATE_PV_WAIT = D == 128 && SV > ST;
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
@@ -1042,6 +1058,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     __shared__ int32_t s_row;
     /* full K[ST], full V[SV], empty K[ST], empty V[SV] */
     __shared__ __align__(8) uint64_t s_bar[2 * (ST + SV)];
+    __shared__ float s_sink[LATE_PV_WAIT ? 128 * NC : 1]; /* LATE_PV_WAIT's stores */
     const uint32_t raw = smem_addr(h90_smem);
     const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
     const uint32_t sq = raw + pad;       /* Q tile */
@@ -1196,6 +1213,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int w4 = wt / 32;
     const int g = lane >> 2;
     const int tq = lane & 3;
+    const uint32_t sink = smem_addr(&s_sink[LATE_PV_WAIT ? tid - 128 : 0]);
     /* K tiles' layout (h90_qk) */
     const uint32_t khalf = dims.k_groups != 0 ? 1024u : BN * 128u;
     const uint32_t ksbo = dims.k_groups != 0 ? 2048u : 1024u;
@@ -1280,6 +1298,17 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                     mbar_arrive(empty_k + 8u * slot);
                 }
                 const bool rescale = h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
+                if constexpr (LATE_PV_WAIT) {
+                    /* ptxas schedules a wait_group as early as its basic block allows -- above
+                     * the softmax (WARPGROUP.DEPBAR 0 before the first MUFU.EX2), which then no
+                     * longer overlaps this P V -- unless a memory access that needs the
+                     * softmax's results comes before it: this thread's row sums, stored to a
+                     * word nothing reads.  (Two copies of the wait in the arms of the rescale
+                     * branch kept it in place too, but warps of one warpgroup can take
+                     * different arms, and wgmma.wait_group is .aligned: compute-sanitizer
+                     * synccheck flags the mismatched pcs.) */
+                    st_shared_f32(sink, l[0] + l[1]);
+                }
                 wgmma_wait_all();
                 fence_regs(o);
                 if (lane == 0) {
@@ -1698,12 +1727,14 @@ h90_wide_tiles(const dk_attention_args *a)
 }
 
 /* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each
- * does not fit in shared memory) and with the cp.async producers a third V stage (192 KB of
- * tiles: h90_produce_cp_async_groups copies K and V of a tile together once both slots are free,
- * and the extra V slot frees them one tile earlier); head 64: three consumer warpgroups (192 rows)
- * -- its smaller tiles leave registers for a third: 430 TFLOP/s against 370 with two on the H200 at
- * 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three stages (2,538 vs 2,822 us there,
- * same run).  Head 128 with TMA boxes takes 176-key tiles where h90_wide_tiles says so. */
+ * does not fit in shared memory) and with 128-key tiles a third V stage (192 KB of tiles:
+ * h90_produce_cp_async_groups copies K and V of a tile together once both slots are free, and
+ * the extra V slot frees them one tile earlier; every producer's consumers wait for P V after
+ * the softmax, which holds a V slot longer -- LATE_PV_WAIT in the kernel); head 64: three
+ * consumer warpgroups (192 rows) -- its smaller tiles leave registers for a third: 430 TFLOP/s
+ * against 370 with two on the H200 at 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three
+ * stages (2,538 vs 2,822 us there, same run).  Head 128 with TMA boxes takes 176-key tiles where
+ * h90_wide_tiles says so. */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -1713,13 +1744,9 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
-    if (a->head_size == 128 && m.dims.box == 0) { /* cp.async: a third V slot (see there) */
+    if (a->head_size == 128) { /* a third V slot (see there) */
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,
                                                                        neg_q, q_vec, o_vec, s);
-    }
-    if (a->head_size == 128) {
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES>(a, m, head_group, scale_log2,
-                                                                   neg_q, q_vec, o_vec, s);
     }
     return h90_launch_tma<T, H90T_STAGES + 1, 64, 3, H90T_STAGES + 1>(a, m, head_group, scale_log2,
                                                                       neg_q, q_vec, o_vec, s);
