@@ -728,7 +728,9 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * as flat boxes only; the mixed producer random 16-key tables at head 128; cp.async the rest.
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
- * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V.
+ * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V
+ * (head 128: P V is waited for after the next tile's softmax, LATE_PV_WAIT; with 176-key tiles
+ * the TMA producer then issues K of a tile before V of the tile before, K_AHEAD).
  * No CTA-wide barrier inside the key loop.
  */
 #define H90T_STAGES 2
@@ -1035,14 +1037,23 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int BM = 64 * NC; /* query rows per CTA */
     /* Whether a tile's softmax overlaps the warpgroup's own P V of the tile before (the wait for
      * it after the softmax, where the source puts it, kept there by the store below): the
-     * V slot is then released a softmax later, which costs the producer a stage -- so only
-     * where V has one more slot than K (head 128 with 128-key tiles).  Interleaved A/B on the
-     * H200 (bench_attention, three rounds, ratios to cuDNN): with the third V slot +1-3 %
-     * (24x16k random non-causal 0.91 -> 0.93, allocation-order causal 0.98 -> 1.00, piecewise
-     * 0.98 -> 1.00, 32760 causal 0.94 -> 0.96); with two V slots 3-8 % slower (176-key tiles
-     * 0.97 -> 0.94, allocation-order causal 0.98 -> 0.90); head 64 (three V slots, three
-     * consumer warpgroups) 1-3 % slower. */
-    constexpr bool LATE_PV_WAIT = D == 128 && SV > ST;
+     * V slot is then released a softmax later.  Head 128 with 128-key tiles gets a third V
+     * slot for it; interleaved A/B on the H200 (bench_attention, three rounds, ratios to
+     * cuDNN): +1-3 % (24x16k random non-causal 0.91 -> 0.93, allocation-order causal 0.98 ->
+     * 1.00, piecewise 0.98 -> 1.00, 32760 causal 0.94 -> 0.96); with two V slots (and
+     * K_AHEAD) 8-13 % slower than with three (allocation-order causal 0.99-1.04 -> 0.89-0.91,
+     * denoise 1.01 -> 0.92).  176-key tiles, where a third V slot does
+     * not fit, take the late wait with two and K_AHEAD (without K_AHEAD 3-8 % slower than the
+     * early wait: 0.97 -> 0.94).  Head 64 (three V slots, three consumer warpgroups): 1-3 %
+     * slower, with or without K_AHEAD. */
+    constexpr bool LATE_PV_WAIT = D == 128 && (SV > ST || BN == 176);
+    /* The TMA producer's order with as many V slots as K and the late wait: K of tile kt
+     * before V of tile kt - 1, which a consumer needs a tile later (its P V is issued with the
+     * next tile's Q K^T) and whose slot frees a softmax later -- waiting for that slot first
+     * holds the K load back behind it.  176-key tiles, interleaved A/B on the H200 (two to
+     * three rounds, ratios to cuDNN): 24x16k allocation order 0.97 -> 0.99-1.00, 40x32760
+     * allocation order 1.10-1.11 -> 1.13-1.14, dense 40x32760 (bench_dense) 1.00 -> 1.00-1.03. */
+    constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
@@ -1151,7 +1162,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         constexpr int HALVES = D / 64;      /* 64-dim panels per key row */
         const int32_t p = lane / HALVES;    /* this lane's block within the tile ... */
         const int32_t half = lane % HALVES; /* ... and 64-dim half */
-        for (int32_t kt = 0; kt < n_tiles; kt++) {
+        /* K (kv 0) and/or V (kv 1) of tile kt: [kv0, kv1) */
+        auto load = [&](const int32_t kt, const int kv0, const int kv1) {
             const int32_t j0 = kt * BN;
             const int32_t jp = j0 + p * box; /* first key of the lane's box */
             const bool mine = p < pages && jp < kv_end;
@@ -1178,7 +1190,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t f2 = dims.flat == 1 ? kvh : frow;
             const uint32_t off = (uint32_t)half * (BN * 128u) + (uint32_t)p * box_bytes;
 #pragma unroll
-            for (int kv = 0; kv < 2; kv++) {
+            for (int kv = kv0; kv < kv1; kv++) {
                 const int stages = kv == 0 ? ST : SV;
                 const uint32_t slot = (uint32_t)(kt % stages);
                 const uint32_t full = (kv == 0 ? full_k : full_v) + 8u * slot;
@@ -1201,6 +1213,21 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                     tma_load_4d((kv == 0 ? sk0 : sv0) + slot * KVB + off, kv == 0 ? &tmk : &tmv,
                                 full, half * 64, c1, c2, c3);
                 }
+            }
+        };
+        if constexpr (K_AHEAD) {
+            for (int32_t kt = 0; kt <= n_tiles; kt++) {
+                if (kt < n_tiles) {
+                    load(kt, 0, 1);
+                }
+                if (kt > 0) {
+                    load(kt - 1, 1, 2);
+                }
+            }
+        }
+        else {
+            for (int32_t kt = 0; kt < n_tiles; kt++) {
+                load(kt, 0, 2);
             }
         }
         return;
@@ -1730,7 +1757,8 @@ h90_wide_tiles(const dk_attention_args *a)
  * does not fit in shared memory) and with 128-key tiles a third V stage (192 KB of tiles:
  * h90_produce_cp_async_groups copies K and V of a tile together once both slots are free, and
  * the extra V slot frees them one tile earlier; every producer's consumers wait for P V after
- * the softmax, which holds a V slot longer -- LATE_PV_WAIT in the kernel); head 64: three
+ * the softmax, which holds a V slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep
+ * two V slots and their TMA producer runs K a tile ahead of V, K_AHEAD); head 64: three
  * consumer warpgroups (192 rows) -- its smaller tiles leave registers for a third: 430 TFLOP/s
  * against 370 with two on the H200 at 1x16x16384x64 (bench_attention h16_s16k_d64_nc) -- and three
  * stages (2,538 vs 2,822 us there, same run).  Head 128 with TMA boxes takes 176-key tiles where
