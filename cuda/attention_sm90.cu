@@ -698,7 +698,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * pipeline, fed by a producer.  NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer
  * (setmaxnreg leaves it 56 registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers
  * (224 or 160 registers) with query rows 64 (w - 1) ...  Key tiles of BN = 128 keys, or 176
- * for unmasked head-128 calls fed by TMA (h90_wide_tiles; producer 24 registers, consumers
+ * for head-128 calls over long rows fed by TMA (h90_wide_tiles; producer 24 registers, consumers
  * 240: a tile's fixed costs over 37 % more keys).  K has ST slots and V SV, each with a
  * "full" mbarrier and an "empty" one (one arrive per consumer warp): H90T_STAGES of each at
  * head 128, one V slot more with 128-key tiles, one more of each at head 64.  Producers:
@@ -741,7 +741,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * it is taken from 25 %. */
 #define H90T_MIN_BOX 32
 #define H90T_MIN_RUNS 250
-/* Longest row (keys) from which unmasked calls take 176-key tiles: H200, bf16, 176- against
+/* Longest row (keys) from which calls take 176-key tiles: H200, bf16, unmasked, 176- against
  * 128-key tiles -- 1x24x16384x128 in allocation order 604-678 TFLOP/s (median of six runs 648)
  * vs 586-611, 40 heads x 32760 dense 606-620 vs 583-589, but four packed 8190-key documents
  * 552 vs 564-569 (interleaved in one run). */
@@ -1736,16 +1736,19 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
 
 /* Whether a head-128 call takes 176-key tiles (FlashAttention-3's choice without a mask: each
  * tile's fixed costs -- the barrier waits, the row maxima's shuffles, O's rescale -- spread over
- * 37 % more keys; 2 K + 2 V stages of them and Q fill 209 KB): no mask, rows of at least
+ * 37 % more keys; 2 K + 2 V stages of them and Q fill 209 KB): rows of at least
  * H90_WIDE_MIN_KEYS keys, and a cache whose tiles TMA can cut at any multiple of 176 keys --
  * one block per row (dense K/V) or 16-key blocks of a flat cache (per-block boxes, 11 per tile,
  * or flat boxes over runs).  Two sources (dense joint tokens) keep 128: their split point is a
- * multiple of 128 keys. */
+ * multiple of 128 keys.  Masked calls too since 176-key tiles take the late P V wait (before,
+ * 24x16k causal in allocation order ran 642/638 TFLOP/s with 176 vs 644/642 with 128): H200,
+ * interleaved A/B, two rounds, 128 -> 176: 24x16k causal in allocation order 625/653 ->
+ * 644/659 TFLOP/s, block-causal chunks of 1560 in allocation order 583/583 -> 609/605, dense
+ * 40x32760 causal 620/619 -> 630/614. */
 static bool
 h90_wide_tiles(const dk_attention_args *a)
 {
-    if (a->head_size != 128 || a->mask != DK_MASK_NONE || a->key_cache2 != NULL ||
-        a->max_seq_len < H90_WIDE_MIN_KEYS) {
+    if (a->head_size != 128 || a->key_cache2 != NULL || a->max_seq_len < H90_WIDE_MIN_KEYS) {
         return false;
     }
     const bool one_block = a->bt_cols == 1 && a->block_size >= 128;

@@ -311,19 +311,19 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     ],
 )
 def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, monkeypatch):
-    """Unmasked head-128 calls whose longest row has 16384+ keys take 176-key tiles when TMA
-    can cut them (16-key blocks of a flat cache, one block per row): rows shorter than a tile,
-    rows ending mid-tile next to NaN slots, and a long row all meet the reference (the masked
-    call on the same cache takes 128-key tiles and is checked too)."""
+    """Head-128 calls whose longest row has 16384+ keys take 176-key tiles when TMA can cut
+    them (16-key blocks of a flat cache, one block per row), with and without a mask: rows
+    shorter than a tile, rows ending mid-tile next to NaN slots, and a long row all meet the
+    reference, unmasked, causal and with key limits."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
-    _poisoned_call(block, layout, order, kernel, 128, [1000, 77, 16500], [1000, 77, 200])
+    _poisoned_call(block, layout, order, kernel, 128, [1000, 77, 16500], [1000, 77, 200], causal=True)
 
 
-def _poisoned_call(block, layout, order, kernel, head, seq_lens, query_lens):
+def _poisoned_call(block, layout, order, kernel, head, seq_lens, query_lens, causal=False):
     """test_tma_kernel_layouts_blocks_and_poison's call: NaN in every slot no row may read,
-    unmasked and with key limits, each against the reference."""
+    unmasked and with key limits (and causal), each against the reference."""
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, block, torch.bfloat16, seed=block, order=order)
     cache = p["cache"]
     used = torch.zeros(cache.shape[1], dtype=torch.bool)
@@ -350,7 +350,14 @@ def _poisoned_call(block, layout, order, kernel, head, seq_lens, query_lens):
         limits.append(torch.where(pos % 300 < 150, pos + 1, torch.full_like(pos, s)))
     scale = head**-0.5
     full = [torch.full((n,), s, dtype=torch.int32) for s, n in zip(seq_lens, query_lens, strict=True)]
-    for code, lim in ((_C.MASK_NONE, full), (_C.MASK_LIMITS, limits)):
+    masks = [(_C.MASK_NONE, full), (_C.MASK_LIMITS, limits)]
+    if causal:  # bottom-right: the row's query i sees keys j < seq_len - query_len + i + 1
+        bottom_right = [
+            torch.arange(s - n + 1, s + 1, dtype=torch.int32)
+            for s, n in zip(seq_lens, query_lens, strict=True)
+        ]
+        masks.append((_C.MASK_CAUSAL, bottom_right))
+    for code, lim in masks:
         out = _run(p, code, torch.cat(lim) if code == _C.MASK_LIMITS else None, scale)
         assert _C.last_attention_kernel() == kernel
         assert not out.isnan().any()
