@@ -422,6 +422,9 @@ typedef struct dk_attention_args {
      * host copy of the block table for the CUDA kernels' choice of K/V producer (0 when not
      * counted): dk_attention_table_runs. */
     int32_t table_runs;
+    /* dense_attention's consecutive=1 over one source: every row's keys are consecutive rows
+     * of the cache, so a key tile of any size is one run (the CUDA kernels' flat boxes). */
+    int32_t keys_consecutive;
 } dk_attention_args;
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,

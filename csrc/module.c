@@ -2964,6 +2964,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (consecutive) {
         a.table_runs = 1000; /* the caller vouches: every tile is one run */
+        a.keys_consecutive = a.key_cache2 == NULL;
     }
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
         short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {

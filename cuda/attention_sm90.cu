@@ -1738,8 +1738,9 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * tile's fixed costs -- the barrier waits, the row maxima's shuffles, O's rescale -- spread over
  * 37 % more keys; 2 K + 2 V stages of them and Q fill 209 KB): rows of at least
  * H90_WIDE_MIN_KEYS keys, and a cache whose tiles TMA can cut at any multiple of 176 keys --
- * one block per row (dense K/V) or 16-key blocks of a flat cache (per-block boxes, 11 per tile,
- * or flat boxes over runs).  Two sources (dense joint tokens) keep 128: their split point is a
+ * one block per row, 16-key blocks of a flat cache (per-block boxes, 11 per tile, or flat boxes
+ * over runs) or smaller ones whose rows dense_attention's caller vouched consecutive (flat
+ * boxes only).  Two sources (dense joint tokens) keep 128: their split point is a
  * multiple of 128 keys.  Masked calls too since 176-key tiles take the late P V wait (before,
  * 24x16k causal in allocation order ran 642/638 TFLOP/s with 176 vs 644/642 with 128): H200,
  * interleaved A/B, two rounds, 128 -> 176: 24x16k causal in allocation order 625/653 ->
@@ -1751,9 +1752,15 @@ h90_wide_tiles(const dk_attention_args *a)
     if (a->head_size != 128 || a->key_cache2 != NULL || a->max_seq_len < H90_WIDE_MIN_KEYS) {
         return false;
     }
-    const bool one_block = a->bt_cols == 1 && a->block_size >= 128;
-    const bool flat16 = a->block_size == 16 && a->cache_stride_block == 16 * a->cache_stride_token;
-    return one_block || flat16;
+    const int64_t bs = a->block_size;
+    const bool one_block = a->bt_cols == 1 && bs >= 128;
+    const int64_t row_stride = bs == 1 ? a->cache_stride_block : a->cache_stride_token;
+    const bool flat = a->cache_stride_block == bs * row_stride;
+    const bool flat16 = bs == 16 && flat;
+    /* smaller power-of-two blocks whose rows the caller vouched consecutive (dense K/V): flat
+     * boxes of any length */
+    const bool vouched = a->keys_consecutive != 0 && flat && bs < 16 && (bs & (bs - 1)) == 0;
+    return one_block || flat16 || vouched;
 }
 
 /* Head 128: two consumer warpgroups (128 query rows per CTA), two K/V stages (a third of each

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-import diffkv  # noqa: F401  (configures the tensor bridge)
+import diffkv
 from diffkv import _C
 
 
@@ -128,6 +128,21 @@ def _dense_joint_case(dtype):
         raise AssertionError("dense_attention joint: CUDA and CPU disagree")
 
 
+def _dense_long_rows_case():
+    """DiffKVAttentionImpl.forward over rows of 16384+ keys (Hopper: in-order 16- and 8-key
+    blocks vouched consecutive, 176-key tiles of flat boxes), non-causal and causal: CUDA
+    against the CPU path, a few queries against every key."""
+    g = torch.Generator().manual_seed(9)
+    for keys in (16400, 16392):  # 16 and 8 keys per block
+        k, v = (torch.randn(1, keys, 2, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+        q = torch.randn(1, 40, 2, 128, generator=g).to(torch.bfloat16)
+        for causal in (False, True):
+            impl = diffkv.DiffKVAttentionImpl(2, 128, softmax_scale=128**-0.5, causal=causal)
+            outs = [impl.forward(*(x.to(dev) for x in (q, k, v))).cpu().float() for dev in ("cpu", "cuda")]
+            if (outs[0] - outs[1]).abs().max().item() > 2e-2:
+                raise AssertionError(f"dense forward, {keys} keys, causal={causal}: CUDA and CPU disagree")
+
+
 def main():
     if not torch.cuda.is_available() or not _C.cuda_compiled():
         print("gpu_sanitize: needs a CUDA device and a CUDA build", file=sys.stderr)
@@ -149,6 +164,7 @@ def main():
         _attention_case(torch.bfloat16, 128, 16, mask, False, True, seq_lens=(37, 16400))
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
+    _dense_long_rows_case()
     torch.cuda.synchronize()
     print("gpu_sanitize: all kernels ran and matched the CPU path")
     return 0
