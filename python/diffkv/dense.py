@@ -3,7 +3,9 @@
 Contiguous K/V is a cache of one-token blocks: every attention row (a batch row, or a document
 of a packed varlen batch) gets a row of key indices into ``key``/``value`` viewed as
 ``[num_keys, Hkv, D]``, and ``_C.dense_attention`` runs the paged kernels over it -- no copy of
-K or V, and a key-padding mask only reorders indices (the kept keys first, in order).  Every
+K or V, and a key-padding mask only reorders indices (the kept keys first, in order).  Rows
+without key padding are one block of all their keys, or on Hopper at head size 128 in-order
+blocks of up to 16 keys vouched consecutive (``_row_blocks``: flat TMA boxes).  Every
 mask becomes what the kernels take: a row length, causal (bottom-right), or an exclusive key
 limit per query token.
 
