@@ -57,10 +57,10 @@ _HOPPER: dict[int, bool] = {}  # CUDA device index -> compute capability 9.x
 
 def _row_blocks(keys_per_row: int, head_size: int, device: torch.device) -> int:
     """Keys per block of an unpadded dense row: on Hopper at head size 128 the largest power
-    of two up to 16 dividing the row, so the row is a flat cache of in-order blocks whose keys the binding is
-    told are consecutive (one TMA box per tile over the flat rows: 1x40x32768x128 on the H200,
-    618-627 TFLOP/s against 583-584 with the row as one block of a 4-d map); elsewhere one block
-    per row."""
+    of two up to 16 dividing the row, so that the row is a flat cache of in-order blocks whose
+    keys the binding is told are consecutive (one TMA box per tile over the flat rows:
+    1x40x32768x128 on the H200, 618-627 TFLOP/s against 583-584 with the row as one block of a
+    4-d map); elsewhere one block per row."""
     if device.type != "cuda" or head_size != 128:
         return keys_per_row
     index = device.index if device.index is not None else torch.cuda.current_device()
