@@ -1042,10 +1042,10 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
      * cuDNN): +1-3 % (24x16k random non-causal 0.91 -> 0.93, allocation-order causal 0.98 ->
      * 1.00, piecewise 0.98 -> 1.00, 32760 causal 0.94 -> 0.96); with two V slots (and
      * K_AHEAD) 8-13 % slower than with three (allocation-order causal 0.99-1.04 -> 0.89-0.91,
-     * denoise 1.01 -> 0.92).  176-key tiles, where a third V slot does
-     * not fit, take the late wait with two and K_AHEAD (without K_AHEAD 3-8 % slower than the
-     * early wait: 0.97 -> 0.94).  Head 64 (three V slots, three consumer warpgroups): 1-3 %
-     * slower, with or without K_AHEAD. */
+     * denoise 1.01 -> 0.92).  176-key tiles, where a third V slot does not fit, take the late
+     * wait with two and K_AHEAD (without K_AHEAD 3-8 % slower than the early wait: 0.97 ->
+     * 0.94).  Head 64 (three V slots, three consumer warpgroups): 1-3 % slower, with or without
+     * K_AHEAD. */
     constexpr bool LATE_PV_WAIT = D == 128 && (SV > ST || BN == 176);
     /* The TMA producer's order with as many V slots as K and the late wait: K of tile kt
      * before V of tile kt - 1, which a consumer needs a tile later (its P V is issued with the
@@ -1569,6 +1569,15 @@ enum h90_producer {
  * with enough runs (H90_TMA_RUNS), yet smaller ones flat boxes only and only when every tile is
  * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
  * cannot encode maps). */
+/* Elements from one token row of a cache to the next within a block (a one-token block's is
+ * the block stride): a flat cache -- consecutive blocks' rows consecutive rows -- has
+ * cache_stride_block == block_size * this. */
+static int64_t
+h90_row_stride(const dk_attention_args *a)
+{
+    return a->block_size == 1 ? a->cache_stride_block : a->cache_stride_token;
+}
+
 static h90_producer
 h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
@@ -1579,7 +1588,7 @@ h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
     const bool one_block = a->bt_cols == 1 && bs >= 128;
     /* flat: consecutive blocks' rows are consecutive token rows (a tile of BN keys spans
      * several blocks only when bs < BN) */
-    const int64_t row_stride = bs == 1 ? a->cache_stride_block : a->cache_stride_token;
+    const int64_t row_stride = h90_row_stride(a);
     const bool flat = pow2 && bs < 128 && a->cache_stride_block == bs * row_stride &&
                       a->num_blocks <= (int64_t)INT32_MAX / bs;
     const bool small = flat && bs < H90T_MIN_BOX && (tile / bs) * (a->head_size / 64) <= 32;
@@ -1754,8 +1763,7 @@ h90_wide_tiles(const dk_attention_args *a)
     }
     const int64_t bs = a->block_size;
     const bool one_block = a->bt_cols == 1 && bs >= 128;
-    const int64_t row_stride = bs == 1 ? a->cache_stride_block : a->cache_stride_token;
-    const bool flat = a->cache_stride_block == bs * row_stride;
+    const bool flat = a->cache_stride_block == bs * h90_row_stride(a);
     const bool flat16 = bs == 16 && flat;
     /* smaller power-of-two blocks whose rows the caller vouched consecutive (dense K/V): flat
      * boxes of any length */
@@ -1851,10 +1859,8 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
         if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
             (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
-            const int32_t kg = m.k_groups_ok;
             memset(&m.dims, 0, sizeof(m.dims)); /* box 0, 128-key tiles, no flat map */
             m.tile = 0;
-            m.k_groups_ok = kg;
             pr = H90_CP_ASYNC;
         }
         kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
