@@ -311,13 +311,18 @@ h90_load_tile(uint32_t dst, const char *src, const char *src2, const int64_t *of
 /* Issues O += P V for one key tile (no commit): keys 16 kk .. 16 kk + 15 of P (registers) times
  * V rows 16 kk .. (the transposed B operand at shared address sv: 8-key groups 1024 bytes
  * apart, the stride; 64-dim panels BN * 128 bytes apart, the leading offset). */
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool VG = false>
 static __device__ __forceinline__ void
 h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
 {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) {
-        h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
+        if constexpr (VG) { /* K_GROUPS layout: 4 KB a 16-key block, panels 1024 apart */
+            h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 4096u, 1024u, 2048u));
+        }
+        else {
+            h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
+        }
     }
 }
 /*
@@ -985,12 +990,88 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     cp_async_wait_all(); /* nothing lands after the thread exits */
 }
 
+/* EXP (h90_tma_dims.v_groups): the producer as one warp of TMA boxes for 16-key tables that
+ * are not runs: K and V of a block each one 5-d box of h90_kgroups_encode's maps (both tiles in
+ * the K_GROUPS layout), lane q issuing block q's; lane 0 expects a tile's bytes (the one
+ * arrival of its full barrier: boxes that land first leave the phase open).  KA: K of tile kt
+ * before V of tile kt - 1 (the kernel's K_AHEAD). */
+template <int D, int BN, int ST, int SV, bool KA>
+static __device__ __forceinline__ void
+h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
+                       int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
+                       uint32_t full_v, uint32_t empty_k, uint32_t empty_v, const CUtensorMap *kmap,
+                       const CUtensorMap *vmap, bool hnd)
+{
+    constexpr uint32_t KVB = BN * D * 2;
+    constexpr int NG = BN / 16; /* 16-key blocks per tile: one per lane */
+    static_assert(D == 128 && NG <= 32, "head 128, a lane per block");
+    const int32_t lane = (int32_t)(threadIdx.x & 31u);
+    const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
+    const int32_t *const bt = a.block_table + row * a.bt_stride_row;
+    const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
+    const int32_t heads = (int32_t)a.num_kv_heads;
+    /* this lane's block of tile kt, clamped as dk_safe_block does; -1: none (past kv_end) */
+    const auto block_of = [&](int32_t kt) -> int32_t {
+        const int32_t key = kt * BN + 16 * lane;
+        if (lane >= NG || key >= kv_end) {
+            return -1;
+        }
+        const int32_t b = bt[key >> 4];
+        return (uint32_t)b < nblocks ? b : 0;
+    };
+    const auto issue = [&](int32_t kt, int kv, int32_t b) {
+        const int stages = kv == 0 ? ST : SV;
+        const uint32_t slot = (uint32_t)(kt % stages);
+        const uint32_t bar = (kv == 0 ? full_k : full_v) + 8u * slot;
+        if (kt >= stages) { /* the phase the slot's last use ended */
+            mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, (uint32_t)((kt / stages - 1) & 1));
+        }
+        if (lane == 0) {
+            const int32_t blocks = min(NG, (kv_end - kt * BN + 15) / 16);
+            mbar_arrive_expect_tx(bar, (uint32_t)blocks * 4096u);
+        }
+        if (b >= 0) {
+            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)lane * 4096u;
+            const CUtensorMap *map = kv == 0 ? kmap : vmap;
+            if (hnd) {
+                tma_load_5d(dst, map, bar, 0, 0, 0, 0, b * heads + kvh);
+            }
+            else {
+                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, 0, b);
+            }
+        }
+    };
+    if constexpr (KA) {
+        int32_t prev = -1;
+        for (int32_t kt = 0; kt <= n_tiles; kt++) {
+            const int32_t b = kt < n_tiles ? block_of(kt) : -1;
+            if (kt < n_tiles) {
+                issue(kt, 0, b);
+            }
+            if (kt > 0) {
+                issue(kt - 1, 1, prev);
+            }
+            prev = b;
+        }
+    }
+    else {
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const int32_t b = block_of(kt);
+            issue(kt, 0, b);
+            issue(kt, 1, b);
+        }
+    }
+}
+
 #endif /* H90_DEVICE_CODE */
 
 /* The tensor map's dimension order: which of dims 1..3 is the token within a block, the kv
  * head and the block (dims sorted by stride; dim 0 is head_size). */
 struct h90_tma_dims {
     int32_t token, head, block;
+    int32_t v_groups;  /* EXP: V by one 5-d TMA box per 16-key block too (tmv is the V map of
+                          h90_kgroups_encode, V tiles in the K_GROUPS layout): the producer is
+                          one warp of TMA boxes, no cp.async */
     int32_t box;       /* keys per box: min(block_size, the tile: 128 or 176) */
     int32_t flat;      /* 0: no flat map; else which of its dims 1..2 is the token row (the other
                           is the kv head) */
@@ -1020,7 +1101,7 @@ template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
     }
 };
 
-template <typename T, int ST, int D, int NC, int SV, int BN>
+template <typename T, int ST, int D, int NC, int SV, int BN, bool VG = false>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -1102,7 +1183,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 #pragma unroll
             for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
                 /* the producer warp's expect_tx, or each producer thread's cp.async */
-                const bool tma = dims.box > 0 || (dims.k_groups != 0 && i < ST);
+                const bool tma = dims.box > 0 || (dims.k_groups != 0 && (i < ST || VG));
                 mbar_init(full_k + 8u * (uint32_t)i, tma ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
             }
@@ -1119,6 +1200,14 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 
     if (wg == 0) {
         regs::producer();
+        if constexpr (VG) {
+            if (tid < 32) {
+                h90_produce_tma_groups<D, BN, ST, SV, K_AHEAD>(a, h, row, kv_end, n_tiles, sk0, sv0,
+                                                               full_k, full_v, empty_k, empty_v,
+                                                               &tmk, &tmv, dims.k_groups == 2);
+            }
+            return;
+        }
         if constexpr (BN != 128) { /* the host gives 176-key tiles TMA boxes only */
             if (dims.box == 0) {
                 __trap();
@@ -1291,7 +1380,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t j0 = kt * BN;
             const uint32_t slot = (uint32_t)(kt % ST);
             mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
-            if (dims.box == 0) {
+            if (!VG && dims.box == 0) {
                 fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
             }
             float alpha[2];
@@ -1310,13 +1399,13 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             else {
                 const uint32_t pslot = (uint32_t)((kt - 1) % SV);
                 mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / SV) & 1)); /* V_{kt-1} */
-                if (dims.box == 0) {
+                if (!VG && dims.box == 0) {
                     fence_proxy_async();
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
                 h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                 wgmma_commit();
-                h90_pv<T, D, BN>(o, pa, sv0 + pslot * KVB);
+                h90_pv<T, D, BN, VG>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
@@ -1357,14 +1446,21 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         mbar_wait(full_v + 8u * lslot, (uint32_t)(((n_tiles - 1) / SV) & 1));
         const int32_t valid = kv_end - (n_tiles - 1) * BN;
         for (int i = valid * (D / 8) + wt; i < BN * (D / 8); i += 128) {
-            st_shared16(sv + sw128(BN, (uint32_t)(i / (D / 8)), (uint32_t)(i % (D / 8))),
-                        make_uint4(0u, 0u, 0u, 0u));
+            const uint32_t r = (uint32_t)(i / (D / 8)), c = (uint32_t)(i % (D / 8));
+            if constexpr (VG) { /* K_GROUPS: [8-row group][64-dim panel][8 rows x 128 B] */
+                st_shared16(sv + (r / 8u) * 2048u + (c / 8u) * 1024u + (r % 8u) * 128u +
+                                ((c % 8u) ^ (r % 8u)) * 16u,
+                            make_uint4(0u, 0u, 0u, 0u));
+            }
+            else {
+                st_shared16(sv + sw128(BN, r, c), make_uint4(0u, 0u, 0u, 0u));
+            }
         }
         fence_proxy_async();
         named_barrier(1u + (uint32_t)cw, 128u);
         fence_regs(o);
         wgmma_fence();
-        h90_pv<T, D, BN>(o, pa, sv);
+        h90_pv<T, D, BN, VG>(o, pa, sv);
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
@@ -1462,6 +1558,7 @@ struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
     CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
     CUtensorMap k_groups;         /* K by one box per 16-key block (h90_kgroups_encode) */
+    CUtensorMap v_groups;         /* EXP: V likewise */
     h90_tma_dims dims;
     int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
     int32_t k_groups_ok; /* k_groups is encoded: its h90_tma_dims.k_groups (1 NHD, 2 HND), else 0 */
@@ -1520,7 +1617,7 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
  * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
  * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once. */
 static int32_t
-h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
+h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
     /* NHD: kv heads 128 elements apart, folded into the halves; HND ([blocks, kv heads, 16,
      * 128] in memory: rows 128 apart, heads 16 rows, blocks all heads): into the blocks */
@@ -1547,7 +1644,7 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map)
     const cuuint64_t gstride[4] = {
         tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
     const cuuint32_t box[5] = {64, 8, 2, 2, 1};
-    if (!h90_encode_tiled(encode, map, a, a->key_cache, 5, gdim, gstride, box)) {
+    if (!h90_encode_tiled(encode, map, a, base, 5, gdim, gstride, box)) {
         return 0;
     }
     return nhd ? 1 : 2;
@@ -1711,7 +1808,11 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
-        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups);
+        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups, a->key_cache);
+        if (e.maps.k_groups_ok != 0 &&
+            h90_kgroups_encode(a, &e.maps.v_groups, a->value_cache) != e.maps.k_groups_ok) {
+            e.maps.k_groups_ok = 0;
+        }
         e.key = key;
         e.used = true;
     }
@@ -1719,7 +1820,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     return e.producer;
 }
 
-template <typename T, int ST, int D, int NC, int SV, int BN = 128>
+template <typename T, int ST, int D, int NC, int SV, int BN = 128, bool VG = false>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
                bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
@@ -1729,7 +1830,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     /* Q, ST K and SV V slots of BN keys, alignment slack */
     const size_t smem = (size_t)BM * D * 2 + (size_t)(ST + SV) * BN * D * 2 + 1024;
     const cudaError_t e = attn_allow_smem(
-        (const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV, BN>, smem, attr_set);
+        (const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV, BN, VG>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
@@ -1737,7 +1838,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     const int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
     const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_tma_kernel<T, ST, D, NC, SV, BN><<<blocks, 128 * (NC + 1), smem, s>>>(
+    attention_sm90_tma_kernel<T, ST, D, NC, SV, BN, VG><<<blocks, 128 * (NC + 1), smem, s>>>(
         m.k, m.v, m.flat_k, m.flat_v, m.flat_k2, m.flat_v2, *a, m.dims, tiles_per_row, head_group,
         scale_log2, neg_q, q_vec, o_vec, sort_rows);
     return cudaSuccess;
@@ -1786,6 +1887,14 @@ static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
+    if (a->head_size == 128 && m.dims.v_groups != 0) { /* EXP */
+        if (m.tile == 176) {
+            return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176, true>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, true>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    }
     if (a->head_size == 128 && m.dims.box != 0 && m.tile == 176) {
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
@@ -1868,6 +1977,15 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
             m.k = m.k_groups; /* the kernel's per-block K map */
             m.dims.k_groups = m.k_groups_ok;
             kernel = "sm90-mixed";
+            const char *vg = getenv("DIFFKV_EXP_VGROUPS"); /* EXP: 1 128-key tiles, 2 176 too */
+            if (vg != NULL && a->head_size == 128) {
+                m.v = m.v_groups;
+                m.dims.v_groups = 1;
+                kernel = "sm90-tmag";
+                if (tile == 176 && atoi(vg) == 2) {
+                    m.tile = 176;
+                }
+            }
         }
         e = bf16
                 ? h90_launch_ws<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s)
