@@ -720,17 +720,19 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     group addresses in registers), h90_produce_cp_async otherwise (per-key addresses through
  *     a shared ring), coalesced rows; the full barrier counts the 128 threads' cp.async
  *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
- *   - mixed (dims.k_groups, head 128, 16-key blocks with adjacent kv-head rows): V as the
- *     block-group cp.async producer copies it, K by one TMA box per block of a 5-d map
- *     (h90_kgroups_encode) -- the two engines fill shared memory side by side; K tiles then
- *     land as 8-row groups of both 64-dim panels (h90_qk's K_GROUPS layout).
+ *   - TMA per 16-key block (dims.k_groups, the kernel's VG; head 128, 16-key blocks with
+ *     adjacent kv-head rows, in any order): one warp, lane q issuing block q's K and V as one
+ *     box each of a 5-d map (h90_kgroups_encode: both 64-dim halves, 4 KB), so K and V tiles
+ *     land as 8-row groups of both panels (h90_qk's K_GROUPS layout, h90_pv's VG) -- 8 or 11
+ *     boxes a tile where per-half boxes would take 16 or 22, and no cp.async at all.
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
  * in the block table it checks) -- blocks too small for a box per lane (under 8 keys at head
  * 128, 4 at head 64: a dense call's one-token blocks) only when every tile is such a run (the
  * host's count, or dense_attention's caller vouching for it: packed varlen documents), then
- * as flat boxes only; the mixed producer random 16-key tables at head 128; cp.async the rest.
+ * as flat boxes only; the per-block 5-d boxes other 16-key tables at head 128; cp.async the
+ * rest.
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V
@@ -862,18 +864,14 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * every group).  No shared-memory traffic besides the copies, which keeps the memory pipe free
  * for the consumers' wgmma issue (the ring's loads and stores competed with it there).  K and V
  * of a tile are copied together, row by row, once both slots are free (V has one slot more than
- * K so that K is not held back), and every thread then arrives on both full barriers.  KG (the
- * mixed producer, dims.k_groups): the warps copy V only; K comes as TMA boxes of kmap, one per
- * 16-key block, issued by lane 0 of the warp that owns the group as soon as the K slot is free.
+ * K so that K is not held back), and every thread then arrives on both full barriers.
  */
-template <int D, int BN, int ST, int SV, bool TWO, bool KG = false>
+template <int D, int BN, int ST, int SV, bool TWO>
 static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
-                            uint32_t full_v, uint32_t empty_k, uint32_t empty_v,
-                            const CUtensorMap *kmap, bool hnd = false)
+                            uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
 {
-    static_assert(!KG || (D == 128 && !TWO), "K boxes: head 128, one source, 16-key blocks");
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int CH = D / 8;       /* 16-byte chunks per key row (16 or 8) */
     constexpr int RW = 32 / CH;     /* rows per warp-wide copy (2 or 4) */
@@ -901,7 +899,6 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const int64_t bbytes = a.cache_stride_block * 2;
     /* dk_safe_block's bound in 32 bits (block ids are int32; a negative one clamps too) */
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
-    const int32_t heads = (int32_t)a.num_kv_heads; /* KG, HND: blocks * heads < 2^31 (host) */
     int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
 #pragma unroll
     for (int g = 0; g < GW; g++) {
@@ -917,35 +914,6 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         }
         const uint32_t dk = sk0 + slot_k * KVB;
         const uint32_t dv = sv0 + slot_v * KVB;
-        if constexpr (KG) {
-            /* K: lane 0 of each warp issues its groups' boxes (a block each, 4 KB: both halves
-             * of its two 8-row groups, K_GROUPS layout), warp 0 expects the tile's bytes --
-             * before or after the boxes land, the barrier's one arrival completes the phase */
-            const uint32_t bar = full_k + 8u * slot_k;
-            if (lane == 0) {
-                if (warp == 0) {
-                    const int32_t blocks = min(BN / 16, (kv_end - j0 + 15) / 16);
-                    mbar_arrive_expect_tx(bar, (uint32_t)blocks * 4096u);
-                }
-#pragma unroll
-                for (int g = 0; g < GW; g++) {
-                    const int32_t q = warp + 4 * g;
-                    const int32_t gk = j0 + 16 * q;
-                    if (gk < kv_end) {
-                        const int32_t b = (uint32_t)blk[g] < nblocks ? blk[g] : 0;
-                        /* the kv head: a pair of halves (NHD) or a block of the map (HND) */
-                        if (hnd) {
-                            tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0, 0, 0,
-                                        b * heads + (int32_t)kvh);
-                        }
-                        else {
-                            tma_load_5d(dk + (uint32_t)q * 4096u, kmap, bar, 0, 0,
-                                        (int32_t)(2 * kvh), 0, b);
-                        }
-                    }
-                }
-            }
-        }
         if (kt >= SV) {
             mbar_wait(empty_v + 8u * slot_v, (uint32_t)((kt / SV - 1) & 1));
         }
@@ -976,25 +944,25 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                 const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
                 const int64_t t = (int64_t)(RW * p) * tbytes;
                 const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
-                if constexpr (!KG) {
-                    cp_async16(dk + sw128(BN, r, c), kr + t, n);
-                }
+                cp_async16(dk + sw128(BN, r, c), kr + t, n);
                 cp_async16(dv + sw128(BN, r, c), vr + t, n);
             }
         }
-        if constexpr (!KG) {
-            cp_async_arrive_noinc(full_k + 8u * slot_k);
-        }
+        cp_async_arrive_noinc(full_k + 8u * slot_k);
         cp_async_arrive_noinc(full_v + 8u * slot_v);
     }
     cp_async_wait_all(); /* nothing lands after the thread exits */
 }
 
-/* EXP (h90_tma_dims.v_groups): the producer as one warp of TMA boxes for 16-key tables that
- * are not runs: K and V of a block each one 5-d box of h90_kgroups_encode's maps (both tiles in
- * the K_GROUPS layout), lane q issuing block q's; lane 0 expects a tile's bytes (the one
- * arrival of its full barrier: boxes that land first leave the phase open).  KA: K of tile kt
- * before V of tile kt - 1 (the kernel's K_AHEAD). */
+/* The producer of 16-key tables that are not runs (dims.k_groups, the kernel's VG): one warp
+ * of TMA boxes, lane q bringing block q of a tile -- its K and its V each as one 5-d box of
+ * h90_kgroups_encode's maps (4 KB, both halves), so both tiles land in the K_GROUPS layout.
+ * Lane 0 expects the tile's bytes: the full barrier's one arrival, so boxes that land before
+ * it leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
+ * Against K by these boxes with V by the block-group cp.async producer (the earlier "mixed"
+ * producer, 24x16384x128 random order on the H200): 566 -> 613-655 TFLOP/s non-causal, 590-601
+ * -> 664 causal -- the 32 cp.async a thread and tile had shared the memory pipe with the
+ * consumers' wgmma issue, and a 176-key tile, which that producer could not cut, is now one. */
 template <int D, int BN, int ST, int SV, bool KA>
 static __device__ __forceinline__ void
 h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
@@ -1069,18 +1037,15 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
  * head and the block (dims sorted by stride; dim 0 is head_size). */
 struct h90_tma_dims {
     int32_t token, head, block;
-    int32_t v_groups;  /* EXP: V by one 5-d TMA box per 16-key block too (tmv is the V map of
-                          h90_kgroups_encode, V tiles in the K_GROUPS layout): the producer is
-                          one warp of TMA boxes, no cp.async */
     int32_t box;       /* keys per box: min(block_size, the tile: 128 or 176) */
     int32_t flat;      /* 0: no flat map; else which of its dims 1..2 is the token row (the other
                           is the kv head) */
     int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
                           the caller vouched): flat boxes only, no per-block map */
-    int32_t k_groups;  /* cp.async producer for V, K by one TMA box per 16-key block (the 5-d
-                          map h90_kgroups_encode makes; its K tiles in the K_GROUPS layout):
-                          1 the kv head folded into the map's halves (NHD), 2 into its blocks
-                          (HND) */
+    int32_t k_groups;  /* K and V by one TMA box per 16-key block (the 5-d maps
+                          h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
+                          VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
+                          blocks (HND) */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
@@ -1101,6 +1066,8 @@ template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
     }
 };
 
+/* VG: a 16-key table that is not runs (dims.k_groups): tmk and tmv are the per-block 5-d maps,
+ * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout. */
 template <typename T, int ST, int D, int NC, int SV, int BN, bool VG = false>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
@@ -1183,7 +1150,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 #pragma unroll
             for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
                 /* the producer warp's expect_tx, or each producer thread's cp.async */
-                const bool tma = dims.box > 0 || (dims.k_groups != 0 && (i < ST || VG));
+                const bool tma = dims.box > 0 || VG;
                 mbar_init(full_k + 8u * (uint32_t)i, tma ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
             }
@@ -1217,19 +1184,12 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(a, h, row, kv_end, n_tiles,
-                                                                     sk0, sv0, full_k, full_v,
-                                                                     empty_k, empty_v, nullptr);
-                }
-                else if (D == 128 && dims.k_groups != 0) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false, D == 128>(
-                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
-                        &tmk, dims.k_groups == 2);
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(
+                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
                 else {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(a, h, row, kv_end, n_tiles,
-                                                                      sk0, sv0, full_k, full_v,
-                                                                      empty_k, empty_v, nullptr);
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(
+                        a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
             }
             else {
@@ -1331,8 +1291,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tq = lane & 3;
     const uint32_t sink = smem_addr(&s_sink[LATE_PV_WAIT ? tid - 128 : 0]);
     /* K tiles' layout (h90_qk) */
-    const uint32_t khalf = dims.k_groups != 0 ? 1024u : BN * 128u;
-    const uint32_t ksbo = dims.k_groups != 0 ? 2048u : 1024u;
+    constexpr uint32_t khalf = VG ? 1024u : BN * 128u;
+    constexpr uint32_t ksbo = VG ? 2048u : 1024u;
 
     /* This warpgroup's 64 Q rows (zeros past the row's end), negated for a negative scale. */
     h90_load_q<D, BM, 128, 64>(a, sq, wt, cw * 64, q0, q_start, query_len, h, q_vec);
@@ -1558,10 +1518,11 @@ struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
     CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
     CUtensorMap k_groups;         /* K by one box per 16-key block (h90_kgroups_encode) */
-    CUtensorMap v_groups;         /* EXP: V likewise */
+    CUtensorMap v_groups;         /* V likewise */
     h90_tma_dims dims;
     int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
-    int32_t k_groups_ok; /* k_groups is encoded: its h90_tma_dims.k_groups (1 NHD, 2 HND), else 0 */
+    int32_t k_groups_ok; /* k_groups and v_groups are encoded: their h90_tma_dims.k_groups (1 NHD,
+                            2 HND), else 0 */
 };
 
 /* Encodes a map of `rank` dims of the cache's dtype over `base` (byte strides of dims 1..), in
@@ -1603,7 +1564,7 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
 }
 
-/* The K map of the mixed producer ("sm90-mixed"): a head-128 cache of 16-key blocks whose kv
+/* The K (or V) map of the per-block producer ("sm90-tma16"): a head-128 cache of 16-key blocks whose kv
  * heads are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one),
  * as 5 dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head
  * folded into the half: 128 bytes apart either way), 2 groups of 8 tokens, block -- or a
@@ -1611,11 +1572,12 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
  * num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded for, 0 for none.
  * One 64 x 8 x 2 x 2 box brings a whole block, both halves, as two 8-row groups of both panels
  * (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random block tables (no runs for the
- * flat boxes) then take 8 boxes per K tile instead of 16 per-half ones, while V stays with the
- * block-group cp.async producer: the two engines fill shared memory side by side.  H200,
+ * flat boxes) then take 8 boxes per K or V tile instead of 16 per-half ones.  H200,
  * benchmarks/probe_gather.cu (one CTA per SM streaming random 16-key blocks, no math): 24.4
  * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
- * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once. */
+ * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once --
+ * yet inside the kernel these boxes for both win (h90_produce_tma_groups): about 22 B/clk is
+ * what 660 TFLOP/s needs, and cp.async takes issue slots from the consumers. */
 static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
@@ -1887,7 +1849,7 @@ static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    if (a->head_size == 128 && m.dims.v_groups != 0) { /* EXP */
+    if (a->head_size == 128 && m.dims.k_groups != 0) {
         if (m.tile == 176) {
             return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176, true>(
                 a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
@@ -1974,18 +1936,14 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         }
         kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         if (pr == H90_CP_ASYNC && m.k_groups_ok != 0) {
-            m.k = m.k_groups; /* the kernel's per-block K map */
+            /* 16-key blocks that are not runs: one 5-d box per block for K and for V, cut
+             * into 176-key tiles over long rows in any layout the maps take (NHD, HND,
+             * layer-strided: not only the flat caches h90_wide_tiles accepts) */
+            m.k = m.k_groups;
+            m.v = m.v_groups;
             m.dims.k_groups = m.k_groups_ok;
-            kernel = "sm90-mixed";
-            const char *vg = getenv("DIFFKV_EXP_VGROUPS"); /* EXP: 1 128-key tiles, 2 176 too */
-            if (vg != NULL && a->head_size == 128) {
-                m.v = m.v_groups;
-                m.dims.v_groups = 1;
-                kernel = "sm90-tmag";
-                if (tile == 176 && atoi(vg) == 2) {
-                    m.tile = 176;
-                }
-            }
+            m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
+            kernel = "sm90-tma16";
         }
         e = bf16
                 ? h90_launch_ws<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s)

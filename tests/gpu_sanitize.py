@@ -156,12 +156,11 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
-    # a row of 16384+ keys: 176-key tiles on Hopper in allocation order, with or without a mask
-    # (random order: the mixed producer's 128-key tiles)
+    # a row of 16384+ keys: 176-key tiles on Hopper, flat boxes in allocation order and one 5-d
+    # box per block in random order, with or without a mask
     for sequential in (False, True):
-        _attention_case(torch.bfloat16, 128, 16, _C.MASK_NONE, False, sequential, seq_lens=(37, 16400))
-    for mask in (_C.MASK_CAUSAL, _C.MASK_LIMITS):
-        _attention_case(torch.bfloat16, 128, 16, mask, False, True, seq_lens=(37, 16400))
+        for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
+            _attention_case(torch.bfloat16, 128, 16, mask, False, sequential, seq_lens=(37, 16400))
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     _dense_long_rows_case()

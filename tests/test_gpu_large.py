@@ -231,9 +231,10 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
-    # block 16 in random order: the cp.async producer (TMA boxes take blocks of 32+, or runs
-    # of consecutive 16-key blocks), at head 128 for V only (K by one box per block)
-    launched = {"sm90-tma": "sm90-mixed" if head == 128 else "sm90-ws"}.get(built, built)
+    # block 16 in random order: at head 128 one 5-d TMA box per block for K and V, at head 64
+    # the cp.async producer (per-half TMA boxes take blocks of 32+, or runs of consecutive
+    # 16-key blocks)
+    launched = {"sm90-tma": "sm90-tma16" if head == 128 else "sm90-ws"}.get(built, built)
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)
@@ -250,10 +251,10 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
 @pytest.mark.parametrize(
     ("block", "layout", "order", "kernel", "head"),
     [
-        (16, "nhd", "random", "sm90-mixed", 128),  # K one box per block, V cp.async
+        (16, "nhd", "random", "sm90-tma16", 128),  # K and V one 5-d box per block
         (16, "nhd", "sequential", "sm90-tma", 128),
         (16, "nhd", "runs", "sm90-tma", 128),
-        (16, "hnd", "sequential", "sm90-mixed", 128),  # the kv head folded into the K map's blocks
+        (16, "hnd", "sequential", "sm90-tma16", 128),  # the kv head folded into the maps' blocks
         (32, "hnd", "random", "sm90-tma", 128),
         (32, "nhd", "runs", "sm90-tma", 128),
         (64, "nhd", "random", "sm90-tma", 128),
@@ -265,7 +266,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (4, "nhd", "sequential", "sm90-tma", 128),  # every tile a run: flat boxes only
         (1, "nhd", "sequential", "sm90-tma", 128),
         (2, "nhd", "runs", "sm90-ws", 128),  # some tiles are not runs: no box per block here
-        (16, "layers", "sequential", "sm90-mixed", 128),
+        (16, "layers", "sequential", "sm90-tma16", 128),
         (48, "layers", "random", "sm90-ws", 128),
         (48, "nhd", "sequential", "sm90-ws", 128),
         (16, "strided-dim", "random", "sm90", 128),
@@ -275,7 +276,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (8, "nhd", "runs", "sm90-tma", 128),
         (16, "nhd", "random", "sm90-ws", 64),
         (16, "hnd", "random", "sm90-ws", 64),
-        (16, "layers", "random", "sm90-mixed", 128),
+        (16, "layers", "random", "sm90-tma16", 128),
         (4096, "nhd", "random", "sm90-tma", 128),  # one block per row
     ],
 )
@@ -288,10 +289,10 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     block into its spare neighbour -- and blocks too small for a box per lane when every tile
     is a run; other caches take the same warp-specialized kernel with a
     cp.async producer (per 16-key group addresses for power-of-two blocks of 16+ keys, per-key
-    ones otherwise: 48, 2) -- at head 128 16-key blocks in NHD, layer-strided or HND order for V
-    only, K coming as one TMA box per block ('sm90-mixed', whose last block's tail past a row's
-    end is read whole and masked) -- a cache whose head dim is not contiguous the cp.async wgmma
-    kernel.
+    ones otherwise: 48, 2) -- except 16-key blocks at head 128 in NHD, layer-strided or HND
+    order, whose K and V come as one 5-d TMA box per block ('sm90-tma16', whose last block's tail
+    past a row's end is read whole, masked in K and zeroed in V) -- and a cache whose head dim is
+    not contiguous the cp.async wgmma kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
@@ -307,12 +308,15 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
         (16, "nhd", "runs", "sm90-tma"),
         (32768, "nhd", "random", "sm90-tma"),  # one block per row
         (32768, "hnd", "random", "sm90-tma"),
-        (16, "nhd", "random", "sm90-mixed"),  # V by cp.async: 128-key tiles whatever the mask
+        (16, "nhd", "random", "sm90-tma16"),  # one 5-d box per block for K and V
+        (16, "hnd", "random", "sm90-tma16"),  # not a flat cache: 176-key tiles all the same
+        (16, "layers", "random", "sm90-tma16"),
     ],
 )
 def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, monkeypatch):
     """Head-128 calls whose longest row has 16384+ keys take 176-key tiles when TMA can cut
-    them (16-key blocks of a flat cache, one block per row), with and without a mask: rows
+    them (16-key blocks -- runs of a flat cache, or any order through the per-block 5-d boxes --
+    and one block per row), with and without a mask: rows
     shorter than a tile, rows ending mid-tile next to NaN slots, and a long row all meet the
     reference, unmasked, causal and with key limits."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)

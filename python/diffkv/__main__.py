@@ -225,8 +225,8 @@ def info(args):
         kernels = {
             "sm90-tma": (
                 "sm90-tma (warp-specialized wgmma for head 64/128: TMA boxes for power-of-two blocks of"
-                " 32+ keys and runs of consecutive blocks; sm90-mixed -- K by TMA, V by cp.async -- for"
-                " other 16-key tables at head 128; sm90-ws, cp.async, otherwise)"
+                " 32+ keys and runs of consecutive blocks; sm90-tma16 -- one TMA box per 16-key block"
+                " for K and V -- for other 16-key tables at head 128; sm90-ws, cp.async, otherwise)"
             ),
             "sm90": "sm90 (wgmma, Hopper)",
             "sm80": "sm80 (mma.sync)",
