@@ -720,11 +720,14 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     group addresses in registers), h90_produce_cp_async otherwise (per-key addresses through
  *     a shared ring), coalesced rows; the full barrier counts the 128 threads' cp.async
  *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
- *   - TMA per 16-key block (dims.k_groups, the kernel's VG; head 128, 16-key blocks with
- *     adjacent kv-head rows, in any order): one warp, lane q issuing block q's K and V as one
- *     box each of a 5-d map (h90_kgroups_encode: both 64-dim halves, 4 KB), so K and V tiles
- *     land as 8-row groups of both panels (h90_qk's K_GROUPS layout, h90_pv's VG) -- 8 or 11
- *     boxes a tile where per-half boxes would take 16 or 22, and no cp.async at all.
+ *   - TMA per 16-key chunk (dims.k_groups, the kernel's VG; head 128, blocks of 16 n keys
+ *     -- or one block per row of 8 n -- with adjacent kv-head rows or contiguous HND, in any
+ *     order): one warp, lane q issuing chunk q's K and V as one box each of a 5-d map
+ *     (h90_kgroups_encode: both 64-dim halves, 4 KB), so K and V tiles land as 8-row groups
+ *     of both panels (h90_qk's K_GROUPS layout, h90_pv's VG) -- 8 or 11 boxes a tile where
+ *     per-half boxes of 16-key blocks would take 16 or 22, and no cp.async at all.  The host
+ *     takes it for every cache it can encode (the fastest of the three: see
+ *     dk_cuda_attention_sm90); the rules below are for the rest.
  * TMA takes power-of-two blocks of H90T_MIN_BOX keys or more, one block of 128+ keys per row
  * (dense K/V), and smaller power-of-two blocks of a flat cache when at least
  * H90T_MIN_RUNS per mille of the call's key tiles are consecutive blocks (the host counts them
@@ -954,9 +957,10 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     cp_async_wait_all(); /* nothing lands after the thread exits */
 }
 
-/* The producer of 16-key tables that are not runs (dims.k_groups, the kernel's VG): one warp
- * of TMA boxes, lane q bringing block q of a tile -- its K and its V each as one 5-d box of
- * h90_kgroups_encode's maps (4 KB, both halves), so both tiles land in the K_GROUPS layout.
+/* The producer of caches cut into 16-key chunks (dims.k_groups, the kernel's VG): one warp of
+ * TMA boxes, lane q bringing chunk q of a tile (its block from the table, its first 8-row group
+ * within the block) -- its K and its V each as one 5-d box of h90_kgroups_encode's maps (4 KB,
+ * both halves), so both tiles land in the K_GROUPS layout.
  * Lane 0 expects the tile's bytes: the full barrier's one arrival, so boxes that land before
  * it leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
  * Against K by these boxes with V by the block-group cp.async producer (the earlier "mixed"
@@ -978,16 +982,21 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
     const int32_t *const bt = a.block_table + row * a.bt_stride_row;
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
     const int32_t heads = (int32_t)a.num_kv_heads;
-    /* this lane's block of tile kt, clamped as dk_safe_block does; -1: none (past kv_end) */
-    const auto block_of = [&](int32_t kt) -> int32_t {
+    const uint32_t bs = (uint32_t)a.block_size;
+    /* this lane's block of tile kt, clamped as dk_safe_block does, and its first 8-row group
+     * within the block; -1: none (past kv_end) */
+    const auto block_of = [&](int32_t kt, int32_t &g) -> int32_t {
         const int32_t key = kt * BN + 16 * lane;
+        g = 0;
         if (lane >= NG || key >= kv_end) {
             return -1;
         }
-        const int32_t b = bt[key >> 4];
+        const uint32_t q = (uint32_t)key / bs;
+        g = (int32_t)(((uint32_t)key - q * bs) >> 3);
+        const int32_t b = bt[q];
         return (uint32_t)b < nblocks ? b : 0;
     };
-    const auto issue = [&](int32_t kt, int kv, int32_t b) {
+    const auto issue = [&](int32_t kt, int kv, int32_t b, int32_t g) {
         const int stages = kv == 0 ? ST : SV;
         const uint32_t slot = (uint32_t)(kt % stages);
         const uint32_t bar = (kv == 0 ? full_k : full_v) + 8u * slot;
@@ -1002,31 +1011,34 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)lane * 4096u;
             const CUtensorMap *map = kv == 0 ? kmap : vmap;
             if (hnd) {
-                tma_load_5d(dst, map, bar, 0, 0, 0, 0, b * heads + kvh);
+                tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
             }
             else {
-                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, 0, b);
+                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, b);
             }
         }
     };
     if constexpr (KA) {
-        int32_t prev = -1;
+        int32_t prev = -1, prev_g = 0;
         for (int32_t kt = 0; kt <= n_tiles; kt++) {
-            const int32_t b = kt < n_tiles ? block_of(kt) : -1;
+            int32_t g = 0;
+            const int32_t b = kt < n_tiles ? block_of(kt, g) : -1;
             if (kt < n_tiles) {
-                issue(kt, 0, b);
+                issue(kt, 0, b, g);
             }
             if (kt > 0) {
-                issue(kt - 1, 1, prev);
+                issue(kt - 1, 1, prev, prev_g);
             }
             prev = b;
+            prev_g = g;
         }
     }
     else {
         for (int32_t kt = 0; kt < n_tiles; kt++) {
-            const int32_t b = block_of(kt);
-            issue(kt, 0, b);
-            issue(kt, 1, b);
+            int32_t g;
+            const int32_t b = block_of(kt, g);
+            issue(kt, 0, b, g);
+            issue(kt, 1, b, g);
         }
     }
 }
@@ -1564,15 +1576,15 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
 }
 
-/* The K (or V) map of the per-block producer ("sm90-tma16"): a head-128 cache of 16-key blocks whose kv
- * heads are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one),
- * as 5 dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head
- * folded into the half: 128 bytes apart either way), 2 groups of 8 tokens, block -- or a
- * contiguous HND cache with the kv head folded into the block instead (dims 64, 8, 2, 2,
- * num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded for, 0 for none.
- * One 64 x 8 x 2 x 2 box brings a whole block, both halves, as two 8-row groups of both panels
- * (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random block tables (no runs for the
- * flat boxes) then take 8 boxes per K or V tile instead of 16 per-half ones.  H200,
+/* The K (or V) map of the per-chunk producer ("sm90-tma16"): a head-128 cache whose kv heads
+ * are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one), as 5
+ * dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head folded
+ * into the half: 128 bytes apart either way), block_size / 8 groups of 8 tokens, block -- or a
+ * contiguous HND cache with the kv head folded into the block instead (dims 64, 8, 2,
+ * block_size / 8, num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded
+ * for, 0 for none.  One 64 x 8 x 2 x 2 box brings a 16-key chunk, both halves, as two 8-row
+ * groups of both panels (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random 16-key
+ * tables then take 8 boxes per K or V tile instead of 16 per-half ones.  H200,
  * benchmarks/probe_gather.cu (one CTA per SM streaming random 16-key blocks, no math): 24.4
  * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
  * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once --
@@ -1581,13 +1593,19 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
 static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
-    /* NHD: kv heads 128 elements apart, folded into the halves; HND ([blocks, kv heads, 16,
-     * 128] in memory: rows 128 apart, heads 16 rows, blocks all heads): into the blocks */
+    /* NHD: kv heads 128 elements apart, folded into the halves; HND ([blocks, kv heads,
+     * block_size, 128] in memory: rows 128 apart, heads block_size rows, blocks all heads):
+     * into the blocks */
+    const int64_t bs = a->block_size;
     const bool nhd = a->cache_stride_head == 128;
-    const bool hnd = a->cache_stride_token == 128 && a->cache_stride_head == 16 * 128 &&
+    const bool hnd = a->cache_stride_token == 128 && a->cache_stride_head == bs * 128 &&
                      a->cache_stride_block == a->num_kv_heads * a->cache_stride_head &&
                      a->num_kv_heads >= 1 && a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
-    if (a->head_size != 128 || a->block_size != 16 || a->key_cache2 != NULL || !(nhd || hnd) ||
+    /* 16-key chunks never straddle two blocks: blocks of a multiple of 16 keys, or one block
+     * per row of a multiple of 8 (the chunk past its end reads zeros: out of the map) */
+    const bool chunks = bs >= 8 && bs / 8 <= (int64_t)INT32_MAX &&
+                        (bs % 16 == 0 || (a->bt_cols == 1 && bs % 8 == 0));
+    if (a->head_size != 128 || !chunks || a->key_cache2 != NULL || !(nhd || hnd) ||
         a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
         a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
         a->cache_stride_block <= 0 || a->cache_stride_token % 8 != 0 ||
@@ -1601,7 +1619,7 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *bas
     }
     const cuuint64_t tok = (cuuint64_t)a->cache_stride_token * 2; /* bytes */
     const cuuint64_t gdim[5] = {
-        64, 8, (cuuint64_t)(nhd ? 2 * a->num_kv_heads : 2), 2,
+        64, 8, (cuuint64_t)(nhd ? 2 * a->num_kv_heads : 2), (cuuint64_t)(bs / 8),
         (cuuint64_t)(nhd ? a->num_blocks : a->num_blocks * a->num_kv_heads)};
     const cuuint64_t gstride[4] = {
         tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
@@ -1812,7 +1830,8 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * H90_WIDE_MIN_KEYS keys, and a cache whose tiles TMA can cut at any multiple of 176 keys --
  * one block per row, 16-key blocks of a flat cache (per-block boxes, 11 per tile, or flat boxes
  * over runs) or smaller ones whose rows dense_attention's caller vouched consecutive (flat
- * boxes only).  Two sources (dense joint tokens) keep 128: their split point is a
+ * boxes only); the per-chunk producer (sm90-tma16) cuts 176-key tiles of any cache it takes,
+ * which dk_cuda_attention_sm90 decides itself.  Two sources (dense joint tokens) keep 128: their split point is a
  * multiple of 128 keys.  Masked calls too since 176-key tiles take the late P V wait (before,
  * 24x16k causal in allocation order ran 642/638 TFLOP/s with 176 vs 644/642 with 128): H200,
  * interleaved A/B, two rounds, 128 -> 176: 24x16k causal in allocation order 625/653 ->
@@ -1923,27 +1942,33 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
         m.tile = tile;
-        /* Head 64 takes 16-key blocks through the block-group cp.async producer even when
-         * their tiles are runs: it beats the 128-row flat boxes there (H200, 1x16x16384x64,
-         * allocation order: 398-415 vs 374-377 TFLOP/s non-causal, 426 vs 412-416 causal),
-         * while at head 128 the boxes win (24x16k: 638-654 vs 565-595). */
-        const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
-        if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
-            (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
-            memset(&m.dims, 0, sizeof(m.dims)); /* box 0, 128-key tiles, no flat map */
-            m.tile = 0;
-            pr = H90_CP_ASYNC;
-        }
-        kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
-        if (pr == H90_CP_ASYNC && m.k_groups_ok != 0) {
-            /* 16-key blocks that are not runs: one 5-d box per block for K and for V, cut
-             * into 176-key tiles over long rows in any layout the maps take (NHD, HND,
-             * layer-strided: not only the flat caches h90_wide_tiles accepts) */
+        if (m.k_groups_ok != 0) {
+            /* Head 128, 16-key chunks within blocks, a layout the 5-d maps fold (NHD, HND,
+             * layer-strided): one box per chunk for K and for V, in any block order, cut into
+             * 176-key tiles over long rows.  It beats every other producer there (H200,
+             * interleaved A/B, ratios to cuDNN): random 16-key tables 0.93 -> 1.01-1.04
+             * (the mixed K-TMA/V-cp.async producer before), allocation order 0.99 -> 1.01
+             * (flat boxes), 128-key blocks 0.94 -> 1.02 (a 4-d map's per-half boxes). */
+            memset(&m.dims, 0, sizeof(m.dims));
             m.k = m.k_groups;
             m.v = m.v_groups;
             m.dims.k_groups = m.k_groups_ok;
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";
+        }
+        else {
+            /* Head 64 takes 16-key blocks through the block-group cp.async producer even
+             * when their tiles are runs: it beats the 128-row flat boxes there (H200,
+             * 1x16x16384x64, allocation order: 398-415 vs 374-377 TFLOP/s non-causal, 426
+             * vs 412-416 causal). */
+            const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
+            if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
+                (pr == H90_TMA_ALL_RUNS && a->table_runs < 1000)) {
+                memset(&m.dims, 0, sizeof(m.dims)); /* box 0, 128-key tiles, no flat map */
+                m.tile = 0;
+                pr = H90_CP_ASYNC;
+            }
+            kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         }
         e = bf16
                 ? h90_launch_ws<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s)

@@ -129,9 +129,10 @@ def _dense_joint_case(dtype):
 
 
 def _dense_long_rows_case():
-    """DiffKVAttentionImpl.forward over rows of 16384+ keys (Hopper: in-order 16- and 8-key
-    blocks vouched consecutive, 176-key tiles of flat boxes), non-causal and causal: CUDA
-    against the CPU path, a few queries against every key."""
+    """DiffKVAttentionImpl.forward over rows of 16384+ keys (Hopper: in-order 16-key blocks,
+    176-key tiles of per-chunk 5-d boxes, and 8-key blocks vouched consecutive, 176-key tiles
+    of flat boxes), non-causal and causal: CUDA against the CPU path, a few queries against
+    every key."""
     g = torch.Generator().manual_seed(9)
     for keys in (16400, 16392):  # 16 and 8 keys per block
         k, v = (torch.randn(1, keys, 2, 128, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -156,8 +157,8 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
-    # a row of 16384+ keys: 176-key tiles on Hopper, flat boxes in allocation order and one 5-d
-    # box per block in random order, with or without a mask
+    # a row of 16384+ keys: 176-key tiles of per-chunk 5-d boxes on Hopper, random and
+    # allocation order, with or without a mask
     for sequential in (False, True):
         for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
             _attention_case(torch.bfloat16, 128, 16, mask, False, sequential, seq_lens=(37, 16400))

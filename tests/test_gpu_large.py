@@ -251,24 +251,25 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
 @pytest.mark.parametrize(
     ("block", "layout", "order", "kernel", "head"),
     [
-        (16, "nhd", "random", "sm90-tma16", 128),  # K and V one 5-d box per block
-        (16, "nhd", "sequential", "sm90-tma", 128),
-        (16, "nhd", "runs", "sm90-tma", 128),
+        (16, "nhd", "random", "sm90-tma16", 128),  # K and V one 5-d box per 16-key chunk
+        (16, "nhd", "sequential", "sm90-tma16", 128),  # runs too: faster than the flat boxes
+        (16, "nhd", "runs", "sm90-tma16", 128),
         (16, "hnd", "sequential", "sm90-tma16", 128),  # the kv head folded into the maps' blocks
-        (32, "hnd", "random", "sm90-tma", 128),
-        (32, "nhd", "runs", "sm90-tma", 128),
-        (64, "nhd", "random", "sm90-tma", 128),
-        (64, "nhd", "sequential", "sm90-tma", 128),
-        (128, "hnd", "random", "sm90-tma", 128),
-        (256, "nhd", "random", "sm90-tma", 128),
-        (1024, "layers", "random", "sm90-tma", 128),
-        (8, "nhd", "sequential", "sm90-tma", 128),
+        (32, "hnd", "random", "sm90-tma16", 128),
+        (32, "nhd", "runs", "sm90-tma16", 128),
+        (64, "nhd", "random", "sm90-tma16", 128),
+        (64, "nhd", "sequential", "sm90-tma16", 128),
+        (128, "hnd", "random", "sm90-tma16", 128),
+        (256, "nhd", "random", "sm90-tma16", 128),
+        (1024, "layers", "random", "sm90-tma16", 128),
+        (8, "nhd", "sequential", "sm90-tma", 128),  # chunks would straddle blocks: flat boxes
         (4, "nhd", "sequential", "sm90-tma", 128),  # every tile a run: flat boxes only
         (1, "nhd", "sequential", "sm90-tma", 128),
         (2, "nhd", "runs", "sm90-ws", 128),  # some tiles are not runs: no box per block here
         (16, "layers", "sequential", "sm90-tma16", 128),
-        (48, "layers", "random", "sm90-ws", 128),
-        (48, "nhd", "sequential", "sm90-ws", 128),
+        (48, "layers", "random", "sm90-tma16", 128),  # a multiple of 16 keys
+        (48, "nhd", "sequential", "sm90-tma16", 128),
+        (24, "nhd", "random", "sm90-ws", 128),  # not a power of two nor a multiple of 16
         (16, "strided-dim", "random", "sm90", 128),
         (16, "nhd", "sequential", "sm90-ws", 64),  # head 64: block groups beat the flat boxes
         (4, "nhd", "sequential", "sm90-tma", 64),
@@ -276,23 +277,27 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (8, "nhd", "runs", "sm90-tma", 128),
         (16, "nhd", "random", "sm90-ws", 64),
         (16, "hnd", "random", "sm90-ws", 64),
+        (32, "nhd", "random", "sm90-tma", 64),  # head 64: per-half boxes of 32+ keys
         (16, "layers", "random", "sm90-tma16", 128),
-        (4096, "nhd", "random", "sm90-tma", 128),  # one block per row
+        (4096, "nhd", "random", "sm90-tma16", 128),  # one block per row
+        (4104, "nhd", "random", "sm90-tma16", 128),  # one block per row of 8 n keys: the row's
+        (4104, "hnd", "random", "sm90-tma16", 128),  # last chunk half out of the map (zeros)
     ],
 )
 def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, monkeypatch):
-    """Head 128 (and 64) on Hopper: power-of-two blocks of 32+ keys take TMA boxes in any layout
-    (block/token/head dims in any stride order, a layer-strided view), and so do smaller
-    power-of-two blocks (up to 32 boxes a tile) of a flat cache (block stride = block * token
-    stride: NHD) when at least a quarter of the tiles are runs of consecutive blocks
-    ('sequential', 'runs'), which come in as one box per half -- reading past a row's last
-    block into its spare neighbour -- and blocks too small for a box per lane when every tile
-    is a run; other caches take the same warp-specialized kernel with a
-    cp.async producer (per 16-key group addresses for power-of-two blocks of 16+ keys, per-key
-    ones otherwise: 48, 2) -- except 16-key blocks at head 128 in NHD, layer-strided or HND
-    order, whose K and V come as one 5-d TMA box per block ('sm90-tma16', whose last block's tail
-    past a row's end is read whole, masked in K and zeroed in V) -- and a cache whose head dim is
-    not contiguous the cp.async wgmma kernel.
+    """Hopper, head 128: caches of 16 n-key blocks (or one block per row of 8 n keys) in NHD,
+    HND or layer-strided order take one 5-d TMA box per 16-key chunk for K and V in any block
+    order ('sm90-tma16', reading a row's last chunk whole: masked in K, zeroed in V; past a
+    one-block row's end the map gives zeros).  Otherwise power-of-two blocks of 32+ keys take
+    per-half TMA boxes in any layout (block/token/head dims in any stride order), and smaller
+    power-of-two blocks of a flat cache (block stride = block * token stride: NHD) when at
+    least a quarter of the tiles are runs of consecutive blocks ('sequential', 'runs'), which
+    come in as one box per half -- reading past a row's last block into its spare neighbour --
+    and blocks too small for a box per lane when every tile is a run; head 64 likewise, except
+    that its 16-key blocks take the cp.async producer; other caches take the same
+    warp-specialized kernel with a cp.async producer (per 16-key group addresses for
+    power-of-two blocks of 16+ keys, per-key ones otherwise: 24, 2), and a cache whose head dim
+    is not contiguous the cp.async wgmma kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""
     monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
@@ -304,11 +309,12 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
 @pytest.mark.parametrize(
     ("block", "layout", "order", "kernel"),
     [
-        (16, "nhd", "sequential", "sm90-tma"),
-        (16, "nhd", "runs", "sm90-tma"),
-        (32768, "nhd", "random", "sm90-tma"),  # one block per row
-        (32768, "hnd", "random", "sm90-tma"),
-        (16, "nhd", "random", "sm90-tma16"),  # one 5-d box per block for K and V
+        (16, "nhd", "sequential", "sm90-tma16"),
+        (16, "nhd", "runs", "sm90-tma16"),
+        (32768, "nhd", "random", "sm90-tma16"),  # one block per row
+        (32768, "hnd", "random", "sm90-tma16"),
+        (32776, "nhd", "random", "sm90-tma16"),  # one block per row of 8 n keys
+        (16, "nhd", "random", "sm90-tma16"),  # one 5-d box per 16-key chunk for K and V
         (16, "hnd", "random", "sm90-tma16"),  # not a flat cache: 176-key tiles all the same
         (16, "layers", "random", "sm90-tma16"),
     ],

@@ -5,7 +5,8 @@ of a packed varlen batch) gets a row of key indices into ``key``/``value`` viewe
 ``[num_keys, Hkv, D]``, and ``_C.dense_attention`` runs the paged kernels over it -- no copy of
 K or V, and a key-padding mask only reorders indices (the kept keys first, in order).  Rows
 without key padding are one block of all their keys, or on Hopper at head size 128 in-order
-blocks of up to 16 keys vouched consecutive (``_row_blocks``: flat TMA boxes).  Every
+blocks of up to 16 keys vouched consecutive (``_row_blocks``: one TMA box per 16-key chunk,
+flat boxes for smaller blocks).  Every
 mask becomes what the kernels take: a row length, causal (bottom-right), or an exclusive key
 limit per query token.
 
@@ -58,9 +59,10 @@ _HOPPER: dict[int, bool] = {}  # CUDA device index -> compute capability 9.x
 def _row_blocks(keys_per_row: int, head_size: int, device: torch.device) -> int:
     """Keys per block of an unpadded dense row: on Hopper at head size 128 the largest power
     of two up to 16 dividing the row, so that the row is a flat cache of in-order blocks whose
-    keys the binding is told are consecutive (one TMA box per tile over the flat rows:
-    1x40x32768x128 on the H200, 618-627 TFLOP/s against 583-584 with the row as one block of a
-    4-d map); elsewhere one block per row."""
+    keys the binding is told are consecutive: 16-key blocks take one 5-d TMA box per block
+    (sm90-tma16, as a paged cache does), smaller ones one flat box per tile over the flat rows
+    (1x40x32768x128 on the H200, 618-627 TFLOP/s against 583-584 with the row as one block of a
+    4-d map's per-half boxes); elsewhere one block per row."""
     if device.type != "cuda" or head_size != 128:
         return keys_per_row
     index = device.index if device.index is not None else torch.cuda.current_device()
