@@ -224,9 +224,10 @@ def info(args):
         print(f"  CUDA runtime {build['cuda_runtime_version']}, targets {build['archs']}")
         kernels = {
             "sm90-tma": (
-                "sm90-tma (warp-specialized wgmma for head 64/128: TMA boxes for power-of-two blocks of"
-                " 32+ keys and runs of consecutive blocks; sm90-tma16 -- one TMA box per 16-key block"
-                " for K and V -- for other 16-key tables at head 128; sm90-ws, cp.async, otherwise)"
+                "sm90-tma (warp-specialized wgmma for head 64/128: at head 128 sm90-tma16 -- one TMA"
+                " box per 16-key chunk for K and V -- for blocks of 16 n keys in any order; else TMA"
+                " boxes for power-of-two blocks of 32+ keys and runs of consecutive blocks; sm90-ws,"
+                " cp.async, otherwise)"
             ),
             "sm90": "sm90 (wgmma, Hopper)",
             "sm80": "sm80 (mma.sync)",
