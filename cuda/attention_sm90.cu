@@ -722,7 +722,8 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  *     arrivals, and the consumers fence the generic-proxy writes for wgmma after waiting.
  *   - TMA per 16-key chunk (dims.k_groups, the kernel's VG; head 128, blocks of 16 n keys
  *     -- or one block per row of 8 n -- with adjacent kv-head rows or contiguous HND, in any
- *     order): one warp, lane q issuing chunk q's K and V as one box each of a 5-d map
+ *     order): the producer's four warps, lane l of warp w issuing chunk w + 4 l's K and V
+ *     as one box each of a 5-d map
  *     (h90_kgroups_encode: both 64-dim halves, 4 KB), so K and V tiles land as 8-row groups
  *     of both panels (h90_qk's K_GROUPS layout, h90_pv's VG) -- 8 or 11 boxes a tile where
  *     per-half boxes of 16-key blocks would take 16 or 22, and no cp.async at all.  The host
@@ -744,6 +745,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * No CTA-wide barrier inside the key loop.
  */
 #define H90T_STAGES 2
+#define H90_TMA16_WARPS 4 /* producer warps issuing the per-chunk boxes (h90_produce_tma_groups) */
 /* Smallest block (keys) brought in by TMA boxes in any order: a box of 16 rows costs more
  * than the cp.async producer's rows (H200, 1x24x16384x128, blocks in random order: 475 vs 488
  * TFLOP/s), 32+ rows less.  A tile of consecutive 16-key blocks of a flat cache, one box per
@@ -961,8 +963,15 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
  * TMA boxes, lane q bringing chunk q of a tile (its block from the table, its first 8-row group
  * within the block) -- its K and its V each as one 5-d box of h90_kgroups_encode's maps (4 KB,
  * both halves), so both tiles land in the K_GROUPS layout.
- * Lane 0 expects the tile's bytes: the full barrier's one arrival, so boxes that land before
- * it leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
+ * The producer warpgroup's H90_TMA16_WARPS warps share a tile's chunks (chunk warp + 4 lane):
+ * a TMA takes its coordinates in uniform registers, so a warp issues its lanes' boxes one
+ * after another, and four warps issue a tile's 11 in three rounds instead of eleven (H200,
+ * interleaved A/B against one warp, two rounds: denoise 626-627 -> 638 TFLOP/s, the layer call
+ * 1,333 -> 1,307 us, 24x16k and 40x32760 non-causal within +-0.5 %; the producer's issue
+ * latency is on the consumers' path with two K stages: a runtime mode switch in this
+ * function, tried for dense joint tokens, cost the paged calls ~5 %).  Chunk 0's thread
+ * expects the tile's bytes: the full barrier's one arrival, so boxes that land before it
+ * leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
  * Against K by these boxes with V by the block-group cp.async producer (the earlier "mixed"
  * producer, 24x16384x128 random order on the H200): 566 -> 613-655 TFLOP/s non-causal, 590-601
  * -> 664 causal -- the 32 cp.async a thread and tile had shared the memory pipe with the
@@ -975,9 +984,12 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
                        const CUtensorMap *vmap, bool hnd)
 {
     constexpr uint32_t KVB = BN * D * 2;
-    constexpr int NG = BN / 16; /* 16-key blocks per tile: one per lane */
-    static_assert(D == 128 && NG <= 32, "head 128, a lane per block");
+    constexpr int NG = BN / 16; /* 16-key chunks per tile */
+    static_assert(D == 128 && NG <= 32, "head 128, a lane per chunk");
+    constexpr int PW = H90_TMA16_WARPS;
+    const int32_t warp = (int32_t)(threadIdx.x >> 5);
     const int32_t lane = (int32_t)(threadIdx.x & 31u);
+    const int32_t chunk = warp + PW * lane; /* this thread's chunk of a tile */
     const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
     const int32_t *const bt = a.block_table + row * a.bt_stride_row;
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
@@ -986,9 +998,9 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
     /* this lane's block of tile kt, clamped as dk_safe_block does, and its first 8-row group
      * within the block; -1: none (past kv_end) */
     const auto block_of = [&](int32_t kt, int32_t &g) -> int32_t {
-        const int32_t key = kt * BN + 16 * lane;
+        const int32_t key = kt * BN + 16 * chunk;
         g = 0;
-        if (lane >= NG || key >= kv_end) {
+        if (chunk >= NG || key >= kv_end) {
             return -1;
         }
         const uint32_t q = (uint32_t)key / bs;
@@ -1003,12 +1015,12 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
         if (kt >= stages) { /* the phase the slot's last use ended */
             mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, (uint32_t)((kt / stages - 1) & 1));
         }
-        if (lane == 0) {
+        if (chunk == 0) {
             const int32_t blocks = min(NG, (kv_end - kt * BN + 15) / 16);
             mbar_arrive_expect_tx(bar, (uint32_t)blocks * 4096u);
         }
         if (b >= 0) {
-            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)lane * 4096u;
+            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)chunk * 4096u;
             const CUtensorMap *map = kv == 0 ? kmap : vmap;
             if (hnd) {
                 tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
@@ -1180,7 +1192,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     if (wg == 0) {
         regs::producer();
         if constexpr (VG) {
-            if (tid < 32) {
+            if (tid < 32 * H90_TMA16_WARPS) {
                 h90_produce_tma_groups<D, BN, ST, SV, K_AHEAD>(a, h, row, kv_end, n_tiles, sk0, sv0,
                                                                full_k, full_v, empty_k, empty_v,
                                                                &tmk, &tmv, dims.k_groups == 2);
