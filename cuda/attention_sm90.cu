@@ -735,8 +735,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * in the block table it checks) -- blocks too small for a box per lane (under 8 keys at head
  * 128, 4 at head 64: a dense call's one-token blocks) only when every tile is such a run (the
  * host's count, or dense_attention's caller vouching for it: packed varlen documents), then
- * as flat boxes only; the per-block 5-d boxes other 16-key tables at head 128; cp.async the
- * rest.
+ * as flat boxes only; cp.async the rest.
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V
@@ -745,7 +744,8 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
  * No CTA-wide barrier inside the key loop.
  */
 #define H90T_STAGES 2
-#define H90_TMA16_WARPS 4 /* producer warps issuing the per-chunk boxes (h90_produce_tma_groups) */
+/* Producer warps issuing the per-chunk boxes (h90_produce_tma_groups). */
+#define H90_TMA16_WARPS 4
 /* Smallest block (keys) brought in by TMA boxes in any order: a box of 16 rows costs more
  * than the cp.async producer's rows (H200, 1x24x16384x128, blocks in random order: 475 vs 488
  * TFLOP/s), 32+ rows less.  A tile of consecutive 16-key blocks of a flat cache, one box per
@@ -959,13 +959,13 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     cp_async_wait_all(); /* nothing lands after the thread exits */
 }
 
-/* The producer of caches cut into 16-key chunks (dims.k_groups, the kernel's VG): one warp of
- * TMA boxes, lane q bringing chunk q of a tile (its block from the table, its first 8-row group
- * within the block) -- its K and its V each as one 5-d box of h90_kgroups_encode's maps (4 KB,
- * both halves), so both tiles land in the K_GROUPS layout.
- * The producer warpgroup's H90_TMA16_WARPS warps share a tile's chunks (chunk warp + 4 lane):
- * a TMA takes its coordinates in uniform registers, so a warp issues its lanes' boxes one
- * after another, and four warps issue a tile's 11 in three rounds instead of eleven (H200,
+/* The producer of caches cut into 16-key chunks (dims.k_groups, the kernel's VG): TMA boxes,
+ * one thread per chunk of a tile (its block from the table, its first 8-row group within the
+ * block) bringing its K and its V each as one 5-d box of h90_kgroups_encode's maps (4 KB, both
+ * halves), so both tiles land in the K_GROUPS layout.  The producer warpgroup's
+ * H90_TMA16_WARPS warps share a tile's chunks (chunk warp + 4 lane): a TMA takes its
+ * coordinates in uniform registers, so a warp issues its lanes' boxes one after another, and
+ * four warps issue a tile's 11 in three rounds instead of eleven (H200,
  * interleaved A/B against one warp, two rounds: denoise 626-627 -> 638 TFLOP/s, the layer call
  * 1,333 -> 1,307 us, 24x16k and 40x32760 non-causal within +-0.5 %; the producer's issue
  * latency is on the consumers' path with two K stages: a runtime mode switch in this
@@ -985,7 +985,7 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
 {
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int NG = BN / 16; /* 16-key chunks per tile */
-    static_assert(D == 128 && NG <= 32, "head 128, a lane per chunk");
+    static_assert(D == 128 && NG <= 32, "head 128, a thread per chunk");
     constexpr int PW = H90_TMA16_WARPS;
     const int32_t warp = (int32_t)(threadIdx.x >> 5);
     const int32_t lane = (int32_t)(threadIdx.x & 31u);
@@ -995,8 +995,8 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
     const int32_t heads = (int32_t)a.num_kv_heads;
     const uint32_t bs = (uint32_t)a.block_size;
-    /* this lane's block of tile kt, clamped as dk_safe_block does, and its first 8-row group
-     * within the block; -1: none (past kv_end) */
+    /* the block of this thread's chunk of tile kt, clamped as dk_safe_block does, and the
+     * chunk's first 8-row group within the block; -1: none (past kv_end) */
     const auto block_of = [&](int32_t kt, int32_t &g) -> int32_t {
         const int32_t key = kt * BN + 16 * chunk;
         g = 0;
@@ -1066,7 +1066,7 @@ struct h90_tma_dims {
                           is the kv head) */
     int32_t flat_only; /* every tile is a run of consecutive rows (the host counted them all, or
                           the caller vouched): flat boxes only, no per-block map */
-    int32_t k_groups;  /* K and V by one TMA box per 16-key block (the 5-d maps
+    int32_t k_groups;  /* K and V by one TMA box per 16-key chunk (the 5-d maps
                           h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
                           VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
                           blocks (HND) */
@@ -1090,7 +1090,7 @@ template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
     }
 };
 
-/* VG: a 16-key table that is not runs (dims.k_groups): tmk and tmv are the per-block 5-d maps,
+/* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
  * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout. */
 template <typename T, int ST, int D, int NC, int SV, int BN, bool VG = false>
 /* clang-format off */
@@ -1173,7 +1173,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         if (tid == 0) {
 #pragma unroll
             for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
-                /* the producer warp's expect_tx, or each producer thread's cp.async */
+                /* the TMA producer's one expect_tx, or each producer thread's cp.async */
                 const bool tma = dims.box > 0 || VG;
                 mbar_init(full_k + 8u * (uint32_t)i, tma ? 1u : 128u);
                 mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC); /* the consumers' warps */
@@ -1843,10 +1843,10 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * one block per row, 16-key blocks of a flat cache (per-block boxes, 11 per tile, or flat boxes
  * over runs) or smaller ones whose rows dense_attention's caller vouched consecutive (flat
  * boxes only); the per-chunk producer (sm90-tma16) cuts 176-key tiles of any cache it takes,
- * which dk_cuda_attention_sm90 decides itself.  Two sources (dense joint tokens) keep 128: their split point is a
- * multiple of 128 keys.  Masked calls too since 176-key tiles take the late P V wait (before,
- * 24x16k causal in allocation order ran 642/638 TFLOP/s with 176 vs 644/642 with 128): H200,
- * interleaved A/B, two rounds, 128 -> 176: 24x16k causal in allocation order 625/653 ->
+ * which dk_cuda_attention_sm90 decides itself.  Two sources (dense joint tokens) keep 128: their
+ * split point is a multiple of 128 keys.  Masked calls too since 176-key tiles take the late P V
+ * wait (before, 24x16k causal in allocation order ran 642/638 TFLOP/s with 176 vs 644/642 with
+ * 128): H200, interleaved A/B, two rounds, 128 -> 176: 24x16k causal in allocation order 625/653 ->
  * 644/659 TFLOP/s, block-causal chunks of 1560 in allocation order 583/583 -> 609/605, dense
  * 40x32760 causal 620/619 -> 630/614. */
 static bool
