@@ -2635,10 +2635,12 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         return -1;
     }
     if (q.device_type == DK_CUDA && a->block_size < 32 &&
-        (a->block_size & (a->block_size - 1)) == 0 && (a->head_size != 64 || a->block_size < 16)) {
+        (a->block_size & (a->block_size - 1)) == 0 && (a->head_size != 64 || a->block_size < 16) &&
+        dk_attention_chunk_layout(a) == 0) {
         /* blocks under 32 keys: the sm90 kernel's TMA boxes pay only when enough tiles are
          * runs of consecutive blocks (all of them for blocks under 4 / 8 keys); head 64 takes
-         * 16-key blocks through cp.async whatever their order (attention_sm90.cu) */
+         * 16-key blocks through cp.async whatever their order, and caches of 16-key chunks at
+         * head 128 the per-chunk boxes (attention_sm90.cu): no count for those */
         a->table_runs = dk_attention_table_runs(a, 128);
     }
     /* From here on the kernels use the tensors on the query's device. */

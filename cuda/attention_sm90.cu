@@ -1605,26 +1605,13 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
 static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
-    /* NHD: kv heads 128 elements apart, folded into the halves; HND ([blocks, kv heads,
-     * block_size, 128] in memory: rows 128 apart, heads block_size rows, blocks all heads):
-     * into the blocks */
-    const int64_t bs = a->block_size;
-    const bool nhd = a->cache_stride_head == 128;
-    const bool hnd = a->cache_stride_token == 128 && a->cache_stride_head == bs * 128 &&
-                     a->cache_stride_block == a->num_kv_heads * a->cache_stride_head &&
-                     a->num_kv_heads >= 1 && a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
-    /* 16-key chunks never straddle two blocks: blocks of a multiple of 16 keys, or one block
-     * per row of a multiple of 8 (the chunk past its end reads zeros: out of the map) */
-    const bool chunks = bs >= 8 && bs / 8 <= (int64_t)INT32_MAX &&
-                        (bs % 16 == 0 || (a->bt_cols == 1 && bs % 8 == 0));
-    if (a->head_size != 128 || !chunks || a->key_cache2 != NULL || !(nhd || hnd) ||
-        a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
-        a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
-        a->cache_stride_block <= 0 || a->cache_stride_token % 8 != 0 ||
-        a->cache_stride_block % 8 != 0 || a->cache_stride_block * 2 >= ((int64_t)1 << 40) ||
-        a->cache_stride_token * 16 >= ((int64_t)1 << 40)) {
+    /* NHD: the kv head folded into the halves; HND: into the blocks */
+    const int32_t layout = dk_attention_chunk_layout(a);
+    if (layout == 0) {
         return 0;
     }
+    const bool nhd = layout == 1;
+    const int64_t bs = a->block_size;
     const h90_encode_fn encode = h90_encoder();
     if (encode == NULL) {
         return 0;
