@@ -422,8 +422,10 @@ typedef struct dk_attention_args {
      * host copy of the block table for the CUDA kernels' choice of K/V producer (0 when not
      * counted): dk_attention_table_runs. */
     int32_t table_runs;
-    /* dense_attention's consecutive=1 over one source: every row's keys are consecutive rows
-     * of the cache, so a key tile of any size is one run (the CUDA kernels' flat boxes). */
+    /* Bit 1, dense_attention's consecutive & 1 over one source: every row's keys are
+     * consecutive rows of the cache, so a key tile of any size is one run (the CUDA kernels'
+     * flat boxes).  Bit 2, consecutive & 2 (one or two sources): every 16 keys of a row are 16
+     * consecutive rows of one source from a multiple of 8 (the per-chunk TMA boxes). */
     int32_t keys_consecutive;
 } dk_attention_args;
 

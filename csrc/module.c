@@ -2825,6 +2825,11 @@ done:
  * max_query_len (> 0) sizes the launch when the host copies are None (CUDA, trusted metadata:
  * the caller vouches that no row has more queries); 0 = up to every query token, as in
  * paged_attention.  With host copies it is ignored (the checked copies give the exact max).
+ * Then joint_key, joint_value, key_block (blocks of that many consecutive key tokens) and
+ * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them): 1 every
+ * row's keys are runs of consecutive rows whose 128-key tiles each lie in one source; 2 every
+ * 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting at a
+ * multiple of 8 (the row's last 16 may run past its keys).
  */
 /*
  * dense_attention's optional second K/V source: args[0] = joint_key, args[1] = joint_value
@@ -2942,9 +2947,9 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (get_i64(args[17], op, "consecutive", &consecutive) != 0) {
         return NULL;
     }
-    if (consecutive != 0 && consecutive != 1) {
-        PyErr_Format(PyExc_ValueError, "%s(): consecutive must be 0 or 1, got %lld", op,
-                     (long long)consecutive);
+    if (consecutive < 0 || consecutive > 3) {
+        PyErr_Format(PyExc_ValueError, "%s(): consecutive must be 0 to 3 (bits 1 and 2), got %lld",
+                     op, (long long)consecutive);
         return NULL;
     }
     int64_t mask = 0;
@@ -2964,10 +2969,11 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rc != 0) {
         return NULL;
     }
-    if (consecutive) {
+    if (consecutive & 1) {
         a.table_runs = 1000; /* the caller vouches: every tile is one run */
         a.keys_consecutive = a.key_cache2 == NULL;
     }
+    a.keys_consecutive |= (int32_t)(consecutive & 2); /* and 16-key chunks */
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
         short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {
         return NULL;

@@ -981,7 +981,8 @@ static __device__ __forceinline__ void
 h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                        int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
                        uint32_t full_v, uint32_t empty_k, uint32_t empty_v, const CUtensorMap *kmap,
-                       const CUtensorMap *vmap, bool hnd)
+                       const CUtensorMap *vmap, const CUtensorMap *kmap2, const CUtensorMap *vmap2,
+                       int mode)
 {
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int NG = BN / 16; /* 16-key chunks per tile */
@@ -1004,9 +1005,16 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
             return -1;
         }
         const uint32_t q = (uint32_t)key / bs;
-        g = (int32_t)(((uint32_t)key - q * bs) >> 3);
-        const int32_t b = bt[q];
-        return (uint32_t)b < nblocks ? b : 0;
+        const uint32_t t = (uint32_t)key - q * bs;
+        const int32_t b0 = bt[q];
+        const uint32_t b = (uint32_t)b0 < nblocks ? (uint32_t)b0 : 0u;
+        if (mode == 3) { /* the host keeps num_blocks * block_size under 2^31 */
+            const bool second = a.key_cache2 != NULL && b >= blocks2;
+            g = (int32_t)(((second ? b - blocks2 : b) * bs + t) >> 3);
+            return second ? 1 : 0;
+        }
+        g = (int32_t)(t >> 3);
+        return (int32_t)b;
     };
     const auto issue = [&](int32_t kt, int kv, int32_t b, int32_t g) {
         const int stages = kv == 0 ? ST : SV;
@@ -1026,7 +1034,7 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
                 tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
             }
             else {
-                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, b);
+                tma_load_5d(dst, kv == 0 ? kmap : vmap, bar, 0, 0, 2 * kvh, g, b);
             }
         }
     };
@@ -1069,7 +1077,8 @@ struct h90_tma_dims {
     int32_t k_groups;  /* K and V by one TMA box per 16-key chunk (the 5-d maps
                           h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
                           VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
-                          blocks (HND) */
+                          blocks (HND), 3 flat sources of vouched chunks (dense_attention's
+                          consecutive & 2; the second source's maps in tfk2 / tfv2) */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
@@ -1541,12 +1550,13 @@ h90_encoder(void)
 struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
     CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
-    CUtensorMap k_groups;         /* K by one box per 16-key block (h90_kgroups_encode) */
+    CUtensorMap k_groups;         /* K by one box per 16-key chunk (h90_kgroups_encode) */
     CUtensorMap v_groups;         /* V likewise */
+    CUtensorMap k_groups2, v_groups2; /* the second source's, flat chunks (k_groups_ok 3) */
     h90_tma_dims dims;
     int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
     int32_t k_groups_ok; /* k_groups and v_groups are encoded: their h90_tma_dims.k_groups (1 NHD,
-                            2 HND), else 0 */
+                            2 HND, 3 flat chunks), else 0 */
 };
 
 /* Encodes a map of `rank` dims of the cache's dtype over `base` (byte strides of dims 1..), in
@@ -1627,6 +1637,44 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *bas
         return 0;
     }
     return nhd ? 1 : 2;
+}
+
+/* The per-chunk maps of dense_attention's vouched chunks (keys_consecutive & 2): each source
+ * ([rows, num_kv_heads, 128] token rows, NHD) as one block of all its rows, so a chunk's
+ * coordinates are its first row / 8 (h90_produce_tma_groups, mode 3); rows a multiple of 8
+ * (the map then ends where the source does: a chunk half past it reads zeros) and under 2^31.
+ * Returns 3 when all four maps are encoded, else 0. */
+static int32_t
+h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
+{
+    const bool two = a->key_cache2 != NULL;
+    const int64_t bs = a->block_size;
+    if (bs < 1 || a->num_blocks > (int64_t)INT32_MAX / bs) {
+        return 0;
+    }
+    const int64_t rows1 = (two ? a->blocks2 : a->num_blocks) * bs;
+    const int64_t rows2 = two ? (a->num_blocks - a->blocks2) * bs : 0;
+    dk_attention_args one = *a;
+    one.key_cache2 = NULL;
+    one.value_cache2 = NULL;
+    one.num_blocks = 1;
+    one.bt_cols = 1;
+    one.cache_stride_block = a->cache_stride_token * 8; /* never stepped: one block */
+    const struct {
+        const void *k, *v;
+        int64_t rows;
+        CUtensorMap *km, *vm;
+    } src[2] = {{a->key_cache, a->value_cache, rows1, &m->k_groups, &m->v_groups},
+                {two ? a->key_cache2 : a->key_cache, two ? a->value_cache2 : a->value_cache,
+                 two ? rows2 : rows1, &m->k_groups2, &m->v_groups2}};
+    for (int i = 0; i < 2; i++) {
+        one.block_size = src[i].rows;
+        if (src[i].rows < 8 || src[i].rows % 8 != 0 || h90_kgroups_encode(&one, src[i].km, src[i].k) != 1 ||
+            h90_kgroups_encode(&one, src[i].vm, src[i].v) != 1) {
+            return 0;
+        }
+    }
+    return 3;
 }
 
 /* How the warp-specialized kernel's producer brings a cache in. */
@@ -1744,7 +1792,7 @@ struct h90_maps_key {
     const void *k, *v, *k2, *v2;
     int64_t block_size, num_blocks, blocks2, num_kv_heads, head_size, bt_cols_one;
     int64_t stride_token, stride_head, stride_block;
-    int32_t dtype, tile;
+    int32_t dtype, tile, chunks;
 };
 
 #define H90_MAPS_CACHE 64 /* caches (layers) remembered per host thread */
@@ -1775,6 +1823,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     key.stride_block = a->cache_stride_block;
     key.dtype = (int32_t)a->dtype;
     key.tile = tile;
+    key.chunks = (a->keys_consecutive & 2) != 0;
     key.k2 = a->key_cache2;
     key.v2 = a->value_cache2;
     key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
@@ -1787,10 +1836,15 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
-        e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups, a->key_cache);
-        if (e.maps.k_groups_ok != 0 &&
-            h90_kgroups_encode(a, &e.maps.v_groups, a->value_cache) != e.maps.k_groups_ok) {
-            e.maps.k_groups_ok = 0;
+        if ((a->keys_consecutive & 2) != 0) {
+            e.maps.k_groups_ok = h90_kgroups_flat(a, &e.maps);
+        }
+        else {
+            e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups, a->key_cache);
+            if (e.maps.k_groups_ok != 0 &&
+                h90_kgroups_encode(a, &e.maps.v_groups, a->value_cache) != e.maps.k_groups_ok) {
+                e.maps.k_groups_ok = 0;
+            }
         }
         e.key = key;
         e.used = true;
@@ -1848,7 +1902,7 @@ h90_wide_tiles(const dk_attention_args *a)
     const bool flat16 = bs == 16 && flat;
     /* smaller power-of-two blocks whose rows the caller vouched consecutive (dense K/V): flat
      * boxes of any length */
-    const bool vouched = a->keys_consecutive != 0 && flat && bs < 16 && (bs & (bs - 1)) == 0;
+    const bool vouched = (a->keys_consecutive & 1) != 0 && flat && bs < 16 && (bs & (bs - 1)) == 0;
     return one_block || flat16 || vouched;
 }
 
@@ -1951,6 +2005,8 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
             memset(&m.dims, 0, sizeof(m.dims));
             m.k = m.k_groups;
             m.v = m.v_groups;
+            m.flat_k2 = m.k_groups2; /* mode 3's second source */
+            m.flat_v2 = m.v_groups2;
             m.dims.k_groups = m.k_groups_ok;
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";

@@ -142,6 +142,18 @@ def _dense_long_rows_case():
             outs = [impl.forward(*(x.to(dev) for x in (q, k, v))).cpu().float() for dev in ("cpu", "cuda")]
             if (outs[0] - outs[1]).abs().max().item() > 2e-2:
                 raise AssertionError(f"dense forward, {keys} keys, causal={causal}: CUDA and CPU disagree")
+    # joint tokens first (32: whole 16-key chunks), two rows of 16392 image keys: a TMA box per
+    # chunk from each source's map, 176-key tiles, the image's last chunk half past the row
+    k, v = (torch.randn(2, 16392, 2, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 24, 2, 128, generator=g).to(torch.bfloat16)
+    jq, jk, jv = (torch.randn(2, 32, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    impl = diffkv.DiffKVAttentionImpl(2, 128, softmax_scale=128**-0.5, causal=False)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        meta = diffkv.AttentionMetadata(joint_query=jq.to(dev), joint_key=jk.to(dev), joint_value=jv.to(dev))
+        outs.append(impl.forward(q.to(dev), k.to(dev), v.to(dev), meta).cpu().float())
+    if (outs[0] - outs[1]).abs().max().item() > 2e-2:
+        raise AssertionError("dense joint forward, 32 + 16392 keys: CUDA and CPU disagree")
 
 
 def main():

@@ -476,9 +476,9 @@ def test_dense_attention_binding_checks_key_index():
     )
     _raises(
         ValueError,
-        "dense_attention(): consecutive must be 0 or 1, got 2",
+        "dense_attention(): consecutive must be 0 to 3 (bits 1 and 2), got 4",
         lambda: _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 2
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 4
         ),
     )
     _raises(
@@ -645,8 +645,40 @@ def test_joint_attention_whole_tile_sources(device, strategy, sj, sk, head):
     meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy)
     out = impl.forward(q, k, v, meta)
     if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
-        assert _C.last_attention_kernel() == "sm90-tma"
+        # head 128 with both sources' rows multiples of 8: a TMA box per 16-key chunk
+        chunks = head == 128 and sj % 8 == 0 and sk % 8 == 0
+        assert _C.last_attention_kernel() == ("sm90-tma16" if chunks else "sm90-tma")
     _close(out, _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front"), dtype)
+
+
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize(
+    ("b", "sj", "sk", "valid"),
+    [
+        (2, 48, 264, None),  # joint first (16 n keys), the image's last chunk half past the row
+        (2, 40, 272, None),  # the image first: the joint's last chunk ends the row
+        (1, 32, 16392, None),  # rows of 16384+ keys: 176-key tiles
+        (2, 32, 520, 296),  # valid_kv_length: the image's run ends mid-chunk, before its rows do
+        (3, 16, 8, None),  # rows of 24 keys: one tile, the image half a chunk
+    ],
+)
+def test_joint_attention_chunks(device, strategy, b, sj, sk, valid):
+    """Non-causal joint attention without masks at head 128 whose sources' token rows are
+    multiples of 8 and one of whose key counts is a multiple of 16: that source goes first and
+    every 16 keys of a row are consecutive rows of one source from a multiple of 8, so on an
+    H200 the bf16 call takes one TMA box per 16-key chunk from each source's own map
+    ('sm90-tma16'); a row's last chunk may reach past its keys (masked in K, zeroed in V)."""
+    dtype = torch.bfloat16
+    q, k, v = _qkv(b, 37, sk, 128, dtype, device, seed=43)
+    jq, jk, jv = _qkv(b, sj, sj, 128, dtype, device, seed=44)
+    impl = _impl(128, causal=False)
+    extra = {} if valid is None else {"valid_kv_length": valid}
+    meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra=extra)
+    out = impl.forward(q, k, v, meta)
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        assert _C.last_attention_kernel() == "sm90-tma16"
+    ref = _joint_reference(impl, q, k, v, jq, jk, jv, strategy == "front", valid=valid)
+    _close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("first", [0, 5])

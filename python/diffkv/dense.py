@@ -344,11 +344,17 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
     joint_index = batch * s_k + rows * sj_k + torch.arange(sj_k, device=device, dtype=torch.int64)
     parts = (joint_index, main_index) if front else (main_index, joint_index)
     # Without a mask the keys are a set (no position matters): the source that fills whole
-    # 128-key tiles goes first, so every tile reads one source's consecutive keys (Hopper: TMA
-    # boxes; the binding's consecutive=1).
-    runs = not impl.causal and keep is None and jkeep is None and (sj_k % 128 == 0 or keys % 128 == 0)
+    # 128-key tiles goes first, so every tile reads one source's consecutive keys (Hopper: flat
+    # TMA boxes; the binding's consecutive & 1) -- or, at head 128, the one that fills whole
+    # 16-key chunks, each then 16 consecutive rows of one source from a multiple of 8 when both
+    # sources' rows are (Hopper: a TMA box per chunk and 176-key tiles; consecutive & 2).
+    unmasked = not impl.causal and keep is None and jkeep is None
+    runs = unmasked and (sj_k % 128 == 0 or keys % 128 == 0)
+    chunks = unmasked and head == 128 and (sj_k % 16 == 0 or keys % 16 == 0) and s_k % 8 == 0 and sj_k % 8 == 0
     if runs:
         parts = (joint_index, main_index) if sj_k % 128 == 0 else (main_index, joint_index)
+    elif chunks:
+        parts = (joint_index, main_index) if sj_k % 16 == 0 else (main_index, joint_index)
     key_index = torch.cat(parts, dim=1)
     limits = None
     if impl.causal:  # bottom-right over the concatenated sequence
@@ -380,7 +386,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
             qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
             _C.dense_attention(
                 src[b], k, v, key_index[b : b + 1], qsl, seq_lens[b : b + 1], key_limits, mask,
-                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1, int(runs),
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1,
+                int(runs) | (2 if chunks else 0),
             )  # fmt: skip
     return out
 
