@@ -1598,6 +1598,15 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
 }
 
+/* Elements from one token row of a cache to the next within a block (a one-token block's is
+ * the block stride): a flat cache -- consecutive blocks' rows consecutive rows -- has
+ * cache_stride_block == block_size * this. */
+static int64_t
+h90_row_stride(const dk_attention_args *a)
+{
+    return a->block_size == 1 ? a->cache_stride_block : a->cache_stride_token;
+}
+
 /* The K (or V) map of the per-chunk producer ("sm90-tma16"): a head-128 cache whose kv heads
  * are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one), as 5
  * dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head folded
@@ -1659,7 +1668,8 @@ h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
     one.value_cache2 = NULL;
     one.num_blocks = 1;
     one.bt_cols = 1;
-    one.cache_stride_block = a->cache_stride_token * 8; /* never stepped: one block */
+    one.cache_stride_token = h90_row_stride(a); /* a one-token block's is the block stride */
+    one.cache_stride_block = one.cache_stride_token * 8; /* never stepped: one block */
     const struct {
         const void *k, *v;
         int64_t rows;
@@ -1693,15 +1703,6 @@ enum h90_producer {
  * with enough runs (H90_TMA_RUNS), yet smaller ones flat boxes only and only when every tile is
  * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
  * cannot encode maps). */
-/* Elements from one token row of a cache to the next within a block (a one-token block's is
- * the block stride): a flat cache -- consecutive blocks' rows consecutive rows -- has
- * cache_stride_block == block_size * this. */
-static int64_t
-h90_row_stride(const dk_attention_args *a)
-{
-    return a->block_size == 1 ? a->cache_stride_block : a->cache_stride_token;
-}
-
 static h90_producer
 h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
