@@ -968,21 +968,25 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
  * four warps issue a tile's 11 in three rounds instead of eleven (H200,
  * interleaved A/B against one warp, two rounds: denoise 626-627 -> 638 TFLOP/s, the layer call
  * 1,333 -> 1,307 us, 24x16k and 40x32760 non-causal within +-0.5 %; the producer's issue
- * latency is on the consumers' path with two K stages: a runtime mode switch in this
- * function, tried for dense joint tokens, cost the paged calls ~5 %).  Chunk 0's thread
+ * latency is on the consumers' path with two K stages: a runtime switch to the FLAT form in
+ * this function cost the paged calls ~5 %, hence its own instantiation).  Chunk 0's thread
  * expects the tile's bytes: the full barrier's one arrival, so boxes that land before it
  * leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
+ * FLAT (the kernel's VG 2, dims.k_groups 3): dense_attention's vouched chunks -- every 16 keys
+ * of a row are 16 consecutive token rows of one source from a multiple of 8 -- with each
+ * source one map of a single block (kmap / vmap, kmap2 / vmap2 past blocks2), so a chunk's
+ * coordinates are its first row / 8 in its source.
  * Against K by these boxes with V by the block-group cp.async producer (the earlier "mixed"
  * producer, 24x16384x128 random order on the H200): 566 -> 613-655 TFLOP/s non-causal, 590-601
  * -> 664 causal -- the 32 cp.async a thread and tile had shared the memory pipe with the
  * consumers' wgmma issue, and a 176-key tile, which that producer could not cut, is now one. */
-template <int D, int BN, int ST, int SV, bool KA>
+template <int D, int BN, int ST, int SV, bool KA, bool FLAT>
 static __device__ __forceinline__ void
 h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                        int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
                        uint32_t full_v, uint32_t empty_k, uint32_t empty_v, const CUtensorMap *kmap,
                        const CUtensorMap *vmap, const CUtensorMap *kmap2, const CUtensorMap *vmap2,
-                       int mode)
+                       bool hnd)
 {
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int NG = BN / 16; /* 16-key chunks per tile */
@@ -997,7 +1001,8 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
     const int32_t heads = (int32_t)a.num_kv_heads;
     const uint32_t bs = (uint32_t)a.block_size;
     /* the block of this thread's chunk of tile kt, clamped as dk_safe_block does, and the
-     * chunk's first 8-row group within the block; -1: none (past kv_end) */
+     * chunk's first 8-row group within the block (FLAT: its source, 0 or 1, and its first row
+     * / 8 there); -1: none (past kv_end) */
     const auto block_of = [&](int32_t kt, int32_t &g) -> int32_t {
         const int32_t key = kt * BN + 16 * chunk;
         g = 0;
@@ -1005,16 +1010,19 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
             return -1;
         }
         const uint32_t q = (uint32_t)key / bs;
-        const uint32_t t = (uint32_t)key - q * bs;
-        const int32_t b0 = bt[q];
-        const uint32_t b = (uint32_t)b0 < nblocks ? (uint32_t)b0 : 0u;
-        if (mode == 3) { /* the host keeps num_blocks * block_size under 2^31 */
+        if constexpr (FLAT) { /* the host keeps num_blocks * block_size under 2^31 */
+            const int32_t b0 = bt[q];
+            const uint32_t b = (uint32_t)b0 < nblocks ? (uint32_t)b0 : 0u;
+            const uint32_t blocks2 = (uint32_t)min(a.blocks2, (int64_t)INT32_MAX);
             const bool second = a.key_cache2 != NULL && b >= blocks2;
-            g = (int32_t)(((second ? b - blocks2 : b) * bs + t) >> 3);
+            g = (int32_t)(((second ? b - blocks2 : b) * bs + ((uint32_t)key - q * bs)) >> 3);
             return second ? 1 : 0;
         }
-        g = (int32_t)(t >> 3);
-        return (int32_t)b;
+        else {
+            g = (int32_t)(((uint32_t)key - q * bs) >> 3);
+            const int32_t b = bt[q];
+            return (uint32_t)b < nblocks ? b : 0;
+        }
     };
     const auto issue = [&](int32_t kt, int kv, int32_t b, int32_t g) {
         const int stages = kv == 0 ? ST : SV;
@@ -1029,12 +1037,18 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
         }
         if (b >= 0) {
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)chunk * 4096u;
-            const CUtensorMap *map = kv == 0 ? kmap : vmap;
-            if (hnd) {
-                tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
+            if constexpr (FLAT) {
+                const CUtensorMap *map = kv == 0 ? (b ? kmap2 : kmap) : (b ? vmap2 : vmap);
+                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, 0);
             }
             else {
-                tma_load_5d(dst, kv == 0 ? kmap : vmap, bar, 0, 0, 2 * kvh, g, b);
+                const CUtensorMap *map = kv == 0 ? kmap : vmap;
+                if (hnd) {
+                    tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
+                }
+                else {
+                    tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, b);
+                }
             }
         }
     };
@@ -1077,8 +1091,9 @@ struct h90_tma_dims {
     int32_t k_groups;  /* K and V by one TMA box per 16-key chunk (the 5-d maps
                           h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
                           VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
-                          blocks (HND), 3 flat sources of vouched chunks (dense_attention's
-                          consecutive & 2; the second source's maps in tfk2 / tfv2) */
+                          blocks (HND), 3 flat sources of vouched chunks (the kernel's VG 2;
+                          dense_attention's consecutive & 2; the second source's maps in
+                          tfk2 / tfv2) */
 };
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
@@ -1101,7 +1116,7 @@ template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
 
 /* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
  * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout. */
-template <typename T, int ST, int D, int NC, int SV, int BN, bool VG = false>
+template <typename T, int ST, int D, int NC, int SV, int BN, int VG = 0>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -1200,11 +1215,11 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
 
     if (wg == 0) {
         regs::producer();
-        if constexpr (VG) {
+        if constexpr (VG != 0) {
             if (tid < 32 * H90_TMA16_WARPS) {
-                h90_produce_tma_groups<D, BN, ST, SV, K_AHEAD>(a, h, row, kv_end, n_tiles, sk0, sv0,
-                                                               full_k, full_v, empty_k, empty_v,
-                                                               &tmk, &tmv, dims.k_groups == 2);
+                h90_produce_tma_groups<D, BN, ST, SV, K_AHEAD, VG == 2>(
+                    a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v, &tmk,
+                    &tmv, &tfk2, &tfv2, dims.k_groups == 2);
             }
             return;
         }
@@ -1398,7 +1413,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
                 named_barrier(8u + (uint32_t)cw, 256u);
                 h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                 wgmma_commit();
-                h90_pv<T, D, BN, VG>(o, pa, sv0 + pslot * KVB);
+                h90_pv<T, D, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
@@ -1440,7 +1455,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         const int32_t valid = kv_end - (n_tiles - 1) * BN;
         for (int i = valid * (D / 8) + wt; i < BN * (D / 8); i += 128) {
             const uint32_t r = (uint32_t)(i / (D / 8)), c = (uint32_t)(i % (D / 8));
-            if constexpr (VG) { /* K_GROUPS: [8-row group][64-dim panel][8 rows x 128 B] */
+            if constexpr (VG != 0) { /* K_GROUPS: [8-row group][64-dim panel][8 rows x 128 B] */
                 st_shared16(sv + (r / 8u) * 2048u + (c / 8u) * 1024u + (r % 8u) * 128u +
                                 ((c % 8u) ^ (r % 8u)) * 16u,
                             make_uint4(0u, 0u, 0u, 0u));
@@ -1453,7 +1468,7 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
         named_barrier(1u + (uint32_t)cw, 128u);
         fence_regs(o);
         wgmma_fence();
-        h90_pv<T, D, BN, VG>(o, pa, sv);
+        h90_pv<T, D, BN, VG != 0>(o, pa, sv);
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
@@ -1549,9 +1564,9 @@ h90_encoder(void)
  * token rows (flat_k, flat_v; zeros otherwise). */
 struct h90_maps {
     CUtensorMap k, v, flat_k, flat_v;
-    CUtensorMap flat_k2, flat_v2; /* the second source's (dense joint tokens), flat-only mode */
-    CUtensorMap k_groups;         /* K by one box per 16-key chunk (h90_kgroups_encode) */
-    CUtensorMap v_groups;         /* V likewise */
+    CUtensorMap flat_k2, flat_v2;     /* the second source's (dense joint tokens), flat-only mode */
+    CUtensorMap k_groups;             /* K by one box per 16-key chunk (h90_kgroups_encode) */
+    CUtensorMap v_groups;             /* V likewise */
     CUtensorMap k_groups2, v_groups2; /* the second source's, flat chunks (k_groups_ok 3) */
     h90_tma_dims dims;
     int32_t tile;        /* keys per tile the maps' boxes were cut for: 128 or 176 */
@@ -1650,7 +1665,7 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *bas
 
 /* The per-chunk maps of dense_attention's vouched chunks (keys_consecutive & 2): each source
  * ([rows, num_kv_heads, 128] token rows, NHD) as one block of all its rows, so a chunk's
- * coordinates are its first row / 8 (h90_produce_tma_groups, mode 3); rows a multiple of 8
+ * coordinates are its first row / 8 (h90_produce_tma_groups, FLAT); rows a multiple of 8
  * (the map then ends where the source does: a chunk half past it reads zeros) and under 2^31.
  * Returns 3 when all four maps are encoded, else 0. */
 static int32_t
@@ -1679,7 +1694,8 @@ h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
                  two ? rows2 : rows1, &m->k_groups2, &m->v_groups2}};
     for (int i = 0; i < 2; i++) {
         one.block_size = src[i].rows;
-        if (src[i].rows < 8 || src[i].rows % 8 != 0 || h90_kgroups_encode(&one, src[i].km, src[i].k) != 1 ||
+        if (src[i].rows < 8 || src[i].rows % 8 != 0 ||
+            h90_kgroups_encode(&one, src[i].km, src[i].k) != 1 ||
             h90_kgroups_encode(&one, src[i].vm, src[i].v) != 1) {
             return 0;
         }
@@ -1854,7 +1870,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     return e.producer;
 }
 
-template <typename T, int ST, int D, int NC, int SV, int BN = 128, bool VG = false>
+template <typename T, int ST, int D, int NC, int SV, int BN = 128, int VG = 0>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
                bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
@@ -1922,12 +1938,20 @@ static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
               bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    if (a->head_size == 128 && m.dims.k_groups != 0) {
+    if (a->head_size == 128 && m.dims.k_groups == 3) { /* dense sources' chunks: VG 2 */
         if (m.tile == 176) {
-            return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176, true>(
+            return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176, 2>(
                 a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
         }
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, true>(
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 2>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    }
+    if (a->head_size == 128 && m.dims.k_groups != 0) {
+        if (m.tile == 176) {
+            return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176, 1>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 1>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     if (a->head_size == 128 && m.dims.box != 0 && m.tile == 176) {
@@ -2006,7 +2030,7 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
             memset(&m.dims, 0, sizeof(m.dims));
             m.k = m.k_groups;
             m.v = m.v_groups;
-            m.flat_k2 = m.k_groups2; /* mode 3's second source */
+            m.flat_k2 = m.k_groups2; /* VG 2's second source (tfk2 / tfv2) */
             m.flat_v2 = m.v_groups2;
             m.dims.k_groups = m.k_groups_ok;
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;

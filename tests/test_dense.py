@@ -673,7 +673,9 @@ def test_joint_attention_chunks(device, strategy, b, sj, sk, valid):
     jq, jk, jv = _qkv(b, sj, sj, 128, dtype, device, seed=44)
     impl = _impl(128, causal=False)
     extra = {} if valid is None else {"valid_kv_length": valid}
-    meta = AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra=extra)
+    meta = AttentionMetadata(
+        joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra=extra
+    )
     out = impl.forward(q, k, v, meta)
     if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
         assert _C.last_attention_kernel() == "sm90-tma16"

@@ -350,7 +350,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
     # sources' rows are (Hopper: a TMA box per chunk and 176-key tiles; consecutive & 2).
     unmasked = not impl.causal and keep is None and jkeep is None
     runs = unmasked and (sj_k % 128 == 0 or keys % 128 == 0)
-    chunks = unmasked and head == 128 and (sj_k % 16 == 0 or keys % 16 == 0) and s_k % 8 == 0 and sj_k % 8 == 0
+    aligned = s_k % 8 == 0 and sj_k % 8 == 0  # every source row of a chunk from a multiple of 8
+    chunks = unmasked and head == 128 and (sj_k % 16 == 0 or keys % 16 == 0) and aligned
     if runs:
         parts = (joint_index, main_index) if sj_k % 128 == 0 else (main_index, joint_index)
     elif chunks:
