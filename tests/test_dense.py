@@ -186,6 +186,77 @@ def test_packed_varlen_with_spans(device, causal):
         )
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spans", [False, True])
+@pytest.mark.parametrize(
+    ("lens", "tail"),
+    [
+        ([264, 136, 16, 520], 8),  # keys from multiples of 8: a TMA box per 16-key chunk on Hopper
+        ([200, 61, 83], 0),  # documents from any row: the flat boxes
+    ],
+)
+def test_packed_varlen_head128_chunks(device, causal, spans, lens, tail):
+    """Packed documents at head 128 (bf16, host cu_seqlens): documents whose keys start at
+    multiples of 8 rows in a key tensor of a multiple of 8 rows take one TMA box per 16-key
+    chunk on an H200 ('sm90-tma16'), others the flat boxes ('sm90-tma'); causal, spans and the
+    NaN-filled keys past the last document (a document's last chunk reads into them) change
+    nothing but the visible keys."""
+    dtype = torch.bfloat16
+    total = sum(lens)
+    q, k, v = _qkv(1, total, total + tail, 128, dtype, device, seed=47)
+    k[:, total:] = float("nan")
+    v[:, total:] = float("nan")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    span_list = [(10, 40), (190, 270), (300, 330)] if spans else None  # (190, 270) crosses documents
+    impl = _impl(128, causal)
+    meta = AttentionMetadata(
+        extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu},
+        full_attn_spans=None if span_list is None else [span_list],
+    )
+    out = impl.forward(q, k, v, meta)
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        assert _C.last_attention_kernel() == ("sm90-tma16" if tail else "sm90-tma")
+    limit = torch.arange(1, total + 1)
+    for s, e in span_list or []:
+        limit[s:e] = e
+    visible = torch.zeros(1, total, total, dtype=torch.bool)
+    for r in range(len(lens)):
+        a, b = int(cu[r]), int(cu[r + 1])
+        for t in range(a, b):
+            visible[0, t, a : (min(int(limit[t]), b) if causal else b)] = True
+    _close(out, _reference(q, k[:, :total], v[:, :total], visible, impl.softmax_scale), dtype)
+
+
+@pytest.mark.parametrize(
+    ("cu_q", "cu_k", "message"),
+    [
+        ([0, 12, 8, 20], [0, 6, 12, 20], "extra['cu_seqlens_q'] must be non-decreasing, got [0, 12, 8, 20]"),
+        ([0, 10, 20], [0, 10, 24], None),
+        ([0, 10, 20], [0, 12, 8], None),
+        ([0, 10, 20], [-1, 10, 20], None),
+    ],
+)
+def test_packed_varlen_host_offsets_checked(device, cu_q, cu_k, message):
+    """Host cu_seqlens are checked before anything runs: query offsets non-decreasing, key
+    offsets non-decreasing inside the packed key tokens (a document past them would read other
+    keys in its place on the GPU, whose device metadata is trusted)."""
+    q, k, v = _qkv(1, 20, 20, 64, torch.float32, device, seed=48)
+    if message is None:
+        message = (
+            "extra['cu_seqlens_k'] must be non-decreasing offsets into the 20 packed key tokens "
+            f"(0 <= cu_seqlens_k[0], cu_seqlens_k[-1] <= 20), got {cu_k}"
+        )
+    extra = {
+        "cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int64),
+    }
+    _raises(
+        ValueError,
+        f"DiffKVAttentionImpl.forward(): {message}",
+        lambda: _impl(64).forward(q, k, v, AttentionMetadata(extra=extra)),
+    )
+
+
 def test_packed_padding_mask_free(device):
     b, s = 2, 96
     q, k, v = _qkv(b, s, s, 64, torch.float32, device, seed=9)
