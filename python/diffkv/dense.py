@@ -317,16 +317,29 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
     return out.view(query.shape)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without synchronising the stream.  A pageable copy
+    waits for the GPU to drain, which then idles while the host prepares the launch (on the H200
+    four 8190-key documents took ~1 ms longer per call with two such copies: 508-510 against
+    559-563 TFLOP/s); a pinned one is queued, and the caching host allocator keeps its staging
+    memory until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        # a captured copy would read this host memory again at every replay, long after it
+        # was reused
+        raise RuntimeError(
+            f"{_OP}: host cu_seqlens cannot be captured in a CUDA graph; pass them as device tensors"
+        )
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _device_offsets(
     cu_q: torch.Tensor, cu_k: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cu_seqlens_q (int32) and cu_seqlens_k (int64) on ``device``.  Host offsets travel in one
-    pinned, non-blocking copy: a pageable copy synchronises the stream, and the GPU then idles
-    while the host prepares the launch (on the H200 four 8190-key documents took ~1 ms longer
-    per call with two such copies: 508-510 against 559-563 TFLOP/s with device offsets)."""
-    if device.type == "cuda" and cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
-        both = torch.cat([cu_q.to(torch.int64), cu_k.to(torch.int64)]).pin_memory()
-        both = both.to(device, non_blocking=True)
+    """cu_seqlens_q (int32) and cu_seqlens_k (int64) on ``device``; host offsets in one copy."""
+    if cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
+        both = _to_device(torch.cat([cu_q.to(torch.int64), cu_k.to(torch.int64)]), device)
         n = cu_q.shape[0]
         return both[:n].to(torch.int32), both[n:]
     return cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int64)
@@ -411,6 +424,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
     k, v, k2, v2 = _key_value(key, value, jk, jv)
     # one launch per batch row and query source: [B, S] slices of the output need not flatten
     spans = ((jq, 0), (query, sj_q)) if front else ((query, 0), (jq, s_q))
+    # [0, n] filled on the device: no host memory, nothing to synchronise, capturable
+    qsl = {n: torch.arange(0, n + 1, n, dtype=torch.int32, device=device) for n in (sj_q, s_q) if n > 0}
     for b in range(batch):
         for src, start in spans:
             n = src.shape[1]
@@ -419,9 +434,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
             mask, key_limits = _C.MASK_NONE, None
             if limits is not None:
                 mask, key_limits = _C.MASK_LIMITS, limits[b, start : start + n].to(torch.int32).contiguous()
-            qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
             _C.dense_attention(
-                src[b], k, v, key_index[b : b + 1], qsl, seq_lens[b : b + 1], key_limits, mask,
+                src[b], k, v, key_index[b : b + 1], qsl[n], seq_lens[b : b + 1], key_limits, mask,
                 impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1,
                 int(runs) | (2 if chunks else 0),
             )  # fmt: skip
