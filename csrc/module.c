@@ -407,6 +407,19 @@ launch_attention(const void *a, void *stream, dk_error *err)
     return dk_cuda_attention((const dk_attention_args *)a, stream, err);
 }
 
+/* forward_paged's two steps on the GPU: the KV write, then the attention over it. */
+typedef struct layer_launch {
+    const dk_kv_write_args *w;
+    const dk_attention_args *a;
+} layer_launch;
+
+static dk_status
+launch_layer(const void *l, void *stream, dk_error *err)
+{
+    const layer_launch *x = (const layer_launch *)l;
+    return dk_cuda_layer(x->w, x->a, stream, err);
+}
+
 static dk_status
 launch_rows_gather(const void *a, void *stream, dk_error *err)
 {
@@ -3041,6 +3054,14 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (s != DK_OK) {
             return raise_status(module, s, &err);
         }
+    }
+    if (q.device_type == DK_CUDA) {
+        /* one submission for both kernels (dk_cuda_layer), on the query's stream as before */
+        const layer_launch l = {&w, &a};
+        if (run_cuda(module, args[0], q.device_id, launch_layer, &l) != 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
     }
     if (run_kv_write(module, args[1], k, &w) != 0 || run_attention(module, args[0], &q, &a) != 0) {
         return NULL;

@@ -610,11 +610,13 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     if (e != cudaSuccess) {
         return e;
     }
-    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_mma_kernel<T, D><<<blocks, ATTN_THREADS, smem, s>>>(
-        *a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, sort_rows);
-    return cudaSuccess;
+    /* the kernel's parameters, in order (with a pending KV write: one submission) */
+    void *args[] = {(void *)a, &tiles_per_row, &head_group, &scale_log2, &neg_q,
+                    &q_vec,    &kv_vec,        &o_vec,      &sort_rows};
+    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D>, dim3(blocks),
+                           dim3(ATTN_THREADS), smem, s, args);
 }
 
 extern "C" const char *
@@ -717,7 +719,10 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                            (long long)(DK_MAX_GRID_X * F32_WARPS),
                            (long long)(a->num_tokens * a->num_heads));
         }
-        attention_f32_kernel<<<(unsigned)blocks, F32_WARPS * 32, 0, s>>>(*a, scale_log2);
+        float f32_scale_log2 = scale_log2;
+        void *args[] = {(void *)a, &f32_scale_log2};
+        (void)dk_launch_after(a->pending, (const void *)attention_f32_kernel,
+                              dim3((unsigned)blocks), dim3(F32_WARPS * 32), 0, s, args);
         dk_cuda_attention_note("f32");
         return dk_cuda_after_launch(op, stream, err);
     }

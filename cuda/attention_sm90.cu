@@ -1519,11 +1519,13 @@ h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     if (e != cudaSuccess) {
         return e;
     }
-    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_kernel<T, D><<<blocks, H90_THREADS, smem, s>>>(
-        *a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, sort_rows);
-    return cudaSuccess;
+    /* the kernel's parameters, in order (with a pending KV write: one submission) */
+    void *args[] = {(void *)a, &tiles_per_row, &head_group, &scale_log2, &neg_q,
+                    &q_vec,    &kv_vec,        &o_vec,      &sort_rows};
+    return dk_launch_after(a->pending, (const void *)attention_sm90_kernel<T, D>, dim3(blocks),
+                           dim3(H90_THREADS), smem, s, args);
 }
 
 /* Whether head-128 calls may take the warp-specialized kernel (DIFFKV_ATTENTION_KERNEL=sm90
@@ -1885,13 +1887,29 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
         return e;
     }
     /* BM >= the caller's 128-row tiles: the grid fits whatever the caller checked */
-    const int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
-    const bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    int64_t tiles_per_row = dk_cdiv(a->max_query_len, BM);
+    bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    attention_sm90_tma_kernel<T, ST, D, NC, SV, BN, VG><<<blocks, 128 * (NC + 1), smem, s>>>(
-        m.k, m.v, m.flat_k, m.flat_v, m.flat_k2, m.flat_v2, *a, m.dims, tiles_per_row, head_group,
-        scale_log2, neg_q, q_vec, o_vec, sort_rows);
-    return cudaSuccess;
+    /* the kernel's parameters, in order (with a pending KV write: one submission) */
+    h90_tma_dims dims = m.dims;
+    void *args[] = {(void *)&m.k,
+                    (void *)&m.v,
+                    (void *)&m.flat_k,
+                    (void *)&m.flat_v,
+                    (void *)&m.flat_k2,
+                    (void *)&m.flat_v2,
+                    (void *)a,
+                    &dims,
+                    &tiles_per_row,
+                    &head_group,
+                    &scale_log2,
+                    &neg_q,
+                    &q_vec,
+                    &o_vec,
+                    &sort_rows};
+    return dk_launch_after(a->pending,
+                           (const void *)attention_sm90_tma_kernel<T, ST, D, NC, SV, BN, VG>,
+                           dim3(blocks), dim3(128 * (NC + 1)), smem, s, args);
 }
 
 /* Whether a head-128 call takes 176-key tiles (FlashAttention-3's choice without a mask: each

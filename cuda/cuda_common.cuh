@@ -2,7 +2,8 @@
  * cuda_common.cuh -- what the .cu files of cuda/ share and diffkv.h must not see (it holds no
  * CUDA types): the post-launch error check and small launch-shape helpers.
  *
- * Entry points: dk_cuda_after_launch (defined in cuda/runtime.cu), dk_cdiv, dk_row_of_token.
+ * Entry points: dk_cuda_after_launch (defined in cuda/runtime.cu), dk_launch_after and
+ * dk_cuda_launch_pending (cuda/launch.cu), dk_cdiv, dk_row_of_token.
  */
 #ifndef DIFFKV_CUDA_COMMON_CUH
 #define DIFFKV_CUDA_COMMON_CUH
@@ -20,6 +21,19 @@
  * execution error the same way.  Returns DK_OK otherwise.
  */
 dk_status dk_cuda_after_launch(const char *op, void *stream, dk_error *err);
+
+/*
+ * Launches (cuda/launch.cu).  dk_launch_after launches `func` (cudaLaunchKernel's arguments)
+ * after the pending KV write *p when there is one (p may be NULL): as one cached two-kernel
+ * CUDA graph (dk_cuda_layer), or as two launches while `s` is being captured, when the
+ * environment says DIFFKV_LAUNCH_GRAPH=0, or when the graph calls fail (their error cleared).
+ * *p is consumed either way.  Returns the launch error.  dk_cuda_launch_pending launches *p
+ * alone, if still pending (DK_OK when nothing is), and reports a launch error as
+ * dk_cuda_after_launch does.
+ */
+cudaError_t dk_launch_after(dk_pending_launch *p, const void *func, dim3 grid, dim3 block,
+                            size_t smem, cudaStream_t s, void **args);
+dk_status dk_cuda_launch_pending(dk_pending_launch *p, void *stream, dk_error *err);
 
 /* Ceiling division for non-negative operands.  Cannot fail. */
 static inline int64_t

@@ -9,7 +9,8 @@
  *     before the stores, K and V of a unit in the same thread;
  *   - kv_write_kernel otherwise: one element at a time with any strides.
  *
- * Entry point: dk_cuda_kv_write.
+ * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
+ * dk_cuda_layer: cuda/launch.cu).
  */
 #include "diffkv.h"
 
@@ -18,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <stdint.h>
+#include <string.h>
 
 #define KV_WRITE_MAX_THREADS 256
 /* Tokens one thread of the fast path moves per unit: its 2 * KV_WRITE_TOKENS 16-byte loads
@@ -141,8 +143,9 @@ ptr_aligned16(const void *p)
 }
 
 extern "C" dk_status
-dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
+dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_error *err)
 {
+    memset(p, 0, sizeof(*p));
     if (a->dtype != DK_F32 && a->dtype != DK_F16 && a->dtype != DK_BF16) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "kv_write(): dtype must be one of float32, float16, bfloat16, got %s",
@@ -173,13 +176,15 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
                aligned16(a->value_stride_token * es) && aligned16(a->value_stride_head * es) &&
                aligned16(a->cache_stride_block * es) && aligned16(a->cache_stride_token * es) &&
                aligned16(a->cache_stride_head * es);
-    int32_t elems_per_unit = vec ? (int32_t)(16 / es) : 1;
-    int32_t units_per_head = (int32_t)(a->head_size / elems_per_unit);
-    cudaStream_t s = (cudaStream_t)stream;
+    p->kv = *a;
+    p->elem_size = es;
+    p->elems_per_unit = vec ? (int32_t)(16 / es) : 1;
+    p->units_per_head = (int32_t)(a->head_size / p->elems_per_unit);
+    p->grid[1] = p->grid[2] = p->block[1] = p->block[2] = 1;
     if (vec) {
         /* Rows up to 256 units wide: one unit column per thread and 256 / units token lanes.
          * Wider rows: one lane, blockDim.x the row split into even passes (rounded to warps). */
-        int64_t units = a->num_kv_heads * units_per_head;
+        int64_t units = a->num_kv_heads * p->units_per_head;
         int64_t bx = units;
         int64_t by = KV_WRITE_MAX_THREADS / units;
         if (units >= KV_WRITE_MAX_THREADS) {
@@ -187,23 +192,31 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
             bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
             by = 1;
         }
-        dim3 grid((unsigned)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS));
-        dim3 block((unsigned)bx, (unsigned)by);
-        kv_write_vec_kernel<<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-        return dk_cuda_after_launch("kv_write()", stream, err);
+        p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
+        p->block[0] = (uint32_t)bx;
+        p->block[1] = (uint32_t)by;
+        p->func = (const void *)kv_write_vec_kernel;
+        return DK_OK;
     }
-    int64_t items = 2 * a->num_kv_heads * units_per_head;
+    int64_t items = 2 * a->num_kv_heads * p->units_per_head;
     int64_t threads = dk_cdiv(items, 32) * 32;
     if (threads > KV_WRITE_MAX_THREADS) {
         threads = KV_WRITE_MAX_THREADS;
     }
-    dim3 grid((unsigned)a->num_tokens);
-    dim3 block((unsigned)threads);
-    if (es == 4) {
-        kv_write_kernel<uint32_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
+    p->grid[0] = (uint32_t)a->num_tokens;
+    p->block[0] = (uint32_t)threads;
+    p->func =
+        es == 4 ? (const void *)kv_write_kernel<uint32_t> : (const void *)kv_write_kernel<uint16_t>;
+    return DK_OK;
+}
+
+extern "C" dk_status
+dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
+{
+    dk_pending_launch p;
+    dk_status s = dk_cuda_kv_write_prepare(a, &p, err);
+    if (s != DK_OK) {
+        return s;
     }
-    else {
-        kv_write_kernel<uint16_t><<<grid, block, 0, s>>>(*a, es, units_per_head, elems_per_unit);
-    }
-    return dk_cuda_after_launch("kv_write()", stream, err);
+    return dk_cuda_launch_pending(&p, stream, err);
 }
