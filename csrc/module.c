@@ -44,6 +44,7 @@ enum {
     CTX_QUERY_TOKEN_SHAPE,
     CTX_NUM_HEADS,
     CTX_HEAD_SIZE_V,
+    CTX_NEW_EMPTY,
     CTX_NAMES
 };
 
@@ -72,6 +73,7 @@ static const char *const ctx_name_text[CTX_NAMES] = {
     "query_token_shape",
     "num_heads",
     "head_size_v",
+    "new_empty",
 };
 
 typedef struct {
@@ -2375,6 +2377,26 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* A 2-D o of num_heads * head_size columns (query q's [N, H, D]) becomes its [N, H, D] view:
+ * 1, else 0 (o unchanged). */
+static int
+heads_of_flat(dk_tensor *o, const dk_tensor *q)
+{
+    if (o->ndim != 2 || q->ndim != 3 || q->shape[1] <= 0 || q->shape[2] <= 0 ||
+        o->shape[1] != q->shape[1] * q->shape[2]) {
+        return 0;
+    }
+    const int64_t n = o->shape[0], ts = o->strides[0], ds = o->strides[1];
+    o->ndim = 3;
+    o->shape[0] = n;
+    o->shape[1] = q->shape[1];
+    o->shape[2] = q->shape[2];
+    o->strides[0] = ts;
+    o->strides[1] = q->shape[2] * ds;
+    o->strides[2] = ds;
+    return 1;
+}
+
 /*
  * Parses the attention arguments starting at args[0] = query:
  * query, kv_cache, block_table, query_start_loc, seq_lens, key_limits, mask, scale, out,
@@ -2385,12 +2407,13 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * inputs: none of them may share bytes with it.  *q_out and *o_out receive the query and out
  * views.  dense_kv (dense_attention, else NULL): key, value, joint_key, joint_value (the last
  * two ndim -1 when absent; checked by the caller); key_block: keys per block of key_index
- * (dividing num_keys, 1 with joint keys; checked by the caller).
+ * (dividing num_keys, 1 with joint keys; checked by the caller).  out_flat (forward_context
+ * only): out may also be [num_tokens, num_heads * head_size], read as the [N, H, D] view of it.
  */
 static int
 parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
                 const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out,
-                const dk_tensor *dense_kv, int64_t key_block)
+                const dk_tensor *dense_kv, int64_t key_block, int out_flat)
 {
     dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
     int64_t mask = 0;
@@ -2437,7 +2460,8 @@ parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_atte
         same_device(&q, &sl, op, "seq_lens") ||
         dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl) ||
         get_i64(args[6], op, "mask", &mask) || tensor_arg(module, args[8], op, "out", &o) != 0 ||
-        want_dtype(&o, q.dtype, op, "out") || want_ndim(&o, 3, op, "out") ||
+        want_dtype(&o, q.dtype, op, "out") ||
+        (!(out_flat && heads_of_flat(&o, &q)) && want_ndim(&o, 3, op, "out")) ||
         same_device(&q, &o, op, "out")) {
         return -1;
     }
@@ -2694,7 +2718,7 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     dk_attention_args a;
     dk_tensor q, o;
-    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL, 1) != 0 ||
+    if (parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL, 1, 0) != 0 ||
         run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
@@ -2787,7 +2811,7 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *result = NULL;
     dk_attention_args a;
     dk_tensor q, o, lse, in;
-    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL, 1) != 0 ||
+    if (parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL, 1, 0) != 0 ||
         short_rows_set_mask(module, args[5], op, mask, &q, &o, &a) != 0) {
         goto done;
     }
@@ -2977,7 +3001,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
                                none_mask, args[8], args[9], args[10], args[11], args[12]};
     dk_attention_args a;
-    int rc = parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block);
+    int rc = parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0);
     Py_DECREF(none_mask);
     if (rc != 0) {
         return NULL;
@@ -3001,13 +3025,11 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* forward_paged's work (args as there); out_flat: out may be [N, H * D] (parse_attention). */
 static PyObject *
-py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
 {
     static const char *op = "forward_paged";
-    if (check_nargs(op, nargs, 15) != 0) {
-        return NULL;
-    }
     /* args: query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
      *       key_limits, mask, scale, out, host_block_table, host_query_start_loc, host_seq_lens */
     PyObject *kv_args[4] = {args[1], args[2], args[3], args[4]};
@@ -3018,7 +3040,7 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor kv[4], q, o;
     const dk_tensor *k = &kv[0];
     if (parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
-        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1) != 0) {
+        parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, out_flat) != 0) {
         return NULL;
     }
     if (no_overlap(&o, "out", &kv[0], "key", op) || no_overlap(&o, "out", &kv[1], "value", op) ||
@@ -3067,6 +3089,15 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("forward_paged", nargs, 15) != 0) {
+        return NULL;
+    }
+    return forward_paged_impl(module, args, 0);
 }
 
 static int
@@ -3233,13 +3264,22 @@ ctx_int(PyObject *obj, PyObject *name, long long *v)
     return ok;
 }
 
+/* What DiffusionPagedAttentionContext.restore_output does to the attention output. */
+enum {
+    OUT_RESTORE = 0,  /* something else: call the method */
+    OUT_IDENTITY = 1, /* out [N, H, Dv] itself (the caller's query was [N, H, D]) */
+    OUT_FLAT = 2      /* out.reshape(N, H * Dv) (the caller's query was [N, H * D]): allocated
+                         that way, the kernels write its [N, H, Dv] view, nothing to restore */
+};
+
 /*
- * Whether DiffusionPagedAttentionContext.restore_output(out) is `out` itself: no scatter, the
- * caller's query was [N, H, D] (query_token_shape a 1-tuple) and out is [N, H, Dv] -- the method's
- * own first return.  1 or 0; -1 with an error set where reading an attribute raised.
+ * Which OUT_* restore_output(out) amounts to for this context, from the context (no scatter,
+ * query_token_shape a 1-tuple (N,), query_has_head_dims) and the query q the output will be
+ * like ([N, H, Dv] with H = num_heads, Dv = head_size_v) -- decided before the output is
+ * allocated.  -1 with an error set where reading an attribute raised.
  */
 static int
-restore_is_identity(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *out)
+output_kind(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *q_obj)
 {
     PyObject *const *nm = state_of(module)->ctx_names;
     PyObject *x = PyObject_GetAttr(ctx, nm[CTX_OUTPUT_SCATTER_INDICES]);
@@ -3249,15 +3289,15 @@ restore_is_identity(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *
     int none = x == Py_None;
     Py_DECREF(x);
     if (!none) {
-        return 0;
+        return OUT_RESTORE;
     }
     if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_HAS_HEAD_DIMS])) == NULL) {
         return -1;
     }
     int heads = PyObject_IsTrue(x);
     Py_DECREF(x);
-    if (heads <= 0) {
-        return heads;
+    if (heads < 0) {
+        return -1;
     }
     if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_TOKEN_SHAPE])) == NULL) {
         return -1;
@@ -3271,7 +3311,7 @@ restore_is_identity(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *
     }
     Py_DECREF(x);
     if (n < 0) {
-        return 0;
+        return OUT_RESTORE;
     }
     long long h = -1, dv = -1;
     int rc = ctx_int(layer, nm[CTX_NUM_HEADS], &h);
@@ -3279,13 +3319,18 @@ restore_is_identity(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *
         rc = ctx_int(layer, nm[CTX_HEAD_SIZE_V], &dv);
     }
     if (rc <= 0) {
-        return rc;
+        return rc < 0 ? -1 : OUT_RESTORE;
     }
-    dk_tensor o;
-    if (tensor_arg(module, out, "forward_context", "out", &o) != 0) {
-        return -1;
+    dk_tensor q;
+    if (dk_bridge_tensor_layout(&state_of(module)->bridge, q_obj, "forward_context", "query", &q) !=
+        0) {
+        PyErr_Clear(); /* not a tensor: forward_paged reports it in its own words */
+        return OUT_RESTORE;
     }
-    return o.ndim == 3 && o.shape[0] == n && o.shape[1] == h && o.shape[2] == dv;
+    if (q.ndim != 3 || q.shape[0] != n || q.shape[1] != h || q.shape[2] != dv) {
+        return OUT_RESTORE;
+    }
+    return heads ? OUT_IDENTITY : OUT_FLAT;
 }
 
 /*
@@ -3369,7 +3414,37 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     scale = PyNumber_Float(raw_scale);
     Py_DECREF(raw_scale);
-    if (scale == NULL || (out = PyObject_CallFunctionObjArgs(st->empty_like, t[0], NULL)) == NULL) {
+    if (scale == NULL ||
+        cached_attr(&st->context_type, "diffkv.adapter", "DiffusionPagedAttentionContext") != 0) {
+        goto done;
+    }
+    /* ctx.restore_output(out): for diffkv's own context without scattered rows, out itself
+     * ([N, H, D] queries) or out.reshape(N, H * Dv) ([N, H * D] queries) -- then out is
+     * allocated [N, H * Dv] and the kernels write its [N, H, Dv] view: a Python method call and
+     * a view less (~2.5 us on the H200 hosts) */
+    const int kind = (PyObject *)Py_TYPE(ctx) == st->context_type
+                         ? output_kind(module, ctx, layer, t[0])
+                         : OUT_RESTORE;
+    if (kind < 0) {
+        goto done;
+    }
+    if (kind == OUT_FLAT) {
+        dk_tensor qv; /* its layout, as output_kind read it */
+        if (dk_bridge_tensor_layout(&st->bridge, t[0], op, "query", &qv) != 0) {
+            goto done;
+        }
+        PyObject *size =
+            Py_BuildValue("(LL)", (long long)qv.shape[0], (long long)(qv.shape[1] * qv.shape[2]));
+        if (size == NULL) {
+            goto done;
+        }
+        out = PyObject_CallMethodObjArgs(t[0], nm[CTX_NEW_EMPTY], size, NULL);
+        Py_DECREF(size);
+    }
+    else {
+        out = PyObject_CallFunctionObjArgs(st->empty_like, t[0], NULL);
+    }
+    if (out == NULL) {
         goto done;
     }
     static const int host_field[3] = {CTX_BLOCK_TABLE_CPU, CTX_QUERY_START_LOC_CPU,
@@ -3381,24 +3456,14 @@ py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *fp_args[15] = {t[0],       t[1], t[2],  kv_cache, t[3],    t[4],    t[5],   t[6],
                              key_limits, mask, scale, out,      host[0], host[1], host[2]};
-    PyObject *r = py_forward_paged(module, fp_args, 15);
+    PyObject *r = forward_paged_impl(module, fp_args, kind == OUT_FLAT);
     if (r == NULL) {
         goto done;
     }
     Py_DECREF(r);
-    /* ctx.restore_output(out); for diffkv's own context with [N, H, D] queries that is out
-     * itself (a Python method call less: ~1.4 us on the H200 hosts) */
-    if (cached_attr(&st->context_type, "diffkv.adapter", "DiffusionPagedAttentionContext") != 0) {
-        goto done;
-    }
-    int same = (PyObject *)Py_TYPE(ctx) == st->context_type
-                   ? restore_is_identity(module, ctx, layer, out)
-                   : 0;
-    if (same < 0) {
-        goto done;
-    }
-    result =
-        same ? Py_NewRef(out) : PyObject_CallMethodObjArgs(ctx, nm[CTX_RESTORE_OUTPUT], out, NULL);
+    result = kind != OUT_RESTORE
+                 ? Py_NewRef(out)
+                 : PyObject_CallMethodObjArgs(ctx, nm[CTX_RESTORE_OUTPUT], out, NULL);
 done:
     Py_XDECREF(layer);
     Py_XDECREF(kv_cache);

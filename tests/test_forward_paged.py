@@ -433,7 +433,9 @@ def test_forward_paged_one_c_call(device, layout, monkeypatch):
     # Its Python twin (run_forward_paged: while compiling, or for a context without its layer,
     # cache or impl) is one _C.forward_paged call with the right mask, and both give
     # bit-identical outputs and caches, in every Q/K/V layout (an [N, H, D] query's output is
-    # returned as is by both, the others go through restore_output).
+    # returned as is by both; an [N, H*D] one's the C path allocates [N, H*D] and has the
+    # kernels write its [N, H, D] view, where the Python path restores a view of its [N, H, D]
+    # output -- same shape, strides and values; the padded ones go through restore_output).
     h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
     rows = h.rows([(0, 8)])
     spans = diffkv.AttentionMetadata(full_attn_spans=[[(2, 6)]])
