@@ -779,6 +779,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                 : launch_mma<__half, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
     }
     if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* reported here: not the next call's error */
         return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
                        (int)e);
     }

@@ -2085,6 +2085,7 @@ dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_
                                            kv_vec, o_vec, s);
     }
     if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* reported here: not the next call's error */
         return dk_fail(err, DK_ERR_CUDA, "paged_attention(): CUDA error %s (%d)",
                        cudaGetErrorString(e), (int)e);
     }
