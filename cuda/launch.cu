@@ -36,7 +36,7 @@
 namespace {
 
 struct layer_graph {
-    const void *kv_func;   /* NULL: free */
+    const void *kv_func;   /* the KV-write kernel (a free entry: exec NULL) */
     const void *attn_func; /* the attention kernel */
     int device;
     cudaStream_t stream;
