@@ -154,6 +154,29 @@ launch_graph(const cudaKernelNodeParams *kv, const cudaKernelNodeParams *attn, c
     return true;
 }
 
+/* The pending KV write's launch, taken from *p (which it then leaves empty): its kernel,
+ * geometry and parameters -- pointers into *p, which outlives the launch or graph update. */
+struct kv_launch {
+    const void *func;
+    dim3 grid, block;
+    void *args[4];
+};
+
+kv_launch
+take(dk_pending_launch *p)
+{
+    kv_launch k;
+    k.func = p->func;
+    k.grid = dim3(p->grid[0], p->grid[1], p->grid[2]);
+    k.block = dim3(p->block[0], p->block[1], p->block[2]);
+    k.args[0] = &p->kv; /* the kv_write kernels' parameters, in order */
+    k.args[1] = &p->elem_size;
+    k.args[2] = &p->units_per_head;
+    k.args[3] = &p->elems_per_unit;
+    p->func = NULL;
+    return k;
+}
+
 cudaKernelNodeParams
 node(const void *func, dim3 grid, dim3 block, size_t smem, void **args)
 {
@@ -176,18 +199,14 @@ dk_launch_after(dk_pending_launch *p, const void *func, dim3 grid, dim3 block, s
     if (p == NULL || p->func == NULL) {
         return cudaLaunchKernel(func, grid, block, args, smem, s);
     }
-    /* the KV kernels' parameters, from copies that outlive this call's graph update */
-    void *kv_args[4] = {&p->kv, &p->elem_size, &p->units_per_head, &p->elems_per_unit};
-    const dim3 kv_grid(p->grid[0], p->grid[1], p->grid[2]);
-    const dim3 kv_block(p->block[0], p->block[1], p->block[2]);
-    const cudaKernelNodeParams kv = node(p->func, kv_grid, kv_block, 0, kv_args);
+    kv_launch k = take(p); /* consumed, whatever follows */
+    const cudaKernelNodeParams kv = node(k.func, k.grid, k.block, 0, k.args);
     const cudaKernelNodeParams attn = node(func, grid, block, smem, args);
-    p->func = NULL; /* consumed, whatever follows */
     cudaError_t e = cudaSuccess;
     if (graphs_enabled() && !capturing(s) && launch_graph(&kv, &attn, s, &e)) {
         return e;
     }
-    e = cudaLaunchKernel(kv.func, kv_grid, kv_block, kv_args, 0, s);
+    e = cudaLaunchKernel(k.func, k.grid, k.block, k.args, 0, s);
     if (e != cudaSuccess) {
         return e;
     }
@@ -200,12 +219,8 @@ dk_cuda_launch_pending(dk_pending_launch *p, void *stream, dk_error *err)
     if (p->func == NULL) {
         return DK_OK;
     }
-    void *kv_args[4] = {&p->kv, &p->elem_size, &p->units_per_head, &p->elems_per_unit};
-    const void *func = p->func;
-    p->func = NULL;
-    (void)cudaLaunchKernel(func, dim3(p->grid[0], p->grid[1], p->grid[2]),
-                           dim3(p->block[0], p->block[1], p->block[2]), kv_args, 0,
-                           (cudaStream_t)stream);
+    kv_launch k = take(p);
+    (void)cudaLaunchKernel(k.func, k.grid, k.block, k.args, 0, (cudaStream_t)stream);
     return dk_cuda_after_launch("kv_write()", stream, err);
 }
 
