@@ -62,6 +62,7 @@ def test_host_cu_seqlens_refused_while_capturing():
     with pytest.raises(RuntimeError) as info:
         with torch.cuda.graph(graph):
             impl.forward(q, k, v, meta)
-    assert "DiffKVAttentionImpl.forward(): host cu_seqlens cannot be captured in a CUDA graph" in str(
-        info.value
+    assert str(info.value) == (
+        "DiffKVAttentionImpl.forward(): host cu_seqlens cannot be captured in a CUDA graph; pass "
+        "them as device tensors"
     )

@@ -120,7 +120,10 @@ def test_refused_attention_leaves_the_cache_untouched():
     cache = p["cache"].clone()
     out = torch.zeros_like(p["q"])
     dev = [t.cuda() for t in _host(p)]
-    with pytest.raises(ValueError, match=r"head_size must be between 1 and 256"):
+    with pytest.raises(
+        ValueError,
+        match=r"^paged_attention\(\): head_size must be between 1 and 256 for float32 on CUDA, got 512$",
+    ):
         _C.forward_paged(
             p["q"], p["k"], p["v"], cache, p["slots"], *dev, None, p["mask"], p["scale"], out, *_host(p)
         )
