@@ -6,6 +6,8 @@
 #   make lint      ruff + clang-format, failing on a diff
 #   make asan      CPU-only build with AddressSanitizer + UBSan, CPU suite under it
 #   make fuzz      the long fuzzing profile and 100,000-call leak checks per entry point
+#   make test-vllm the vLLM-Omni integration against a real vllm-omni + vLLM (a virtual environment
+#                  of their own, ~9 GB: they pin a torch of their own)
 #   make sanitize-gpu  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
 #                  every CUDA kernel (tests/gpu_sanitize.py), on a CUDA machine
 
@@ -13,7 +15,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: deps install inplace demo test test-gpu bench lint format asan fuzz sanitize-gpu clean
+.PHONY: deps install inplace demo test test-gpu test-vllm bench lint format asan fuzz sanitize-gpu clean
 
 # torch is a large download: install it only when no suitable one (>= 2.10) imports.
 deps:
@@ -37,6 +39,15 @@ test: install
 
 test-gpu: install
 	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+VLLM_VENV ?= .venv-vllm
+VLLM_OMNI_VERSION ?= 0.30.0
+
+test-vllm: inplace
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -c "import vllm_omni, pytest, hypothesis" 2>/dev/null \
+		|| $(VLLM_VENV)/bin/pip install --quiet "vllm==$(VLLM_OMNI_VERSION)" "vllm-omni==$(VLLM_OMNI_VERSION)" pytest hypothesis numpy
+	PYTHONPATH=python $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_vllm_real.py tests/test_vllm_omni.py $(PYTEST_ARGS)
 
 bench: install
 	mkdir -p out

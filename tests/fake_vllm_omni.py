@@ -213,6 +213,7 @@ def get_attn_backend(*, head_size, dtype, kv_cache_dtype, attn_type, num_heads) 
             "attn_type": attn_type,
             "num_heads": num_heads,
             "backend": config.attention_config.backend,
+            "prefill_context_parallel_size": config.parallel_config.prefill_context_parallel_size,
         }
     )
     if config.attention_config.backend is not AttentionBackendEnum.FLASH_ATTN:

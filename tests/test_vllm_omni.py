@@ -417,6 +417,27 @@ def test_full_path_every_layout(omni, device, case):
     assert fake.backend_selections[-1]["backend"] is fake.AttentionBackendEnum.FLASH_ATTN
 
 
+def test_backend_selected_without_prefill_context_parallelism(omni):
+    """vLLM-Omni 0.30 maps sequence parallelism to vLLM's prefill context parallelism; its
+    adapter selects the attention backend with that size set to 1 and restores it after."""
+    integration.install()
+    vllm_config = fake.fake_vllm_config(torch.float32, BLOCK)
+    vllm_config.parallel_config.prefill_context_parallel_size = 2
+    layer = omni["vllm_omni.diffusion.attention.layer"].Attention(
+        H, D, causal=True, softmax_scale=0.3, num_kv_heads=HKV, prefix="l0", paged_kv_cache_role="dit"
+    )
+    fake.backend_selections.clear()
+    omni[RUNNER].DiffusionPagedAttentionLayerAdapter(
+        layer_name="l0",
+        layer=layer,
+        spec=fake.FullAttentionSpec(BLOCK, HKV, D, torch.float32),
+        vllm_config=vllm_config,
+        device="cpu",
+    )
+    assert [sel["prefill_context_parallel_size"] for sel in fake.backend_selections] == [1]
+    assert vllm_config.parallel_config.prefill_context_parallel_size == 2
+
+
 @pytest.mark.parametrize("mode", ["causal", "non_causal"])
 @pytest.mark.parametrize("case", ["packed_nhd_blnhc", "blocks_first"])
 def test_full_path_mask_modes(omni, device, case, mode):

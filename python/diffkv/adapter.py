@@ -133,11 +133,18 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
         if attention_config is not None:
             previous_backend = attention_config.backend
             previous_backend_per_kind = attention_config.backend_per_kind
+        # vLLM-Omni (0.30) maps sequence parallelism to vLLM's prefill context parallelism for
+        # MoE layers; its Ulysses hooks have already sharded heads before this attention, so the
+        # backend is selected as for one rank (vLLM would otherwise look for a PCP backend).
+        parallel_config = getattr(vllm_config, "parallel_config", None)
+        previous_pcp_size = getattr(parallel_config, "prefill_context_parallel_size", None)
         try:
             if attention_config is not None:
                 # A portable backend request; the platform resolves it to its native backend.
                 attention_config.backend = AttentionBackendEnum.FLASH_ATTN
                 attention_config.backend_per_kind = {}
+            if previous_pcp_size is not None:
+                parallel_config.prefill_context_parallel_size = 1
             with set_current_vllm_config(vllm_config):
                 attn_backend = get_attn_backend(
                     head_size=spec.head_size,
@@ -150,6 +157,8 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
             if attention_config is not None:
                 attention_config.backend = previous_backend
                 attention_config.backend_per_kind = previous_backend_per_kind
+            if previous_pcp_size is not None:
+                parallel_config.prefill_context_parallel_size = previous_pcp_size
         attn_backend = current_omni_platform.get_diffusion_paged_kv_attn_backend(
             attn_backend,
             ulysses_degree=ulysses_degree,
