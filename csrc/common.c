@@ -3,13 +3,54 @@
  * element counts and the fp16/bf16 <-> fp32 conversions of the CPU reference.
  *
  * Entry points: dk_fail, dk_dtype_size, dk_dtype_name, dk_tensor_numel, dk_f16_to_f32,
- * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16.
+ * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16, dk_attention_kernel_choice,
+ * dk_set_attention_kernel.
  */
 #include "diffkv.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* The attention kernel choice (dk_kernel_choice); -1 until set or read from the environment. */
+static _Atomic int kernel_choice = -1;
+
+static int
+kernel_choice_from_env(void)
+{
+    const char *v = getenv("DIFFKV_ATTENTION_KERNEL");
+    if (v != NULL && strcmp(v, "sm90") == 0) {
+        return DK_KERNEL_SM90;
+    }
+    if (v != NULL && strcmp(v, "sm80") == 0) {
+        return DK_KERNEL_SM80;
+    }
+    return DK_KERNEL_AUTO;
+}
+
+dk_kernel_choice
+dk_attention_kernel_choice(void)
+{
+    int c = atomic_load_explicit(&kernel_choice, memory_order_relaxed);
+    if (c < 0) {
+        int unread = -1;
+        c = kernel_choice_from_env();
+        /* a concurrent first read or a dk_set_attention_kernel in between wins */
+        if (!atomic_compare_exchange_strong(&kernel_choice, &unread, c)) {
+            c = unread;
+        }
+    }
+    return (dk_kernel_choice)c;
+}
+
+dk_kernel_choice
+dk_set_attention_kernel(dk_kernel_choice choice)
+{
+    (void)dk_attention_kernel_choice(); /* the environment's, if nothing was chosen yet */
+    return (dk_kernel_choice)atomic_exchange(&kernel_choice, (int)choice);
+}
 
 dk_status
 dk_fail(dk_error *err, dk_status status, const char *fmt, ...)

@@ -535,6 +535,17 @@ const char *dk_cuda_attention_kernel(void);
  * "sm80", "f32" (fp32 inputs), or "none" before the first.  Cannot fail. */
 const char *dk_cuda_last_attention_kernel(void);
 
+/* Which tensor-core attention kernels CUDA calls may take: DK_KERNEL_AUTO (the fastest the
+ * device and the build allow), DK_KERNEL_SM90 (Hopper without the TMA kernel) or
+ * DK_KERNEL_SM80 (mma.sync).  Read from DIFFKV_ATTENTION_KERNEL ("sm90", "sm80"; anything else
+ * is auto) once, at the first call that asks, unless dk_set_attention_kernel came first: the
+ * launchers ask on every call, and getenv scans the whole environment (~0.2 us in a process
+ * with 300 variables).  Thread-safe; cannot fail. */
+typedef enum { DK_KERNEL_AUTO = 0, DK_KERNEL_SM90 = 1, DK_KERNEL_SM80 = 2 } dk_kernel_choice;
+dk_kernel_choice dk_attention_kernel_choice(void);
+/* Sets the choice; returns the one it replaces. */
+dk_kernel_choice dk_set_attention_kernel(dk_kernel_choice choice);
+
 #ifdef __cplusplus
 }
 #endif

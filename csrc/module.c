@@ -588,6 +588,28 @@ py_last_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nar
     return PyUnicode_FromString(dk_cuda_last_attention_kernel());
 }
 
+static PyObject *
+py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("set_attention_kernel", nargs, 1) != 0) {
+        return NULL;
+    }
+    static const char *const names[] = {"auto", "sm90", "sm80"};
+    static const dk_kernel_choice choices[] = {DK_KERNEL_AUTO, DK_KERNEL_SM90, DK_KERNEL_SM80};
+    const char *name = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
+    for (int i = 0; name != NULL && i < 3; i++) {
+        if (strcmp(name, names[i]) == 0) {
+            return PyUnicode_FromString(names[dk_set_attention_kernel(choices[i])]);
+        }
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError,
+                 "set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80', got %R",
+                 args[0]);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Rows, metadata, layer heads (the seed's rules R*, M*, L*)                                   */
 /* ------------------------------------------------------------------------------------------ */
@@ -3559,6 +3581,10 @@ static PyMethodDef module_methods[] = {
     FAST(build_info, "build_info() -> dict."),
     FAST(last_attention_kernel,
          "last_attention_kernel() -> str: the kernel the last CUDA attention call launched."),
+    FAST(set_attention_kernel,
+         "set_attention_kernel('auto' | 'sm90' | 'sm80') -> the previous choice: the tensor-core "
+         "attention kernels CUDA calls may take, for this process (overrides "
+         "DIFFKV_ATTENTION_KERNEL)."),
     FAST(check_row, "Row rules R1..R8."),
     FAST(check_metadata, "Metadata rules M1, M2."),
     FAST(check_step, "rows_for_step rule M3."),

@@ -1528,13 +1528,13 @@ h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
                            dim3(H90_THREADS), smem, s, args);
 }
 
-/* Whether head-128 calls may take the warp-specialized kernel (DIFFKV_ATTENTION_KERNEL=sm90
- * keeps them on the cp.async wgmma kernel). */
+/* Whether head-128 calls may take the warp-specialized kernel (the kernel choice sm90 --
+ * DIFFKV_ATTENTION_KERNEL=sm90 or set_attention_kernel("sm90") -- keeps them on the cp.async
+ * wgmma kernel). */
 static bool
 h90_ws_allowed(void)
 {
-    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
-    return !(force != NULL && strcmp(force, "sm90") == 0);
+    return dk_attention_kernel_choice() != DK_KERNEL_SM90;
 }
 
 /* cuTensorMapEncodeTiled, fetched from the driver once (the extension links no libcuda);
@@ -1986,13 +1986,13 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
 
 /* 1 when the current device is compute capability 9.x and this binary carries the kernel's
  * sm_90a code (a build without that target would run the trapping stub), cached per device;
- * DIFFKV_ATTENTION_KERNEL=sm80 in the environment turns it off. */
+ * the kernel choice sm80 (DIFFKV_ATTENTION_KERNEL=sm80 or set_attention_kernel("sm80")) turns
+ * it off. */
 extern "C" int
 dk_cuda_attention_sm90_ready(void)
 {
     static volatile int state[ATTN_MAX_DEVICES]; /* 0 unknown, 1 yes, 2 no */
-    const char *force = getenv("DIFFKV_ATTENTION_KERNEL");
-    if (force != NULL && strcmp(force, "sm80") == 0) {
+    if (dk_attention_kernel_choice() == DK_KERNEL_SM80) {
         return 0;
     }
     int dev = 0;

@@ -306,6 +306,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
     binding = diffkv.DiffusionPagedAttentionRowBinding(row_index=0, max_seq_len=4)
     return {
         "set_bridge_path": (["auto"], ()),
+        "set_attention_kernel": (["auto"], ()),
         "bridge_path": ([t], ()),
         "tensor_info": ([t], ()),
         "bridge_noop4": ([t, t, t, t], ()),
@@ -471,10 +472,12 @@ def test_hostile_argument_any_entry_point(data):
     allowed = (
         ALLOWED + (AttributeError,) * (name in _DUCK_TYPED) + (OverflowError,) * (name in _PYTHON_ARITHMETIC)
     )
+    choice = _C.set_attention_kernel("auto")
     try:
         ok, result = call(getattr(_C, name), *args, allowed=allowed)
     finally:
         _C.set_bridge_path("auto")
+        _C.set_attention_kernel(choice)
     if not ok:
         snap.assert_unchanged()
         assert str(result), "an exception without a message"
@@ -506,6 +509,20 @@ def test_set_bridge_path_hostile(path):
             assert type(path) is str and path in ("auto", "capsule")
     finally:
         _C.set_bridge_path("auto")
+
+
+@FUZZ
+@given(kernel=hostile_objects())
+def test_set_attention_kernel_hostile(kernel):
+    choice = _C.set_attention_kernel("auto")
+    try:
+        ok, result = call(_C.set_attention_kernel, kernel)
+        if not ok and type(result) is ValueError:
+            assert "set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80'" in str(result)
+        elif ok:
+            assert type(kernel) is str and kernel in ("auto", "sm90", "sm80") and result == "auto"
+    finally:
+        _C.set_attention_kernel(choice)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,14 @@ from diffkv import _C
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture
+def attention_kernel():
+    """_C.set_attention_kernel for one test: the choice starts at 'auto' and is restored after."""
+    previous = _C.set_attention_kernel("auto")
+    yield _C.set_attention_kernel
+    _C.set_attention_kernel(previous)
+
+
 def _paged_problem(
     seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed=0, order="random", key_gain=None
 ):
@@ -219,15 +227,12 @@ def test_kv_write_cuda_matches_cpu():
 @pytest.mark.parametrize("kernel", ["auto", "sm90", "sm80"])
 @pytest.mark.parametrize("head", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monkeypatch):
+def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, attention_kernel):
     """The kernel choice is visible (build_info, last_attention_kernel),
-    DIFFKV_ATTENTION_KERNEL=sm90 keeps a Hopper GPU off the TMA kernel and =sm80 on mma.sync,
+    set_attention_kernel('sm90') keeps a Hopper GPU off the TMA kernel and 'sm80' on mma.sync,
     and every kernel meets the reference on three rows of different lengths (one shorter than a
     tile) with a piecewise span, GQA 8/2, block 16."""
-    if kernel == "auto":
-        monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
-    else:
-        monkeypatch.setenv("DIFFKV_ATTENTION_KERNEL", kernel)
+    attention_kernel(kernel)
     hopper = torch.cuda.get_device_capability()[0] == 9 and "90a" in _C.build_info()["archs"]
     built = {"auto": "sm90-tma", "sm90": "sm90", "sm80": "sm80"}[kernel] if hopper else "sm80"
     assert _C.build_info()["attention_kernel"] == built
@@ -284,7 +289,7 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, monk
         (4104, "hnd", "random", "sm90-tma16", 128),  # last chunk half out of the map (zeros)
     ],
 )
-def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, monkeypatch):
+def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head, attention_kernel):
     """Hopper, head 128: caches of 16 n-key blocks (or one block per row of 8 n keys) in NHD,
     HND or layer-strided order take one 5-d TMA box per 16-key chunk for K and V in any block
     order ('sm90-tma16', reading a row's last chunk whole: masked in K, zeroed in V; past a
@@ -300,7 +305,6 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
     is not contiguous the cp.async wgmma kernel.
     Cache slots past each row's end -- the tail of its last block and the spare blocks -- hold
     NaN, so a kernel that lets them meet a zero probability poisons the row."""
-    monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
     _poisoned_call(block, layout, order, kernel, head, [1000, 77, 2333], [1000, 77, 300])
@@ -319,13 +323,12 @@ def test_tma_kernel_layouts_blocks_and_poison(block, layout, order, kernel, head
         (16, "layers", "random", "sm90-tma16"),
     ],
 )
-def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, monkeypatch):
+def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, attention_kernel):
     """Head-128 calls whose longest row has 16384+ keys take 176-key tiles when TMA can cut
     them (16-key blocks -- runs of a flat cache, or any order through the per-block 5-d boxes --
     and one block per row), with and without a mask: rows
     shorter than a tile, rows ending mid-tile next to NaN slots, and a long row all meet the
     reference, unmasked, causal and with key limits."""
-    monkeypatch.delenv("DIFFKV_ATTENTION_KERNEL", raising=False)
     if _C.build_info()["attention_kernel"] != "sm90-tma":
         pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
     _poisoned_call(block, layout, order, kernel, 128, [1000, 77, 16500], [1000, 77, 200], causal=True)

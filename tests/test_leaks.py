@@ -329,6 +329,24 @@ def _cases_module() -> dict[str, list[Case]]:
             bad("set_bridge_path int", ValueError, "must be 'auto' or 'capsule'", _C.set_bridge_path, 5),
             bad("set_bridge_path nargs", TypeError, "takes 1 arguments", _C.set_bridge_path),
         ],
+        "set_attention_kernel": [
+            ok("set_attention_kernel auto", _C.set_attention_kernel, "auto"),
+            bad(
+                "set_attention_kernel bogus",
+                ValueError,
+                "must be 'auto', 'sm90' or 'sm80'",
+                _C.set_attention_kernel,
+                "x",
+            ),
+            bad(
+                "set_attention_kernel int",
+                ValueError,
+                "must be 'auto', 'sm90' or 'sm80'",
+                _C.set_attention_kernel,
+                5,
+            ),
+            bad("set_attention_kernel nargs", TypeError, "takes 1 arguments", _C.set_attention_kernel),
+        ],
         "bridge_path": [
             ok("bridge_path ok", _C.bridge_path, x),
             bad("bridge_path not tensor", TypeError, "must be a torch.Tensor", _C.bridge_path, 5),

@@ -45,8 +45,15 @@ def build_info() -> dict[str, Any]:
     'archs': str, 'limited_api': str, 'attention_kernel': 'sm90-tma' | 'sm90' | 'sm80' |
     'none'} (the fp16/bf16 attention kernels on the current device: sm90-tma = head 128 on a
     cache of power-of-two blocks of 16+ keys takes the TMA kernel, other calls the cp.async
-    wgmma one; DIFFKV_ATTENTION_KERNEL=sm90 keeps calls off the TMA kernel, =sm80 forces
-    mma.sync)"""
+    wgmma one; DIFFKV_ATTENTION_KERNEL=sm90 or set_attention_kernel('sm90') keeps calls off the
+    TMA kernel, 'sm80' forces mma.sync)"""
+
+def set_attention_kernel(kernel: str) -> str:
+    """The tensor-core attention kernels CUDA calls of this process may take: 'auto' (the
+    fastest the device and the build allow), 'sm90' (Hopper without the TMA kernel) or 'sm80'
+    (mma.sync); returns the choice it replaces.  Overrides DIFFKV_ATTENTION_KERNEL, which is
+    read once, at the first call that asks (a CUDA attention call, build_info, or this one).
+    ValueError for any other value."""
 
 def last_attention_kernel() -> str:
     """The kernel the last CUDA attention call of this process launched: 'sm90-tma', 'sm90',
