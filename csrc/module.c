@@ -595,12 +595,12 @@ py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     if (check_nargs("set_attention_kernel", nargs, 1) != 0) {
         return NULL;
     }
+    /* indexed by dk_kernel_choice (DK_KERNEL_AUTO, _SM90, _SM80) */
     static const char *const names[] = {"auto", "sm90", "sm80"};
-    static const dk_kernel_choice choices[] = {DK_KERNEL_AUTO, DK_KERNEL_SM90, DK_KERNEL_SM80};
     const char *name = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
     for (int i = 0; name != NULL && i < 3; i++) {
         if (strcmp(name, names[i]) == 0) {
-            return PyUnicode_FromString(names[dk_set_attention_kernel(choices[i])]);
+            return PyUnicode_FromString(names[dk_set_attention_kernel((dk_kernel_choice)i)]);
         }
     }
     PyErr_Clear();

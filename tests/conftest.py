@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from diffkv import _C
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -22,3 +24,11 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def attention_kernel():
+    """_C.set_attention_kernel for one test: the choice starts at 'auto' and is restored after."""
+    previous = _C.set_attention_kernel("auto")
+    yield _C.set_attention_kernel
+    _C.set_attention_kernel(previous)

@@ -10,14 +10,6 @@ from diffkv import _C
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def attention_kernel():
-    """_C.set_attention_kernel for one test: the choice starts at 'auto' and is restored after."""
-    previous = _C.set_attention_kernel("auto")
-    yield _C.set_attention_kernel
-    _C.set_attention_kernel(previous)
-
-
 def _paged_problem(
     seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed=0, order="random", key_gain=None
 ):

@@ -12,14 +12,7 @@ import torch
 from diffkv import _C
 
 
-@pytest.fixture
-def restore_choice():
-    previous = _C.set_attention_kernel("auto")
-    yield
-    _C.set_attention_kernel(previous)
-
-
-def test_set_returns_the_choice_it_replaces(restore_choice):
+def test_set_returns_the_choice_it_replaces(attention_kernel):
     assert _C.set_attention_kernel("sm90") == "auto"
     assert _C.set_attention_kernel("sm80") == "sm90"
     assert _C.set_attention_kernel("sm80") == "sm80"
@@ -27,7 +20,7 @@ def test_set_returns_the_choice_it_replaces(restore_choice):
 
 
 @pytest.mark.parametrize("value", ["fast", "SM80", "", 80, None, b"sm80"])
-def test_bad_choices_are_refused_and_change_nothing(value, restore_choice):
+def test_bad_choices_are_refused_and_change_nothing(value, attention_kernel):
     _C.set_attention_kernel("sm90")
     message = f"set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80', got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
@@ -65,7 +58,7 @@ def test_environment_is_the_initial_choice(env_value, read):
 
 
 @pytest.mark.gpu
-def test_choice_steers_cuda_calls_and_the_environment_does_not(restore_choice, monkeypatch):
+def test_choice_steers_cuda_calls_and_the_environment_does_not(attention_kernel, monkeypatch):
     """After the first read, a changed DIFFKV_ATTENTION_KERNEL no longer moves calls; the
     setter does."""
     if not torch.cuda.is_available():
