@@ -326,6 +326,73 @@ def test_wide_key_tiles_long_rows_and_poison(block, layout, order, kernel, atten
     _poisoned_call(block, layout, order, kernel, 128, [1000, 77, 16500], [1000, 77, 200], causal=True)
 
 
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize(
+    ("out_layout", "staged"),
+    [
+        ("contiguous", True),  # 16-byte rows: staged through shared memory, 16-byte stores
+        ("head_pad8", True),  # head stride D + 8: rows still 16-byte aligned
+        ("head_pad2", False),  # head stride D + 2: 4-byte stores from the accumulators
+        ("offset1", False),  # base one element in: 2-byte stores
+        ("strided_dim", False),  # every other element
+    ],
+)
+def test_tma_kernel_output_layouts(head, out_layout, staged, attention_kernel):
+    """The warp-specialized kernel writes its output rows through shared memory with 16-byte
+    stores when every row is 16-byte aligned, and from the accumulators otherwise; both give the
+    reference in any output view, write nothing outside it (NaN around it stays), and honour
+    the padded rows of the last query tile (query lengths not multiples of the tile)."""
+    if _C.build_info()["attention_kernel"] != "sm90-tma":
+        pytest.skip("needs the TMA kernel (Hopper, sm_90a build)")
+    seq_lens, query_lens = [700, 333, 1500], [700, 45, 201]
+    p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, torch.bfloat16, seed=head)
+    n = p["q"].shape[0]
+    pad = {"head_pad8": 8, "head_pad2": 2}.get(out_layout, 0)
+    if out_layout == "strided_dim":
+        buf = torch.full((n, 8, 2 * head), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = buf[..., ::2]
+    elif out_layout == "offset1":
+        buf = torch.full((n * 8 * head + 1,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = buf[1:].view(n, 8, head)
+    else:
+        buf = torch.full((n, 8, head + pad), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = buf[..., :head]
+    assert (
+        out.stride(-1) == 1 and out.data_ptr() % 16 == 0 and all(2 * st % 16 == 0 for st in out.stride()[:-1])
+    ) == staged
+    scale = head**-0.5
+    _C.paged_attention(
+        p["q"],
+        p["cache"],
+        p["table"].cuda(),
+        p["qsl"].cuda(),
+        p["seq_lens"].cuda(),
+        None,
+        _C.MASK_NONE,
+        scale,
+        out,
+        p["table"],
+        p["qsl"],
+        p["seq_lens"],
+    )
+    assert _C.last_attention_kernel().startswith("sm90-")
+    _check(
+        out,
+        p,
+        [torch.full((q,), s, dtype=torch.int32) for s, q in zip(seq_lens, query_lens, strict=True)],
+        scale,
+    )
+    written = torch.zeros_like(buf, dtype=torch.bool)
+    if out_layout == "strided_dim":
+        written[..., ::2] = True
+    elif out_layout == "offset1":
+        written[1:] = True
+    else:
+        written[..., :head] = True
+    assert not buf[written].isnan().any()
+    assert buf[~written].isnan().all()
+
+
 def _poisoned_call(block, layout, order, kernel, head, seq_lens, query_lens, causal=False):
     """test_tma_kernel_layouts_blocks_and_poison's call: NaN in every slot no row may read,
     unmasked and with key limits (and causal), each against the reference."""
