@@ -26,7 +26,7 @@
  *     16-row slice, so masking, softmax and the epilogue are the sm80 kernel's.  A
  *     warpgroup skips the tiles past all of its rows' limits; masks are applied only on
  *     tiles that reach past the smallest limit of the warpgroup's rows.
- * Register use and shared memory: `nvcc -Xptxas -v` (README, "Hopper kernel").
+ * Register use and shared memory: `nvcc -Xptxas -v` (docs/hopper-kernels.md).
  */
 #include "attention_common.cuh"
 #include "cuda_common.cuh"
@@ -1481,7 +1481,8 @@ attention_sm90_tma_kernel(const __grid_constant__ CUtensorMap tmk,
     /* O's rescale is skipped on tiles where no row of the warp raised its max (h90_softmax
      * SKIP; bit-identical: alpha is exp2(0) = 1 exactly there): 2-7 % faster at head 128 and
      * 2-5 % at head 64 on the H200 (interleaved A/Bs; the lossy lazy form, which rescales only
-     * when a max grows by 2^8, lost accuracy on growing scores: README, tried and dropped). */
+     * when a max grows by 2^8, lost accuracy on growing scores: docs/hopper-kernels.md, tried and
+     * not kept). */
 
     if (n_tiles > 0) {
         /* Ping-pong (FlashAttention-3's inter-warpgroup schedule): the consumer warpgroups take
