@@ -97,6 +97,11 @@ class BuildExt(build_ext):
             ext.define_macros.append(("DIFFKV_CUDA_ARCHS", '""'))
             return super().build_extension(ext)
 
+        if not cu_sources:
+            raise RuntimeError(
+                f"diffkv: nvcc found ({nvcc}) but no CUDA sources in {ROOT / 'cuda'}: the source tree is "
+                "incomplete (an sdist from before MANIFEST.in?); set DIFFKV_CUDA=0 for a CPU-only build"
+            )
         archs, gencode = cuda_archs()
         cuda_home = nvcc.parent.parent
         build_temp = Path(self.build_temp) / "cuda"
