@@ -351,10 +351,11 @@ st_shared_u32(uint32_t addr, uint32_t v)
  * rows of the Q tile at sq (free once its last Q K^T is done; the other warpgroups' rows are
  * not touched) in the same 128-byte swizzle -- the 8 rows of a warp's 4-byte stores land in 8
  * different 16-byte chunks, no bank conflicts -- and the warpgroup then copies whole rows out
- * with 16-byte loads and stores, 512 contiguous bytes per warp instruction, where the
- * accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte pieces per
- * instruction, 32 instructions per thread).  Row sums, zero rows and the LSE as attn_store_row;
- * t0: the packed token of the CTA's first row, tile_rows: its rows inside the batch row.
+ * with 16-byte loads and stores, whole rows per warp instruction (two 256-byte rows at head
+ * 128), where the accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte
+ * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the LSE
+ * as attn_store_row; t0: the packed token of the CTA's first row, tile_rows: its rows inside the
+ * batch row.
  */
 template <typename T, int D, int BM>
 static __device__ __forceinline__ void
