@@ -1,0 +1,30 @@
+"""benchmarks/cta_timeline.py's stamped copy still finds every anchor in the Hopper kernel: a
+change to the kernel's source that moves one makes this fail here rather than on the GPU."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_patch_places_every_stamp(tmp_path):
+    dest = tmp_path / "tl"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cta_timeline.py"), "patch", str(dest)],
+        check=True,
+        capture_output=True,
+    )
+    src = (dest / "cuda" / "attention_sm90.cu").read_text()
+    assert sorted(int(e) for e in re.findall(r"\bTL\((\d)\);", src)) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert "dk_tl_dump" in src and "dk_tl_clear" in src
+    original = (ROOT / "cuda" / "attention_sm90.cu").read_text()
+    assert "TL(" not in original
+    # only lines were added: the stamped kernel is the original one plus the stamps
+    added = [line for line in src.splitlines() if line not in set(original.splitlines())]
+    assert all(
+        "TL" in line or "tl_" in line or line.startswith(("#define", "extern", "{", "static"))
+        for line in added
+    )
+    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
