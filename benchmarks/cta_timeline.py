@@ -179,20 +179,7 @@ def run(seq_lens: list[int], heads: int, kv_heads: int) -> None:
         query = q.transpose(1, 2).reshape(seq, heads, 128).contiguous()
         out = torch.empty_like(query)
 
-        def call(paged=paged, query=query, out=out):
-            _C.paged_attention(
-                query,
-                paged["cache"],
-                paged["block_table"],
-                paged["query_start_loc"],
-                paged["seq_lens"],
-                None,
-                _C.MASK_NONE,
-                128**-0.5,
-                out,
-                *paged["host"],
-            )
-
+        call = bench.paged_call(query, paged, _C.MASK_NONE, 128**-0.5, out)
         for _ in range(3):
             call()
         if lib.dk_tl_clear() != 0:

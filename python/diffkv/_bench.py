@@ -527,6 +527,30 @@ def _paged(k, v, block_size: int, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
+def paged_call(
+    query: torch.Tensor, paged: dict[str, Any], mask_code: int, scale: float, out: torch.Tensor
+) -> Callable[[], None]:
+    """A call of ``_C.paged_attention`` over ``_paged``'s cache and metadata (its host copies
+    included, as a caller that has them passes them), no arguments, for the timers."""
+    host = paged["host"]
+
+    def run() -> None:
+        _C.paged_attention(
+            query,
+            paged["cache"],
+            paged["block_table"],
+            paged["query_start_loc"],
+            paged["seq_lens"],
+            None,
+            mask_code,
+            scale,
+            out,
+            *host,
+        )
+
+    return run
+
+
 def _group(
     cfg: dict[str, Any], seq_len: int, rows: int, progress: Progress, notes: dict[str, str]
 ) -> list[dict[str, Any]]:
@@ -584,19 +608,7 @@ def _group(
         paged = _paged(k, v, block_size, torch.Generator().manual_seed(block_size))
         out = torch.empty_like(query)
 
-        def run(paged=paged, out=out, host=paged["host"]):
-            _C.paged_attention(
-                query,
-                paged["cache"],
-                paged["block_table"],
-                paged["query_start_loc"],
-                paged["seq_lens"],
-                None,
-                mask_code,
-                scale,
-                out,
-                *host,
-            )
+        run = paged_call(query, paged, mask_code, scale, out)
 
         entry: dict[str, Any] = {"paged": paged, "out": out}
         try:
