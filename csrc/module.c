@@ -598,7 +598,7 @@ py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     /* indexed by dk_kernel_choice (DK_KERNEL_AUTO, _SM90, _SM80) */
     static const char *const names[] = {"auto", "sm90", "sm80"};
     const char *name = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
-    for (int i = 0; name != NULL && i < 3; i++) {
+    for (int i = 0; name != NULL && i < (int)(sizeof(names) / sizeof(names[0])); i++) {
         if (strcmp(name, names[i]) == 0) {
             return PyUnicode_FromString(names[dk_set_attention_kernel((dk_kernel_choice)i)]);
         }
