@@ -95,3 +95,36 @@ def test_cpu_wheel_from_sdist_imports(tmp_path):
     path, api = probe.stdout.split()
     assert Path(path).is_relative_to(tmp_path / "site")
     assert api == "cp310-abi3"
+
+
+def test_nvcc_without_cuda_sources_is_refused(tmp_path):
+    """A tree without cuda/*.cu (what the sdist was before MANIFEST.in) while nvcc is found: the
+    build stops with a message naming both, before compiling anything."""
+    tree = tmp_path / "tree"
+    for name in ("csrc", "python"):
+        shutil.copytree(
+            ROOT / name, tree / name, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "*.so")
+        )
+    (tree / "cuda").mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, tree / name)
+    nvcc = tmp_path / "cuda_home" / "bin" / "nvcc"  # found through CUDA_HOME; never run
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\nexit 1\n")
+    nvcc.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CUDA_HOME": str(nvcc.parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode != 0
+    message = (
+        f"RuntimeError: diffkv: nvcc found ({nvcc.resolve()}) but no CUDA sources in {tree / 'cuda'}: the "
+        "source tree is incomplete (an sdist from before MANIFEST.in?); set DIFFKV_CUDA=0 for a CPU-only "
+        "build"
+    )
+    assert message in proc.stderr.splitlines()
+    assert not list(tree.rglob("*.o"))
