@@ -166,7 +166,7 @@ if _bdist_wheel is not None:
 
     cmdclass["bdist_wheel"] = BdistWheelAbi3
 
-c_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.c"))
+c_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.c"))
 with_cuda = find_nvcc() is not None and not env_flag("DIFFKV_SANITIZE")
 
 setup(
@@ -174,7 +174,7 @@ setup(
         Extension(
             "diffkv._C",
             sources=c_sources,
-            include_dirs=["csrc"],
+            include_dirs=["csrc", "csrc/py"],
             define_macros=[("Py_LIMITED_API", LIMITED_API)]
             + ([("DIFFKV_WITH_CUDA", "1")] if with_cuda else []),
             py_limited_api=True,

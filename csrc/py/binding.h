@@ -1,0 +1,193 @@
+/*
+ * binding.h -- the private header of diffkv._C's Python boundary (the files in csrc/py/).
+ *
+ * csrc/py/ is the only folder that includes Python.h.  Each file binds one concern and ends
+ * with its table of _C functions (dkpy_<file>_methods), which module.c adds to the module:
+ *
+ *   module.c     module state, init (PEP 489 multi-phase), constants, CudaError
+ *   tensor.c     torch tensor -> dk_tensor through DLPack (bridge.h), torch's current stream
+ *   args.c       argument conversion and the checks every binding shares (dkpy_want_*)
+ *   launch.c     running a dk_cuda_* launcher on torch's current stream
+ *   info.c       the bridge's settings, build info, the attention kernel choice
+ *   rules.c      vLLM-Omni's adapter's row, metadata and layer-head rules
+ *   qkv.c        prepare_layer_context's query/key/value rules
+ *   batch.c      prepare_batch's rules and the batch arrays it builds
+ *   tables.c     block tables, slot mappings, the block pool
+ *   plan.c       the piecewise plan
+ *   copies.c     KV cache write and row gather/scatter
+ *   attention.c  paged attention (with the log-sum-exp variant)
+ *   dense.c      attention over key/value tensors (dense forward)
+ *   layer.c      the layer call: forward_paged and forward_context
+ *
+ * Conventions: every function that can fail returns NULL or -1 with a Python exception set;
+ * messages read "<op>(): <arg> must <expectation>, got <actual>" except where vLLM-Omni's adapter
+ * fixes the text; nothing is written (cache, tables) before every check of a call has passed.
+ */
+#ifndef DIFFKV_PY_BINDING_H
+#define DIFFKV_PY_BINDING_H
+
+#include "bridge.h"
+
+/* The CUDA targets this build compiled for ("80;90a"), "" for a CPU-only build (setup.py). */
+#ifndef DIFFKV_CUDA_ARCHS
+#define DIFFKV_CUDA_ARCHS ""
+#endif
+
+/* The per-call context's attribute names forward_context reads (interned once). */
+enum {
+    CTX_LAYER,
+    CTX_KV_CACHE,
+    CTX_IMPL,
+    CTX_NATIVE_METADATA,
+    CTX_PIECEWISE_PLAN,
+    CTX_KEY_LIMITS,
+    CTX_CAUSAL,
+    CTX_QUERY,
+    CTX_KEY_WRITE,
+    CTX_VALUE_WRITE,
+    CTX_SLOT_MAPPING,
+    CTX_BLOCK_TABLE,
+    CTX_QUERY_START_LOC,
+    CTX_SEQ_LENS,
+    CTX_SOFTMAX_SCALE,
+    CTX_BLOCK_TABLE_CPU,
+    CTX_QUERY_START_LOC_CPU,
+    CTX_SEQ_LENS_CPU,
+    CTX_RESTORE_OUTPUT,
+    CTX_OUTPUT_SCATTER_INDICES,
+    CTX_QUERY_HAS_HEAD_DIMS,
+    CTX_QUERY_TOKEN_SHAPE,
+    CTX_NUM_HEADS,
+    CTX_HEAD_SIZE_V,
+    CTX_NEW_EMPTY,
+    CTX_NAMES
+};
+
+/* The text of each CTX_* name, indexed by it (layer.c). */
+extern const char *const dkpy_ctx_name_text[CTX_NAMES];
+
+typedef struct {
+    dk_bridge bridge;
+    PyObject *cuda_error;           /* diffkv.CudaError */
+    PyObject *empty_like;           /* torch.empty_like (forward_context's first call), or NULL */
+    PyObject *context_type;         /* diffkv.DiffusionPagedAttentionContext (ditto), or NULL */
+    PyObject *ctx_names[CTX_NAMES]; /* interned attribute names */
+} module_state;
+
+/* The module's state.  Cannot fail for diffkv._C's own module object. */
+static inline module_state *
+state_of(PyObject *module)
+{
+    return (module_state *)PyModule_GetState(module);
+}
+
+/* One METH_FASTCALL entry of a method table: FAST(name, doc) binds py_<name>. */
+#define FAST(name, doc)                                                                            \
+    {                                                                                              \
+#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc                          \
+    }
+
+/* The method tables module.c adds, one per file, each ending with a NULL entry. */
+extern PyMethodDef dkpy_info_methods[];
+extern PyMethodDef dkpy_rules_methods[];
+extern PyMethodDef dkpy_qkv_methods[];
+extern PyMethodDef dkpy_batch_methods[];
+extern PyMethodDef dkpy_tables_methods[];
+extern PyMethodDef dkpy_plan_methods[];
+extern PyMethodDef dkpy_copies_methods[];
+extern PyMethodDef dkpy_attention_methods[];
+extern PyMethodDef dkpy_dense_methods[];
+extern PyMethodDef dkpy_layer_methods[];
+
+/* ---- args.c: argument conversion ---------------------------------------------------------- */
+
+/* Raises the exception a dk_status maps to (TypeError, ValueError, RuntimeError, MemoryError,
+ * diffkv.CudaError) with err's message; returns NULL for `return dkpy_raise_status(...)`. */
+PyObject *dkpy_raise_status(PyObject *module, dk_status status, const dk_error *err);
+/* TypeError unless an internal call got exactly `expected` arguments: 0 or -1. */
+int dkpy_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t expected);
+/* *out = an int argument (bool refused: TypeError; beyond int64: ValueError): 0 or -1. */
+int dkpy_get_i64(PyObject *obj, const char *op, const char *arg, int64_t *out);
+/* Python's `type(obj) is int`.  Cannot fail. */
+int dkpy_is_exact_int(PyObject *obj);
+/* The sign (-1, 0, 1) of an exact int of any size.  Cannot fail. */
+int dkpy_int_sign(PyObject *obj);
+/* An exact int's value, saturated to int64.  Cannot fail. */
+int64_t dkpy_int_saturated(PyObject *obj);
+/* getattr(obj, name): a new reference, or NULL with the error. */
+PyObject *dkpy_get_attr(PyObject *obj, const char *name);
+/* *out = row.<name> as int64 (a row the row rules already accepted): 0 or -1. */
+int dkpy_row_i64(PyObject *row, const char *name, int64_t *out);
+/* tuple(seq) as a new reference; TypeError naming op/arg when seq is not a sequence. */
+PyObject *dkpy_as_tuple(PyObject *seq, const char *op, const char *arg);
+/* A tuple of n Python ints: a new reference or NULL (MemoryError). */
+PyObject *dkpy_int_tuple(const int64_t *v, int n);
+/* A sequence of ints into a malloc'ed array *out of *n entries (the caller frees it; NULL
+ * when empty): 0, or -1 with TypeError/ValueError naming op/arg. */
+int dkpy_i64_list(PyObject *seq, const char *op, const char *arg, int64_t **out, Py_ssize_t *n);
+
+/* ---- args.c: tensor checks (each 0, or -1 with the message "<op>(): <arg> must ...") ------ */
+
+/* *t = the borrowed view of a torch tensor (tensor.c); TypeError for anything else. */
+int dkpy_tensor_arg(PyObject *module, PyObject *obj, const char *op, const char *arg, dk_tensor *t);
+int dkpy_want_dtype(const dk_tensor *t, dk_dtype dtype, const char *op, const char *arg);
+/* float32, float16 or bfloat16 */
+int dkpy_want_float(const dk_tensor *t, const char *op, const char *arg);
+int dkpy_want_ndim(const dk_tensor *t, int ndim, const char *op, const char *arg);
+int dkpy_want_cpu(const dk_tensor *t, const char *op, const char *arg);
+/* t on ref's device (TypeError) */
+int dkpy_same_device(const dk_tensor *ref, const dk_tensor *t, const char *op, const char *arg);
+/* 1-D with unit stride */
+int dkpy_want_contiguous_1d(const dk_tensor *t, const char *op, const char *arg);
+/* at least n entries along dimension 0 */
+int dkpy_want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg);
+/* ValueError when out and in (same device) share a byte: an output must not alias an input. */
+int dkpy_no_overlap(const dk_tensor *out, const char *out_name, const dk_tensor *in,
+                    const char *in_name, const char *op);
+
+/* ---- launch.c ------------------------------------------------------------------------------ */
+
+/* A C launcher: dk_cuda_<op> behind a uniform signature (args is the op's dk_<op>_args). */
+typedef dk_status (*cuda_launcher)(const void *args, void *stream, dk_error *err);
+
+/* Runs launch(args) on torch's current stream of `device`, with that device current: 0, or -1
+ * with the launcher's error raised (in a CPU-only build: how to rebuild with CUDA). */
+int dkpy_run_cuda(PyObject *module, PyObject *tensor_obj, int32_t device, cuda_launcher launch,
+                  const void *args);
+
+/* ---- rules.c ------------------------------------------------------------------------------- */
+
+/* Sets ValueError(msg) and returns NULL. */
+PyObject *dkpy_value_error(const char *msg);
+/* A tuple of each row's identity (request id or row index) as vLLM-Omni's adapter compares them,
+ * or NULL with an error. */
+PyObject *dkpy_identities_of(PyObject *rows);
+
+/* ---- copies.c: the KV write, shared with the layer call ------------------------------------ */
+
+/* Checks kv_write's 4 arguments (key, value, kv_cache, slot_mapping) and fills *a; views[4]
+ * receives their tensor views: 0 or -1.  Writes nothing. */
+int dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op,
+                        dk_kv_write_args *a, dk_tensor *views);
+/* Runs a checked KV write on k's device (CPU reference or CUDA): 0 or -1. */
+int dkpy_run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k,
+                      const dk_kv_write_args *a);
+
+/* ---- attention.c: the attention, shared with dense.c and the layer call --------------------- */
+
+/* Checks paged_attention's 12 arguments and fills *a, *q_out, *o_out (see attention.c for the
+ * meaning of written, dense_kv, key_block and out_flat): 0 or -1.  Writes nothing. */
+int dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op,
+                         dk_attention_args *a, const dk_tensor *written, dk_tensor *q_out,
+                         dk_tensor *o_out, const dk_tensor *dense_kv, int64_t key_block,
+                         int out_flat);
+/* Runs a checked attention on q's device: 0 or -1. */
+int dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
+                       const dk_attention_args *a);
+/* The short-rows mask argument (an int bit mask of rows) into *mask: 0 or -1. */
+int dkpy_short_rows_mask(PyObject *obj, const char *op, int64_t *mask);
+/* Applies a short-rows mask to a checked attention call: 0 or -1. */
+int dkpy_short_rows_set_mask(PyObject *module, PyObject *key_limits, const char *op, int64_t mask,
+                             const dk_tensor *q, const dk_tensor *o, dk_attention_args *a);
+
+#endif /* DIFFKV_PY_BINDING_H */

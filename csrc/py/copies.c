@@ -1,0 +1,300 @@
+#include "binding.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static dk_status
+launch_kv_write(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_kv_write((const dk_kv_write_args *)a, stream, err);
+}
+
+static dk_status
+launch_rows_gather(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_rows_gather((const dk_rows_args *)a, stream, err);
+}
+
+static dk_status
+launch_rows_scatter(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_rows_scatter((const dk_rows_args *)a, stream, err);
+}
+
+/* Reads key/value/kv_cache/slot_mapping into a kv-write argument block; views[0..3] receive
+ * the four tensors' views. */
+int
+dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_kv_write_args *a,
+                    dk_tensor *views)
+{
+    dk_tensor k, v, c, sm;
+    if (dkpy_tensor_arg(module, args[0], op, "key", &k) != 0 || dkpy_want_float(&k, op, "key") ||
+        dkpy_want_ndim(&k, 3, op, "key") ||
+        dkpy_tensor_arg(module, args[1], op, "value", &v) != 0 ||
+        dkpy_want_dtype(&v, k.dtype, op, "value") || dkpy_want_ndim(&v, 3, op, "value") ||
+        dkpy_same_device(&k, &v, op, "value") ||
+        dkpy_tensor_arg(module, args[2], op, "kv_cache", &c) != 0 ||
+        dkpy_want_dtype(&c, k.dtype, op, "kv_cache") || dkpy_want_ndim(&c, 5, op, "kv_cache") ||
+        dkpy_same_device(&k, &c, op, "kv_cache") ||
+        dkpy_tensor_arg(module, args[3], op, "slot_mapping", &sm) != 0 ||
+        dkpy_want_dtype(&sm, DK_I64, op, "slot_mapping") ||
+        dkpy_want_ndim(&sm, 1, op, "slot_mapping") ||
+        dkpy_same_device(&k, &sm, op, "slot_mapping")) {
+        return -1;
+    }
+    if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): value must have the shape of key [%lld, %lld, %lld], "
+                     "got [%lld, %lld, %lld]",
+                     op, (long long)k.shape[0], (long long)k.shape[1], (long long)k.shape[2],
+                     (long long)v.shape[0], (long long)v.shape[1], (long long)v.shape[2]);
+        return -1;
+    }
+    if (c.shape[0] != 2 || c.shape[3] != k.shape[1] || c.shape[4] != k.shape[2]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): kv_cache must have shape [2, num_blocks, block_size, %lld, %lld], got "
+                     "[%lld, %lld, %lld, %lld, %lld]",
+                     op, (long long)k.shape[1], (long long)k.shape[2], (long long)c.shape[0],
+                     (long long)c.shape[1], (long long)c.shape[2], (long long)c.shape[3],
+                     (long long)c.shape[4]);
+        return -1;
+    }
+    if (dkpy_want_min_len(&sm, k.shape[0], op, "slot_mapping") != 0 ||
+        dkpy_no_overlap(&c, "kv_cache", &k, "key", op) ||
+        dkpy_no_overlap(&c, "kv_cache", &v, "value", op) ||
+        dkpy_no_overlap(&c, "kv_cache", &sm, "slot_mapping", op)) {
+        return -1;
+    }
+    size_t es = dk_dtype_size(k.dtype);
+    memset(a, 0, sizeof(*a));
+    a->key = k.data;
+    a->value = v.data;
+    a->key_stride_token = k.strides[0];
+    a->key_stride_head = k.strides[1];
+    a->key_stride_dim = k.strides[2];
+    a->value_stride_token = v.strides[0];
+    a->value_stride_head = v.strides[1];
+    a->value_stride_dim = v.strides[2];
+    a->key_cache = c.data;
+    a->value_cache = c.data == NULL ? NULL : (void *)((char *)c.data + (size_t)c.strides[0] * es);
+    a->cache_stride_block = c.strides[1];
+    a->cache_stride_token = c.strides[2];
+    a->cache_stride_head = c.strides[3];
+    a->cache_stride_dim = c.strides[4];
+    a->slot_mapping = (const int64_t *)sm.data;
+    a->slot_stride = sm.strides[0];
+    a->num_tokens = k.shape[0];
+    a->num_kv_heads = k.shape[1];
+    a->head_size = k.shape[2];
+    a->block_size = c.shape[2];
+    a->num_blocks = c.shape[1];
+    a->dtype = k.dtype;
+    views[0] = k;
+    views[1] = v;
+    views[2] = c;
+    views[3] = sm;
+    return 0;
+}
+
+int
+dkpy_run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k,
+                  const dk_kv_write_args *a)
+{
+    if (a->num_tokens == 0) {
+        return 0;
+    }
+    if (k->device_type == DK_CUDA) {
+        return dkpy_run_cuda(module, key_obj, k->device_id, launch_kv_write, a);
+    }
+    dk_error err = {{0}};
+    dk_status s;
+    Py_BEGIN_ALLOW_THREADS s = dk_ref_kv_write(a, &err);
+    Py_END_ALLOW_THREADS if (s != DK_OK)
+    {
+        dkpy_raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * The standalone kv_write on CUDA copies the slot mapping to the host and range-checks it
+ * before launching (one synchronisation; forward_paged does not do this: its slots come from
+ * block tables whose entries were checked on the host, and the kernel skips any slot outside
+ * the cache rather than writing there).
+ */
+static int
+check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
+                   const dk_kv_write_args *a)
+{
+    if (a->num_tokens == 0) {
+        return 0;
+    }
+    if (!dk_cuda_compiled()) {
+        return dkpy_run_cuda(module, key_obj, k->device_id, launch_kv_write, a);
+    }
+    int64_t *host = (int64_t *)malloc((size_t)a->num_tokens * sizeof(int64_t));
+    if (host == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *stream = NULL;
+    int32_t prev = 0;
+    dk_error err = {{0}};
+    if (dk_bridge_stream(&state_of(module)->bridge, key_obj, k->device_id, &stream) != 0) {
+        free(host);
+        return -1;
+    }
+    dk_status s = dk_cuda_device_enter(k->device_id, &prev, &err);
+    for (int64_t t = 0; s == DK_OK && t < a->num_tokens; t++) {
+        /* Strided mappings are rare; copy entry by entry only then. */
+        if (a->slot_stride == 1) {
+            s = dk_cuda_copy_to_host(host, a->slot_mapping, (size_t)a->num_tokens * sizeof(int64_t),
+                                     stream, &err);
+            break;
+        }
+        s = dk_cuda_copy_to_host(&host[t], a->slot_mapping + t * a->slot_stride, sizeof(int64_t),
+                                 stream, &err);
+    }
+    if (s == DK_OK) {
+        dk_cuda_device_exit(prev);
+    }
+    int64_t capacity = a->num_blocks * a->block_size;
+    for (int64_t t = 0; s == DK_OK && t < a->num_tokens; t++) {
+        if (host[t] >= capacity) {
+            s = dk_fail(&err, DK_ERR_VALUE,
+                        "kv_write(): slot_mapping[%lld] must be < num_blocks * block_size = %lld "
+                        "(or < 0 to skip), got %lld",
+                        (long long)t, (long long)capacity, (long long)host[t]);
+        }
+    }
+    free(host);
+    if (s != DK_OK) {
+        dkpy_raise_status(module, s, &err);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("kv_write", nargs, 4) != 0) {
+        return NULL;
+    }
+    dk_kv_write_args a;
+    dk_tensor views[4];
+    const dk_tensor *k = &views[0];
+    if (dkpy_parse_kv_write(module, args, "kv_write", &a, views) != 0) {
+        return NULL;
+    }
+    if (k->device_type == DK_CUDA && check_device_slots(module, args[0], k, &a) != 0) {
+        return NULL;
+    }
+    if (dkpy_run_kv_write(module, args[0], k, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* A 2-D o of num_heads * head_size columns (query q's [N, H, D]) becomes its [N, H, D] view:
+ * 1, else 0 (o unchanged). */
+static int
+parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args *a,
+           dk_tensor *src_out, int scatter)
+{
+    dk_tensor s, ix, d;
+    if (dkpy_tensor_arg(module, args[0], op, "src", &s) != 0 || dkpy_want_float(&s, op, "src") ||
+        dkpy_want_ndim(&s, 3, op, "src") ||
+        dkpy_tensor_arg(module, args[1], op, "index", &ix) != 0 ||
+        dkpy_want_dtype(&ix, DK_I64, op, "index") || dkpy_want_contiguous_1d(&ix, op, "index") ||
+        dkpy_same_device(&s, &ix, op, "index") ||
+        dkpy_tensor_arg(module, args[2], op, "dst", &d) != 0 ||
+        dkpy_want_dtype(&d, s.dtype, op, "dst") || dkpy_want_ndim(&d, 3, op, "dst") ||
+        dkpy_same_device(&s, &d, op, "dst")) {
+        return -1;
+    }
+    if (d.shape[1] != s.shape[1] || d.shape[2] != s.shape[2]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): dst must have [%lld, %lld] trailing dims, got [%lld, %lld]", op,
+                     (long long)s.shape[1], (long long)s.shape[2], (long long)d.shape[1],
+                     (long long)d.shape[2]);
+        return -1;
+    }
+    int64_t need = scatter ? s.shape[0] : d.shape[0];
+    if (ix.shape[0] != need) {
+        PyErr_Format(PyExc_ValueError, "%s(): index must have %lld entries, got %lld", op,
+                     (long long)need, (long long)ix.shape[0]);
+        return -1;
+    }
+    if (dkpy_no_overlap(&d, "dst", &s, "src", op) || dkpy_no_overlap(&d, "dst", &ix, "index", op)) {
+        return -1;
+    }
+    memset(a, 0, sizeof(*a));
+    a->src = s.data;
+    a->src_stride_token = s.strides[0];
+    a->src_stride_head = s.strides[1];
+    a->src_stride_dim = s.strides[2];
+    a->dst = d.data;
+    a->dst_stride_token = d.strides[0];
+    a->dst_stride_head = d.strides[1];
+    a->dst_stride_dim = d.strides[2];
+    a->index = (const int64_t *)ix.data;
+    a->num_index = ix.shape[0];
+    a->src_tokens = s.shape[0];
+    a->dst_tokens = d.shape[0];
+    a->num_heads = s.shape[1];
+    a->head_size = s.shape[2];
+    a->dtype = s.dtype;
+    *src_out = s;
+    return 0;
+}
+
+static PyObject *
+rows_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int scatter)
+{
+    const char *op = scatter ? "rows_scatter" : "rows_gather";
+    if (dkpy_check_nargs(op, nargs, 3) != 0) {
+        return NULL;
+    }
+    dk_rows_args a;
+    dk_tensor s;
+    if (parse_rows(module, args, op, &a, &s, scatter) != 0) {
+        return NULL;
+    }
+    if (s.device_type == DK_CUDA) {
+        if (dkpy_run_cuda(module, args[0], s.device_id,
+                          scatter ? launch_rows_scatter : launch_rows_gather, &a) != 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    dk_error err = {{0}};
+    dk_status st;
+    Py_BEGIN_ALLOW_THREADS st =
+        scatter ? dk_ref_rows_scatter(&a, &err) : dk_ref_rows_gather(&a, &err);
+    Py_END_ALLOW_THREADS if (st != DK_OK)
+    {
+        return dkpy_raise_status(module, st, &err);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_rows_gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return rows_op(module, args, nargs, 0);
+}
+
+static PyObject *
+py_rows_scatter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return rows_op(module, args, nargs, 1);
+}
+
+PyMethodDef dkpy_copies_methods[] = {
+    FAST(kv_write, "KV cache write (CPU or CUDA)."),
+    FAST(rows_gather, "dst[n] = src[index[n]]."),
+    FAST(rows_scatter, "dst[index[n]] = src[n]; other rows zeroed."),
+    {NULL, NULL, 0, NULL},
+};

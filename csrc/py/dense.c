@@ -1,0 +1,163 @@
+#include "binding.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int
+joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
+{
+    static const char *names[2] = {"joint_key", "joint_value"};
+    if ((args[0] == Py_None) != (args[1] == Py_None)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): joint_key and joint_value must both be tensors or "
+                     "both be None",
+                     op);
+        return -1;
+    }
+    if (args[0] == Py_None) {
+        kv[2].ndim = -1;
+        kv[3].ndim = -1;
+        return 0;
+    }
+    for (int i = 0; i < 2; i++) {
+        dk_tensor *t = &kv[2 + i];
+        if (dkpy_tensor_arg(module, args[i], op, names[i], t) != 0 ||
+            dkpy_want_dtype(t, kv[0].dtype, op, names[i]) || dkpy_want_ndim(t, 3, op, names[i]) ||
+            dkpy_same_device(&kv[0], t, op, names[i])) {
+            return -1;
+        }
+        int ok = t->shape[0] == kv[2].shape[0];
+        for (int d = 1; d < 3; d++) {
+            ok = ok && t->shape[d] == kv[0].shape[d] &&
+                 (t->shape[d] <= 1 || t->strides[d] == kv[0].strides[d]);
+        }
+        ok = ok && (t->shape[0] <= 1 || t->strides[0] == kv[0].strides[0]);
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have shape [num_joint, %lld, %lld] (joint_value: "
+                         "joint_key's) and the key's strides [%lld, %lld, %lld], got shape [%lld, "
+                         "%lld, %lld] strides [%lld, %lld, %lld]",
+                         op, names[i], (long long)kv[0].shape[1], (long long)kv[0].shape[2],
+                         (long long)kv[0].strides[0], (long long)kv[0].strides[1],
+                         (long long)kv[0].strides[2], (long long)t->shape[0],
+                         (long long)t->shape[1], (long long)t->shape[2], (long long)t->strides[0],
+                         (long long)t->strides[1], (long long)t->strides[2]);
+            return -1;
+        }
+    }
+    if (kv[2].shape[0] > INT32_MAX - kv[0].shape[0]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key and joint_key must have at most %d tokens together, got %lld", op,
+                     INT32_MAX, (long long)(kv[0].shape[0] + kv[2].shape[0]));
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "dense_attention";
+    if (dkpy_check_nargs(op, nargs, 18) != 0) {
+        return NULL;
+    }
+    int64_t max_query_len = 0, key_block = 0, consecutive = 0;
+    if (dkpy_get_i64(args[13], op, "max_query_len", &max_query_len) != 0) {
+        return NULL;
+    }
+    if (max_query_len < 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): max_query_len must be >= 0, got %lld", op,
+                     (long long)max_query_len);
+        return NULL;
+    }
+    dk_tensor kv[4], q, o;
+    if (dkpy_tensor_arg(module, args[1], op, "key", &kv[0]) != 0 ||
+        dkpy_want_float(&kv[0], op, "key") || dkpy_want_ndim(&kv[0], 3, op, "key") ||
+        dkpy_tensor_arg(module, args[2], op, "value", &kv[1]) != 0 ||
+        dkpy_want_dtype(&kv[1], kv[0].dtype, op, "value") ||
+        dkpy_want_ndim(&kv[1], 3, op, "value") || dkpy_same_device(&kv[0], &kv[1], op, "value")) {
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (kv[1].shape[i] != kv[0].shape[i] ||
+            (kv[0].shape[i] > 1 && kv[1].strides[i] != kv[0].strides[i])) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): value must have the key's shape and strides, got shape [%lld, "
+                         "%lld, %lld] strides [%lld, %lld, %lld] for key shape [%lld, %lld, %lld] "
+                         "strides [%lld, %lld, %lld]",
+                         op, (long long)kv[1].shape[0], (long long)kv[1].shape[1],
+                         (long long)kv[1].shape[2], (long long)kv[1].strides[0],
+                         (long long)kv[1].strides[1], (long long)kv[1].strides[2],
+                         (long long)kv[0].shape[0], (long long)kv[0].shape[1],
+                         (long long)kv[0].shape[2], (long long)kv[0].strides[0],
+                         (long long)kv[0].strides[1], (long long)kv[0].strides[2]);
+            return NULL;
+        }
+    }
+    if (kv[0].shape[0] > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s(): key must have at most %d tokens, got %lld", op,
+                     INT32_MAX, (long long)kv[0].shape[0]);
+        return NULL;
+    }
+    if (joint_kv(module, args + 14, op, kv) != 0 ||
+        dkpy_get_i64(args[16], op, "key_block", &key_block)) {
+        return NULL;
+    }
+    if (key_block < 1 || (kv[0].shape[0] % key_block) != 0 || (key_block > 1 && kv[2].ndim == 3)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): key_block must be >= 1 and divide the %lld key tokens (1 with "
+                     "joint_key), got %lld",
+                     op, (long long)kv[0].shape[0], (long long)key_block);
+        return NULL;
+    }
+    if (dkpy_get_i64(args[17], op, "consecutive", &consecutive) != 0) {
+        return NULL;
+    }
+    if (consecutive < 0 || consecutive > 3) {
+        PyErr_Format(PyExc_ValueError, "%s(): consecutive must be 0 to 3 (bits 1 and 2), got %lld",
+                     op, (long long)consecutive);
+        return NULL;
+    }
+    int64_t mask = 0;
+    if (dkpy_short_rows_mask(args[7], op, &mask) != 0) {
+        return NULL;
+    }
+    /* dkpy_parse_attention's argument order (kv_cache slot unused), mask replaced by MASK_NONE */
+    PyObject *none_mask = PyLong_FromLong(DK_MASK_NONE);
+    if (none_mask == NULL) {
+        return NULL;
+    }
+    PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
+                               none_mask, args[8], args[9], args[10], args[11], args[12]};
+    dk_attention_args a;
+    int rc = dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0);
+    Py_DECREF(none_mask);
+    if (rc != 0) {
+        return NULL;
+    }
+    if (consecutive & 1) {
+        a.table_runs = 1000; /* the caller vouches: every tile is one run */
+        a.keys_consecutive = a.key_cache2 == NULL;
+    }
+    a.keys_consecutive |= (int32_t)(consecutive & 2); /* and 16-key chunks */
+    if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||
+        dkpy_no_overlap(&o, "out", &kv[1], "value", op) ||
+        dkpy_short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {
+        return NULL;
+    }
+    if (q.device_type == DK_CUDA && args[10] == Py_None && max_query_len > 0 &&
+        max_query_len < a.max_query_len) {
+        a.max_query_len = max_query_len;
+    }
+    if (dkpy_run_attention(module, args[0], &q, &a) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* forward_paged's work (args as there); out_flat: out may be [N, H * D] (dkpy_parse_attention). */
+
+PyMethodDef dkpy_dense_methods[] = {
+    FAST(dense_attention, "Attention over key/value tensors addressed per row by key indices."),
+    {NULL, NULL, 0, NULL},
+};

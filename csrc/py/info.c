@@ -1,0 +1,175 @@
+#include "binding.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static PyObject *
+py_configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("configure", nargs, 2) != 0) {
+        return NULL;
+    }
+    module_state *st = state_of(module);
+    Py_CLEAR(st->bridge.to_dlpack);
+    Py_CLEAR(st->bridge.stream_getter);
+    st->bridge.to_dlpack = args[0] == Py_None ? NULL : Py_NewRef(args[0]);
+    st->bridge.stream_getter = args[1] == Py_None ? NULL : Py_NewRef(args[1]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_set_bridge_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("set_bridge_path", nargs, 1) != 0) {
+        return NULL;
+    }
+    const char *path = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
+    if (path == NULL || (strcmp(path, "auto") != 0 && strcmp(path, "capsule") != 0)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "set_bridge_path(): path must be 'auto' or 'capsule', got %R", args[0]);
+        return NULL;
+    }
+    state_of(module)->bridge.force_capsule = strcmp(path, "capsule") == 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_bridge_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("bridge_path", nargs, 1) != 0) {
+        return NULL;
+    }
+    int rc = dk_bridge_uses_exchange(&state_of(module)->bridge, args[0]);
+    if (rc < 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(rc ? "exchange" : "capsule");
+}
+
+static PyObject *
+py_tensor_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("tensor_info", nargs, 1) != 0) {
+        return NULL;
+    }
+    dk_tensor t;
+    if (dkpy_tensor_arg(module, args[0], "tensor_info", "tensor", &t) != 0) {
+        return NULL;
+    }
+    int exchange = dk_bridge_uses_exchange(&state_of(module)->bridge, args[0]);
+    if (exchange < 0) {
+        return NULL;
+    }
+    PyObject *shape = dkpy_int_tuple(t.shape, t.ndim);
+    PyObject *strides = shape == NULL ? NULL : dkpy_int_tuple(t.strides, t.ndim);
+    if (strides == NULL) {
+        Py_XDECREF(shape);
+        return NULL;
+    }
+    return Py_BuildValue("{s:K,s:s,s:s,s:i,s:N,s:N,s:s}", "data_ptr",
+                         (unsigned long long)(uintptr_t)t.data, "dtype", dk_dtype_name(t.dtype),
+                         "device_type", t.device_type == DK_CUDA ? "cuda" : "cpu", "device_id",
+                         (int)t.device_id, "shape", shape, "strides", strides, "path",
+                         exchange ? "exchange" : "capsule");
+}
+
+static PyObject *
+py_bridge_noop4(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (dkpy_check_nargs("bridge_noop4", nargs, 4) != 0) {
+        return NULL;
+    }
+    static const char *names[4] = {"a", "b", "c", "d"};
+    dk_tensor t[4];
+    for (int i = 0; i < 4; i++) {
+        if (dkpy_tensor_arg(module, args[i], "bridge_noop4", names[i], &t[i]) != 0) {
+            return NULL;
+        }
+    }
+    if (t[0].device_type == DK_CUDA) {
+        void *stream = NULL;
+        if (dk_bridge_stream(&state_of(module)->bridge, args[0], t[0].device_id, &stream) != 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_cuda_compiled(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (dkpy_check_nargs("cuda_compiled", nargs, 0) != 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(dk_cuda_compiled());
+}
+
+static PyObject *
+py_build_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (dkpy_check_nargs("build_info", nargs, 0) != 0) {
+        return NULL;
+    }
+    int compiled = dk_cuda_compiled();
+    int devices = compiled ? dk_cuda_device_count() : 0;
+    return Py_BuildValue("{s:O,s:i,s:i,s:s,s:s,s:s}", "cuda_compiled",
+                         compiled ? Py_True : Py_False, "cuda_runtime_version",
+                         dk_cuda_runtime_version(), "device_count", devices, "archs",
+                         DIFFKV_CUDA_ARCHS, "limited_api", "cp310-abi3", "attention_kernel",
+                         devices > 0 ? dk_cuda_attention_kernel() : "none");
+}
+
+static PyObject *
+py_last_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    (void)args;
+    if (dkpy_check_nargs("last_attention_kernel", nargs, 0) != 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(dk_cuda_last_attention_kernel());
+}
+
+static PyObject *
+py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (dkpy_check_nargs("set_attention_kernel", nargs, 1) != 0) {
+        return NULL;
+    }
+    /* indexed by dk_kernel_choice (DK_KERNEL_AUTO, _SM90, _SM80) */
+    static const char *const names[] = {"auto", "sm90", "sm80"};
+    const char *name = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
+    for (int i = 0; name != NULL && i < (int)(sizeof(names) / sizeof(names[0])); i++) {
+        if (strcmp(name, names[i]) == 0) {
+            return PyUnicode_FromString(names[dk_set_attention_kernel((dk_kernel_choice)i)]);
+        }
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError,
+                 "set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80', got %R",
+                 args[0]);
+    return NULL;
+}
+
+PyMethodDef dkpy_info_methods[] = {
+    FAST(configure, "configure(to_dlpack, raw_stream_getter): the DLPack fallback path."),
+    FAST(set_bridge_path, "set_bridge_path('auto' | 'capsule')."),
+    FAST(bridge_path, "bridge_path(tensor) -> 'exchange' | 'capsule'."),
+    FAST(tensor_info, "tensor_info(tensor) -> dict of what C sees."),
+    FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
+    FAST(cuda_compiled, "cuda_compiled() -> bool."),
+    FAST(build_info, "build_info() -> dict."),
+    FAST(last_attention_kernel,
+         "last_attention_kernel() -> str: the kernel the last CUDA attention call launched."),
+    FAST(set_attention_kernel,
+         "set_attention_kernel('auto' | 'sm90' | 'sm80') -> the previous choice: the tensor-core "
+         "attention kernels CUDA calls may take, for this process (overrides "
+         "DIFFKV_ATTENTION_KERNEL)."),
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,109 @@
+#include "binding.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Every file's functions (contract: python/diffkv/_C.pyi). */
+static PyMethodDef *const method_tables[] = {
+    dkpy_info_methods,   dkpy_rules_methods, dkpy_qkv_methods,    dkpy_batch_methods,
+    dkpy_tables_methods, dkpy_plan_methods,  dkpy_copies_methods, dkpy_attention_methods,
+    dkpy_dense_methods,  dkpy_layer_methods,
+};
+
+static int
+module_exec(PyObject *module)
+{
+    module_state *st = state_of(module);
+    memset(&st->bridge, 0, sizeof(st->bridge));
+    st->cuda_error = PyErr_NewExceptionWithDoc(
+        "diffkv.CudaError",
+        "A CUDA runtime failure inside diffkv; the message names the operation.",
+        PyExc_RuntimeError, NULL);
+    if (st->cuda_error == NULL || PyModule_AddObjectRef(module, "CudaError", st->cuda_error) < 0) {
+        return -1;
+    }
+    for (int i = 0; i < CTX_NAMES; i++) {
+        if ((st->ctx_names[i] = PyUnicode_InternFromString(dkpy_ctx_name_text[i])) == NULL) {
+            return -1;
+        }
+    }
+    for (size_t i = 0; i < sizeof(method_tables) / sizeof(method_tables[0]); i++) {
+        if (PyModule_AddFunctions(module, method_tables[i]) < 0) {
+            return -1;
+        }
+    }
+    if (PyModule_AddIntConstant(module, "DTYPE_FLOAT32", DK_F32) < 0 ||
+        PyModule_AddIntConstant(module, "DTYPE_FLOAT16", DK_F16) < 0 ||
+        PyModule_AddIntConstant(module, "DTYPE_BFLOAT16", DK_BF16) < 0 ||
+        PyModule_AddIntConstant(module, "DTYPE_FLOAT64", DK_F64) < 0 ||
+        PyModule_AddIntConstant(module, "MASK_NONE", DK_MASK_NONE) < 0 ||
+        PyModule_AddIntConstant(module, "MASK_CAUSAL", DK_MASK_CAUSAL) < 0 ||
+        PyModule_AddIntConstant(module, "MASK_LIMITS", DK_MASK_LIMITS) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    module_state *st = state_of(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_VISIT(st->cuda_error);
+    Py_VISIT(st->empty_like);
+    Py_VISIT(st->context_type);
+    Py_VISIT(st->bridge.to_dlpack);
+    Py_VISIT(st->bridge.stream_getter);
+    for (int i = 0; i < st->bridge.num_types; i++) {
+        Py_VISIT(st->bridge.types[i]);
+    }
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    module_state *st = state_of(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_CLEAR(st->cuda_error);
+    Py_CLEAR(st->empty_like);
+    Py_CLEAR(st->context_type);
+    for (int i = 0; i < CTX_NAMES; i++) {
+        Py_CLEAR(st->ctx_names[i]);
+    }
+    dk_bridge_clear(&st->bridge);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "diffkv._C",
+    .m_doc = "diffkv's C core: DLPack tensor bridge, the seed's validation rules, batch "
+             "preparation, piecewise plans, KV write and paged attention (CPU reference and CUDA).",
+    .m_size = sizeof(module_state),
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}
