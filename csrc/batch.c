@@ -1,5 +1,5 @@
 /*
- * batch.c -- host side of prepare_batch: the seed's batch checks (P5..P11), token positions,
+ * batch.c -- host side of prepare_batch: vLLM-Omni's adapter's batch checks, token positions,
  * the context-parallel local sequence lengths, the block-table gather and the CPU slot mapping
  * (vLLM BlockTables.compute_slot_mappings).
  *
@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 /* ------------------------------------------------------------------------------------------ */
-/* Exact int64 arithmetic with Python semantics (the seed computes on unbounded ints)          */
+/* Exact int64 arithmetic with Python semantics (the adapter computes on unbounded ints)       */
 /* ------------------------------------------------------------------------------------------ */
 
 /* *out = a * b; returns 1 (and leaves *out unset) when the product does not fit in int64. */
@@ -304,7 +304,7 @@ dk_ref_gather_block_tables(const dk_gather_args *a, dk_error *err)
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* prepare_batch checks P5..P11                                                                */
+/* prepare_batch's checks of rows against the Worker's tables and token budget               */
 /* ------------------------------------------------------------------------------------------ */
 
 /* Exact sum of int64 values as hi * 2^64 + lo (cannot overflow for fewer than 2^63 terms). */
@@ -390,7 +390,8 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
                        dk_dtype_name(a->num_blocks_dtype));
     }
 
-    /* P5: only int row indices are compared here; module.c owns other Python types. */
+    /* Two rows on one Worker row: only int row indices are compared here; csrc/py/batch.c
+     * judges other Python types. */
     for (int64_t i = 0; i < a->num_rows; i++) {
         if (!a->row_index_is_int[i]) {
             continue;
@@ -399,28 +400,28 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
             if (a->row_index_is_int[j] && a->row_indices[j] == a->row_indices[i]) {
                 dk_fail(err, DK_ERR_VALUE,
                         "Paged attention batch resolves multiple inputs to the same Worker row");
-                return batch_fault(fault, DK_BATCH_P5_DUP_WORKER_ROW, j, -1);
+                return batch_fault(fault, DK_BATCH_DUP_WORKER_ROW, j, -1);
             }
         }
     }
 
-    /* P6, P7 per row. */
+    /* Per row: the row's capacity is a non-negative int, and seq_len fits in it. */
     for (int64_t i = 0; i < a->num_rows; i++) {
         if (!a->capacity_is_int[i] || a->capacities[i] < 0) {
             dk_fail(err, DK_ERR_VALUE,
                     "Paged attention row %lld resolved to invalid logical capacity", (long long)i);
-            return batch_fault(fault, DK_BATCH_P6_BAD_CAPACITY, i, -1);
+            return batch_fault(fault, DK_BATCH_BAD_CAPACITY, i, -1);
         }
         if (a->seq_lens[i] > a->capacities[i]) {
             dk_fail(err, DK_ERR_VALUE,
                     "Paged attention row %lld uses seq_len=%lld, but its installed allocation has "
                     "logical length %lld",
                     (long long)i, (long long)a->seq_lens[i], (long long)a->capacities[i]);
-            return batch_fault(fault, DK_BATCH_P7_SEQ_LEN_OVER_CAPACITY, i, -1);
+            return batch_fault(fault, DK_BATCH_SEQ_LEN_OVER_CAPACITY, i, -1);
         }
     }
 
-    /* P8: once a row longer than the threshold is seen, no shorter row may follow. */
+    /* Causal ordering: once a row longer than the threshold is seen, no shorter row may follow. */
     if (a->reorder_threshold >= 0 && a->any_causal) {
         int found_long_query = 0;
         for (int64_t i = 0; i < a->num_rows; i++) {
@@ -432,18 +433,19 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
                         "Causal paged attention rows must place native decode/short-query rows "
                         "before prefill/long-query rows (decode threshold=%lld)",
                         (long long)a->reorder_threshold);
-                return batch_fault(fault, DK_BATCH_P8_ORDER, i, -1);
+                return batch_fault(fault, DK_BATCH_ORDER, i, -1);
             }
         }
     }
 
-    /* P9, P10 per row (and per group for P10). */
+    /* Per row: the Worker row index is in range; per cache group: enough kernel blocks are
+     * installed for seq_len. */
     for (int64_t i = 0; i < a->num_rows; i++) {
         int64_t row = a->row_indices[i];
         if (!a->row_index_is_int[i] || row < 0 || row >= a->max_num_reqs) {
             dk_fail(err, DK_ERR_VALUE, "Paged attention row %lld resolved to invalid Worker row",
                     (long long)i);
-            return batch_fault(fault, DK_BATCH_P9_BAD_WORKER_ROW, i, -1);
+            return batch_fault(fault, DK_BATCH_BAD_WORKER_ROW, i, -1);
         }
         for (int64_t g = 0; g < a->num_groups; g++) {
             int64_t divisor;
@@ -473,7 +475,7 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
                                     ? (int64_t)((const int32_t *)a->num_blocks)[offset]
                                     : ((const int64_t *)a->num_blocks)[offset];
             if (product_exceeds(required, k, installed)) {
-                /* The seed reports installed // k; Python would raise for k == 0. */
+                /* vLLM-Omni's adapter reports installed // k; Python would raise for k == 0. */
                 if (k == 0) {
                     return dk_fail(err, DK_ERR_VALUE,
                                    "%s: blocks_per_kv_block[%lld] must be nonzero, got 0", op,
@@ -493,12 +495,12 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
                         "seq_len=%lld, but its installed Worker row contains only %lld blocks",
                         (long long)i, (long long)required, (long long)g, (long long)a->seq_lens[i],
                         (long long)fault->installed_blocks);
-                return batch_fault(fault, DK_BATCH_P10_TOO_FEW_BLOCKS, i, g);
+                return batch_fault(fault, DK_BATCH_TOO_FEW_BLOCKS, i, g);
             }
         }
     }
 
-    /* P11 on the exact sum. */
+    /* The token budget, on the exact sum. */
     wide_sum sum = {0, 0};
     for (int64_t i = 0; i < a->num_rows; i++) {
         wide_add(&sum, a->query_lens[i]);
@@ -511,7 +513,7 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
         fault->num_tokens = INT64_MAX;
         dk_fail(err, DK_ERR_VALUE, "Paged attention batch has %s tokens; Worker capacity is %lld",
                 text, (long long)a->max_num_batched_tokens);
-        return batch_fault(fault, DK_BATCH_P11_TOO_MANY_TOKENS, -1, -1);
+        return batch_fault(fault, DK_BATCH_TOO_MANY_TOKENS, -1, -1);
     }
     if (!fits) {
         return dk_fail(err, DK_ERR_VALUE, "%s: sum(query_len) must be >= %lld, got less", op,
@@ -521,7 +523,7 @@ dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk_error *er
     if (num_tokens > a->max_num_batched_tokens) {
         dk_fail(err, DK_ERR_VALUE, "Paged attention batch has %lld tokens; Worker capacity is %lld",
                 (long long)num_tokens, (long long)a->max_num_batched_tokens);
-        return batch_fault(fault, DK_BATCH_P11_TOO_MANY_TOKENS, -1, -1);
+        return batch_fault(fault, DK_BATCH_TOO_MANY_TOKENS, -1, -1);
     }
     return DK_OK;
 }

@@ -4,7 +4,7 @@
  * Holds the borrowed tensor view (dk_tensor), status codes, one argument struct per op and
  * the prototypes of every host routine (dk_*), CPU reference (dk_ref_*) and CUDA launcher
  * (dk_cuda_*).  No Python.h and no CUDA headers here: a stream is a void pointer.  Only
- * csrc/module.c turns a dk_status into a Python exception.
+ * the Python boundary (csrc/py/) turns a dk_status into a Python exception.
  *
  * Conventions (see STYLE.md): sizes, strides and indices are int64 and strides are counted
  * in elements; a slot < 0 means "skip this token"; every routine that can fail returns a
@@ -38,7 +38,7 @@ typedef enum dk_status {
 
 #define DK_MSG_CAP 512
 
-/* The message a failing routine leaves behind; module.c raises it. */
+/* The message a failing routine leaves behind; the Python boundary (csrc/py/) raises it. */
 typedef struct dk_error {
     char msg[DK_MSG_CAP];
 } dk_error;
@@ -179,25 +179,25 @@ typedef struct dk_gather_args {
 dk_status dk_ref_gather_block_tables(const dk_gather_args *a, dk_error *err);
 
 /*
- * The seed's prepare_batch checks P5..P11 over plain numbers, in the seed's order:
- *   P5 two rows resolve to the same Worker row (only compared among rows whose index is an int)
- *   for each row: P6 capacity not an int or < 0; P7 seq_len > capacity
- *   P8 causal ordering (threshold >= 0 and any_causal)
- *   for each row: P9 index not an int or outside [0, max_num_reqs);
- *                 for each group: P10 installed kernel blocks too few
- *   P11 sum(query_len) > max_num_batched_tokens
+ * vLLM-Omni's adapter's prepare_batch checks over plain numbers, in its order:
+ *   two rows resolve to the same Worker row (only compared among rows whose index is an int);
+ *   for each row: capacity not an int or < 0; seq_len > capacity;
+ *   causal ordering (threshold >= 0 and any_causal);
+ *   for each row: index not an int or outside [0, max_num_reqs);
+ *                 for each group: too few installed kernel blocks;
+ *   sum(query_len) > max_num_batched_tokens.
  * Python-level facts (is this an int?) arrive as flags.  On a violation `fault` names the rule
- * and the row/group so module.c can format the seed's exact message.
+ * and the row/group so csrc/py/batch.c can format the adapter's exact message.
  */
 typedef enum dk_batch_rule {
     DK_BATCH_OK = 0,
-    DK_BATCH_P5_DUP_WORKER_ROW,
-    DK_BATCH_P6_BAD_CAPACITY,
-    DK_BATCH_P7_SEQ_LEN_OVER_CAPACITY,
-    DK_BATCH_P8_ORDER,
-    DK_BATCH_P9_BAD_WORKER_ROW,
-    DK_BATCH_P10_TOO_FEW_BLOCKS,
-    DK_BATCH_P11_TOO_MANY_TOKENS
+    DK_BATCH_DUP_WORKER_ROW,
+    DK_BATCH_BAD_CAPACITY,
+    DK_BATCH_SEQ_LEN_OVER_CAPACITY,
+    DK_BATCH_ORDER,
+    DK_BATCH_BAD_WORKER_ROW,
+    DK_BATCH_TOO_FEW_BLOCKS,
+    DK_BATCH_TOO_MANY_TOKENS
 } dk_batch_rule;
 
 typedef struct dk_batch_check_args {
@@ -224,11 +224,11 @@ typedef struct dk_batch_check_args {
 
 typedef struct dk_batch_fault {
     dk_batch_rule rule;
-    int64_t row;              /* offending row (P6, P7, P9, P10) */
-    int64_t group;            /* offending cache group (P10) */
-    int64_t required_blocks;  /* P10: cdiv(seq_len, block_size * cp_size) */
-    int64_t installed_blocks; /* P10: installed kernel blocks // blocks_per_kv_block */
-    int64_t num_tokens;       /* P11 and on success: sum(query_len) */
+    int64_t row;              /* offending row (capacity, seq_len, row index, blocks) */
+    int64_t group;            /* offending cache group (too few blocks) */
+    int64_t required_blocks;  /* cdiv(seq_len, block_size * cp_size) */
+    int64_t installed_blocks; /* installed kernel blocks // blocks_per_kv_block */
+    int64_t num_tokens;       /* sum(query_len): the budget rule, and on success */
 } dk_batch_fault;
 
 /* Returns DK_OK with fault->rule == DK_BATCH_OK and fault->num_tokens set, or DK_ERR_VALUE
@@ -242,7 +242,7 @@ dk_status dk_batch_check(const dk_batch_check_args *a, dk_batch_fault *fault, dk
 
 typedef enum dk_mode { DK_MODE_CAUSAL = 0, DK_MODE_FULL = 1 } dk_mode;
 
-/* One segment of one row, global coordinates (the seed's Segment NamedTuple). */
+/* One segment of one row, global coordinates (vLLM-Omni's adapter's Segment NamedTuple). */
 typedef struct dk_segment {
     int64_t q_start;
     int64_t q_end;
@@ -274,14 +274,13 @@ typedef struct dk_plan_args {
 int64_t dk_plan_segment_capacity(const dk_plan_args *a);
 
 /*
- * Validates and segments every row (seed build_paged_piecewise_plan, rows checked in order:
- * spans first, then the query range, per row), then checks that all rows have the same number
- * of segments (UNALIGNED) and the same mode per segment (MODE_MISMATCH).
- * Output: *num_segments = K; segments[k * num_rows + r] = segment k of row r;
- *         key_limits[t] (int32, [sum query_lens], packed row-major) = exclusive key bound of
- *         packed query token t: kv_end of its full segment, else position + 1.
- * On failure returns DK_ERR_VALUE, sets *rule and the seed's message in err; nothing written
- * to key_limits.
+ * Validates and segments every row (vLLM-Omni's adapter's build_paged_piecewise_plan, rows checked
+ * in order: spans first, then the query range, per row), then checks that all rows have the same
+ * number of segments (UNALIGNED) and the same mode per segment (MODE_MISMATCH). Output:
+ * *num_segments = K; segments[k * num_rows + r] = segment k of row r; key_limits[t] (int32, [sum
+ * query_lens], packed row-major) = exclusive key bound of packed query token t: kv_end of its full
+ * segment, else position + 1. On failure returns DK_ERR_VALUE, sets *rule and the adapter's message
+ * in err; nothing written to key_limits.
  */
 dk_status dk_plan_build(const dk_plan_args *a, dk_segment *segments, int64_t segment_capacity,
                         int64_t *num_segments, int32_t *key_limits, dk_plan_rule *rule,
@@ -429,8 +428,8 @@ typedef struct dk_attention_args {
      * keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */
     float *lse;                                /* [num_tokens, num_heads] or NULL */
     int64_t lse_stride_token, lse_stride_head; /* element strides of lse */
-    /* 1: block_table is dense_attention's key_index (blocks of one key token), 2: of key_block
-     * consecutive tokens; only the check's messages differ */
+    /* DK_KEYS_PAGED, or which dense_attention key_index block_table is (only the check's
+     * messages differ) */
     int32_t dense;
     /* Optional second K/V source (dense_attention's joint tokens), NULL = none: a block id
      * b >= blocks2 is block b - blocks2 of key_cache2 / value_cache2, which share the cache
@@ -448,6 +447,16 @@ typedef struct dk_attention_args {
      * consecutive rows of one source from a multiple of 8 (the per-chunk TMA boxes). */
     int32_t keys_consecutive;
 } dk_attention_args;
+
+/* dk_attention_args.dense */
+enum {
+    DK_KEYS_PAGED = 0,       /* block_table is a paged cache's */
+    DK_KEYS_DENSE = 1,       /* dense_attention's key_index: blocks of one key token */
+    DK_KEYS_DENSE_BLOCKS = 2 /* dense_attention's key_index: blocks of key_block tokens */
+};
+
+/* dk_attention_args.table_runs when every key tile is one run (its scale: per mille) */
+#define DK_TABLE_RUNS_ALL 1000
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,
  * seq_lens[r] in [0, bt_cols * block_size], every block id a row can reach in

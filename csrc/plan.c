@@ -1,5 +1,5 @@
 /*
- * plan.c -- piecewise (mixed causal / full) attention plans: the seed's
+ * plan.c -- piecewise (mixed causal / full) attention plans: vLLM-Omni's adapter's
  * build_paged_piecewise_plan over plain integers.  Validates the spans and query range of
  * every row, cuts each row into causal and full segments, checks that the rows line up, and
  * turns the plan into one exclusive key bound per packed query token (what the single-launch
@@ -22,7 +22,7 @@ static const char MSG_MODE_MISMATCH[] =
     "Paged piecewise rows must use the same attention mode per segment";
 static const char MSG_INPUTS[] = "Paged piecewise inputs must have one entry per row";
 
-/* The seed's build_segments for one row, one segment per call. */
+/* vLLM-Omni's adapter's build_segments for one row, one segment per call. */
 typedef struct seg_iter {
     const int64_t *spans; /* this row's (start, end) pairs */
     int64_t num_spans;
@@ -153,7 +153,7 @@ dk_plan_build(const dk_plan_args *a, dk_segment *segments, int64_t segment_capac
         }
     }
 
-    /* Per row, in the seed's order: spans, then the query range. */
+    /* Per row, in vLLM-Omni's adapter's order: spans, then the query range. */
     for (int64_t r = 0; r < a->num_rows; r++) {
         int64_t seq_len = a->seq_lens[r];
         int64_t previous_end = 0;

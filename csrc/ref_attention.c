@@ -190,9 +190,11 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
 {
     /* dense_attention's table holds key tokens (blocks of one token) or blocks of key_block
      * consecutive key tokens: its own names */
-    const char *op = a->dense ? "dense_attention" : "paged_attention";
-    const char *bt = a->dense ? "key_index" : "block_table";
-    const char *nb = a->dense == 2 ? "num_keys / key_block" : a->dense ? "num_keys" : "num_blocks";
+    const char *op = a->dense != DK_KEYS_PAGED ? "dense_attention" : "paged_attention";
+    const char *bt = a->dense != DK_KEYS_PAGED ? "key_index" : "block_table";
+    const char *nb = a->dense == DK_KEYS_DENSE_BLOCKS ? "num_keys / key_block"
+                     : a->dense == DK_KEYS_DENSE      ? "num_keys"
+                                                      : "num_blocks";
     if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
         return dk_fail(err, DK_ERR_VALUE,
                        "%s(): mask must be MASK_NONE (0), MASK_CAUSAL (1) or MASK_LIMITS (2), "
@@ -247,7 +249,7 @@ dk_attention_check(const dk_attention_args *a, dk_error *err)
     for (int64_t r = 0; r < a->num_rows; r++) {
         const int64_t seq_len = a->seq_lens[r];
         if (seq_len < 0 || seq_len > capacity) {
-            if (a->dense) {
+            if (a->dense != DK_KEYS_PAGED) {
                 return dk_fail(err, DK_ERR_VALUE,
                                "%s(): seq_lens[%lld] must be in [0, %lld] (key_index columns), "
                                "got %lld",
@@ -333,7 +335,7 @@ dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys)
             runs += b == end;
         }
     }
-    return tiles > 0 ? (int32_t)(runs * 1000 / tiles) : 0;
+    return tiles > 0 ? (int32_t)(runs * DK_TABLE_RUNS_ALL / tiles) : 0;
 }
 
 int32_t

@@ -1,3 +1,11 @@
+/*
+ * args.c -- argument conversion and the tensor checks every binding shares.
+ *
+ * Ints with Python's semantics (exact ints, saturation, sequences of ints), tensors through the
+ * DLPack bridge (tensor.c) and the checks of a tensor argument (dtype, rank, device, contiguity,
+ * length, no aliasing between an output and an input), each raising the message
+ * "<op>(): <arg> must <expectation>, got <actual>".  Declared in binding.h.
+ */
 #include "binding.h"
 
 #include <stdlib.h>

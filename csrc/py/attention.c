@@ -1,3 +1,10 @@
+/*
+ * attention.c -- paged attention.
+ *
+ * Entry points: paged_attention and paged_attention_lse (also the log-sum-exp per token and head,
+ * for context parallelism).  dkpy_parse_attention checks an attention call's arguments once for
+ * every caller (dense.c and layer.c too); dkpy_run_attention runs it on the CPU reference or CUDA.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -259,7 +266,9 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
     a->num_blocks = c.shape[1];
     a->scale = (float)scale;
     a->dtype = q.dtype;
-    a->dense = dense_kv == NULL ? 0 : key_block > 1 ? 2 : 1;
+    a->dense = dense_kv == NULL ? DK_KEYS_PAGED
+               : key_block > 1  ? DK_KEYS_DENSE_BLOCKS
+                                : DK_KEYS_DENSE;
     if (joint) {
         /* key indices num_keys .. num_keys + joint tokens - 1 read joint_key / joint_value */
         a->key_cache2 = dense_kv[2].data;

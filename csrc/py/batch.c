@@ -1,3 +1,11 @@
+/*
+ * batch.c -- prepare_batch: its rules and the batch arrays it builds.
+ *
+ * check_batch_rows (row count, mode, identities), check_batch_bindings (rows against the block
+ * tables and the token budget: the numbers go to dk_batch_check in csrc/batch.c, the Python types
+ * are judged here), build_batch (row indices, query_start_loc, seq_lens, positions) and
+ * dcp_local_seq_lens (context-parallel local lengths).
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -121,7 +129,7 @@ py_check_batch_bindings(PyObject *module, PyObject *const *args, Py_ssize_t narg
         cap_is_int[i] = (uint8_t)dkpy_is_exact_int(cap);
         capacities[i] = cap_is_int[i] ? dkpy_int_saturated(cap) : -1;
     }
-    /* P5: Python set semantics over whatever the resolver returned. */
+    /* Two rows on one Worker row: Python set semantics over whatever the resolver returned. */
     {
         PyObject *set = PySet_New(row_index_objs);
         if (set == NULL) {
@@ -226,39 +234,39 @@ py_check_batch_bindings(PyObject *module, PyObject *const *args, Py_ssize_t narg
         goto done;
     }
     switch (fault.rule) {
-    case DK_BATCH_P5_DUP_WORKER_ROW:
+    case DK_BATCH_DUP_WORKER_ROW:
         dkpy_value_error("Paged attention batch resolves multiple inputs to the same Worker row");
         break;
-    case DK_BATCH_P6_BAD_CAPACITY:
+    case DK_BATCH_BAD_CAPACITY:
         PyErr_Format(PyExc_ValueError,
                      "Paged attention row %R resolved to invalid logical capacity %R", identity,
                      PyTuple_GetItem(capacity_objs, fault.row));
         break;
-    case DK_BATCH_P7_SEQ_LEN_OVER_CAPACITY:
+    case DK_BATCH_SEQ_LEN_OVER_CAPACITY:
         PyErr_Format(PyExc_ValueError,
                      "Paged attention row %R uses seq_len=%lld, but its installed allocation has "
                      "logical length %S",
                      identity, (long long)seq_lens[fault.row],
                      PyTuple_GetItem(capacity_objs, fault.row));
         break;
-    case DK_BATCH_P8_ORDER:
+    case DK_BATCH_ORDER:
         PyErr_Format(PyExc_ValueError,
                      "Causal paged attention rows must place native decode/short-query rows "
                      "before prefill/long-query rows (decode threshold=%S)",
                      args[2]);
         break;
-    case DK_BATCH_P9_BAD_WORKER_ROW:
+    case DK_BATCH_BAD_WORKER_ROW:
         PyErr_Format(PyExc_ValueError, "Paged attention row %R resolved to invalid Worker row %R",
                      identity, PyTuple_GetItem(row_index_objs, fault.row));
         break;
-    case DK_BATCH_P10_TOO_FEW_BLOCKS:
+    case DK_BATCH_TOO_FEW_BLOCKS:
         PyErr_Format(PyExc_ValueError,
                      "Paged attention row %R requires %lld blocks in cache group %lld for "
                      "seq_len=%lld, but its installed Worker row contains only %lld blocks",
                      identity, (long long)fault.required_blocks, (long long)fault.group,
                      (long long)seq_lens[fault.row], (long long)fault.installed_blocks);
         break;
-    case DK_BATCH_P11_TOO_MANY_TOKENS:
+    case DK_BATCH_TOO_MANY_TOKENS:
         PyErr_Format(PyExc_ValueError,
                      "Paged attention batch has %lld tokens; Worker capacity is %S",
                      (long long)fault.num_tokens, args[5]);
@@ -420,8 +428,12 @@ py_dcp_local_seq_lens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyMethodDef dkpy_batch_methods[] = {
-    FAST(check_batch_rows, "prepare_batch rules P1..P4."),
-    FAST(check_batch_bindings, "prepare_batch rules P5..P11; returns num_tokens."),
+    FAST(check_batch_rows,
+         "prepare_batch's row checks: at least one row, no active forward, at most "
+         "max_num_reqs rows, unique identities."),
+    FAST(check_batch_bindings,
+         "prepare_batch's checks of the rows against the Worker's block tables and "
+         "token budget; returns num_tokens."),
     FAST(build_batch, "Fills row_indices, query_start_loc, seq_lens, positions (CPU)."),
     FAST(dcp_local_seq_lens, "Context-parallel local sequence lengths (CPU)."),
     {NULL, NULL, 0, NULL},

@@ -63,6 +63,17 @@ enum {
     CTX_NAMES
 };
 
+/* check_layer_qkv's layout facts, one bit each (exported as _C.LAYOUT_*): what the caller would
+ * otherwise read back from torch to build the [N, heads, size] views. */
+enum {
+    LAYOUT_PACK_ROWS = 1,         /* right-padded [B, T] rows: gather the valid tokens */
+    LAYOUT_QUERY_HEADS = 2,       /* the query is already [N, heads, size]: no reshape */
+    LAYOUT_KEY_HEADS = 4,         /* the key likewise */
+    LAYOUT_VALUE_HEADS = 8,       /* the value likewise */
+    LAYOUT_KEY_CONTIGUOUS = 16,   /* the key needs .contiguous() (the writer reads heads and */
+    LAYOUT_VALUE_CONTIGUOUS = 32, /* dims densely, tokens at any stride); the value likewise */
+};
+
 /* The text of each CTX_* name, indexed by it (layer.c). */
 extern const char *const dkpy_ctx_name_text[CTX_NAMES];
 
@@ -122,8 +133,8 @@ int dkpy_row_i64(PyObject *row, const char *name, int64_t *out);
 PyObject *dkpy_as_tuple(PyObject *seq, const char *op, const char *arg);
 /* A tuple of n Python ints: a new reference or NULL (MemoryError). */
 PyObject *dkpy_int_tuple(const int64_t *v, int n);
-/* A sequence of ints into a malloc'ed array *out of *n entries (the caller frees it; NULL
- * when empty): 0, or -1 with TypeError/ValueError naming op/arg. */
+/* A sequence of ints (or objects with __index__) into a calloc'ed array *out of *n entries,
+ * which the caller frees: 0, or -1 with TypeError/ValueError/MemoryError naming op/arg. */
 int dkpy_i64_list(PyObject *seq, const char *op, const char *arg, int64_t **out, Py_ssize_t *n);
 
 /* ---- args.c: tensor checks (each 0, or -1 with the message "<op>(): <arg> must ...") ------ */
@@ -159,8 +170,7 @@ int dkpy_run_cuda(PyObject *module, PyObject *tensor_obj, int32_t device, cuda_l
 
 /* Sets ValueError(msg) and returns NULL. */
 PyObject *dkpy_value_error(const char *msg);
-/* A tuple of each row's identity (request id or row index) as vLLM-Omni's adapter compares them,
- * or NULL with an error. */
+/* tuple(row.identity for row in rows): a new reference, or NULL with the error. */
 PyObject *dkpy_identities_of(PyObject *rows);
 
 /* ---- copies.c: the KV write, shared with the layer call ------------------------------------ */
@@ -175,8 +185,9 @@ int dkpy_run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k,
 
 /* ---- attention.c: the attention, shared with dense.c and the layer call --------------------- */
 
-/* Checks paged_attention's 12 arguments and fills *a, *q_out, *o_out (see attention.c for the
- * meaning of written, dense_kv, key_block and out_flat): 0 or -1.  Writes nothing. */
+/* Checks paged_attention's 12 arguments (query .. host_seq_lens) and fills *a, *q_out, *o_out;
+ * written, dense_kv, key_block and out_flat are described at the definition: 0 or -1.
+ * Writes nothing. */
 int dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op,
                          dk_attention_args *a, const dk_tensor *written, dk_tensor *q_out,
                          dk_tensor *o_out, const dk_tensor *dense_kv, int64_t key_block,
@@ -184,9 +195,10 @@ int dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op
 /* Runs a checked attention on q's device: 0 or -1. */
 int dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
                        const dk_attention_args *a);
-/* The short-rows mask argument (an int bit mask of rows) into *mask: 0 or -1. */
+/* Rows with fewer keys than queries (paged_attention_lse, dense_attention): the call is parsed
+ * with MASK_NONE; dkpy_short_rows_mask reads the real mask argument (0, 1 or 2) first and
+ * dkpy_short_rows_set_mask attaches it, with its key_limits checked, after.  0 or -1. */
 int dkpy_short_rows_mask(PyObject *obj, const char *op, int64_t *mask);
-/* Applies a short-rows mask to a checked attention call: 0 or -1. */
 int dkpy_short_rows_set_mask(PyObject *module, PyObject *key_limits, const char *op, int64_t mask,
                              const dk_tensor *q, const dk_tensor *o, dk_attention_args *a);
 

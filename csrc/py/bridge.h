@@ -1,8 +1,8 @@
 /*
- * bridge.h -- the Python side of the tensor bridge, shared by module.c and tensor.c only.
+ * bridge.h -- the Python side of the tensor bridge (tensor.c), for the files of csrc/py/.
  *
- * These are the two files that include Python.h: module.c (bindings and exceptions) and
- * tensor.c (torch tensor -> dk_tensor through DLPack).  Everything else sees only diffkv.h.
+ * csrc/py/ is the only folder that includes Python.h (through this header and binding.h);
+ * everything outside it sees only diffkv.h.
  *
  * The DLPack ABI structs below are declared from the DLPack 1.3 specification (dlpack.h):
  * DLTensor, the legacy DLManagedTensor, DLManagedTensorVersioned and the C exchange API
@@ -79,7 +79,7 @@ typedef struct DLPackExchangeAPI {
 
 #define DK_BRIDGE_TYPE_CACHE 8
 
-/* Per-module state of the bridge (lives in the module state; see module.c). */
+/* Per-module state of the bridge (lives in the module state; see binding.h). */
 typedef struct dk_bridge {
     PyObject *to_dlpack;     /* torch.utils.dlpack.to_dlpack (strong ref) or NULL */
     PyObject *stream_getter; /* torch._C._cuda_getCurrentRawStream (strong ref) or NULL */

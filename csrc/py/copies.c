@@ -1,3 +1,10 @@
+/*
+ * copies.c -- the KV cache write and row gather/scatter.
+ *
+ * Entry points: kv_write (key/value into the cache at each token's slot), rows_gather,
+ * rows_scatter (the padded-row layout's moves).  dkpy_parse_kv_write and dkpy_run_kv_write are
+ * shared with the layer call (layer.c).
+ */
 #include "binding.h"
 
 #include <stdlib.h>

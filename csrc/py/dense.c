@@ -1,3 +1,9 @@
+/*
+ * dense.c -- attention over key/value tensors (the dense forward).
+ *
+ * Entry point: dense_attention: keys addressed per row through key_index, optional joint keys;
+ * the paged kernels read key/value as a cache of one-token blocks.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -136,7 +142,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (consecutive & 1) {
-        a.table_runs = 1000; /* the caller vouches: every tile is one run */
+        a.table_runs = DK_TABLE_RUNS_ALL; /* the caller vouches: every tile is one run */
         a.keys_consecutive = a.key_cache2 == NULL;
     }
     a.keys_consecutive |= (int32_t)(consecutive & 2); /* and 16-key chunks */

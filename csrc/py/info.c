@@ -1,3 +1,9 @@
+/*
+ * info.c -- the bridge's settings, what the build holds, which attention kernel runs.
+ *
+ * Entry points: configure, set_bridge_path, bridge_path, tensor_info, bridge_noop4 (the bridge's
+ * cost, for benchmarks), cuda_compiled, build_info, last_attention_kernel, set_attention_kernel.
+ */
 #include "binding.h"
 
 #include <stdlib.h>

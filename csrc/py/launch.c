@@ -1,3 +1,10 @@
+/*
+ * launch.c -- running a dk_cuda_* launcher for a binding.
+ *
+ * dkpy_run_cuda makes the tensor's device current, takes torch's current stream on it from the
+ * bridge, launches, and turns a failure into diffkv.CudaError; a CPU-only build's launchers
+ * (nocuda.c) explain how to rebuild.
+ */
 #include "binding.h"
 
 #include <stdlib.h>

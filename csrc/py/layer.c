@@ -1,3 +1,10 @@
+/*
+ * layer.c -- the layer call: KV write + attention in one call.
+ *
+ * Entry points: forward_paged (the explicit arguments; on CUDA one submission for both kernels,
+ * cuda/launch.cu), forward_context (DiffKVAttentionImpl.forward_paged of a per-call context, in
+ * one call) and new_with_slots (the per-call context's fast constructor).
+ */
 #include "binding.h"
 
 #include <stdlib.h>

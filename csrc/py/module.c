@@ -1,3 +1,9 @@
+/*
+ * module.c -- diffkv._C: module state, multi-phase init (PEP 489), constants, CudaError.
+ *
+ * Every other file of csrc/py/ binds one concern and hands its method table here (binding.h
+ * lists them).  The contract of each _C function is python/diffkv/_C.pyi.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -38,7 +44,13 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "DTYPE_FLOAT64", DK_F64) < 0 ||
         PyModule_AddIntConstant(module, "MASK_NONE", DK_MASK_NONE) < 0 ||
         PyModule_AddIntConstant(module, "MASK_CAUSAL", DK_MASK_CAUSAL) < 0 ||
-        PyModule_AddIntConstant(module, "MASK_LIMITS", DK_MASK_LIMITS) < 0) {
+        PyModule_AddIntConstant(module, "MASK_LIMITS", DK_MASK_LIMITS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_PACK_ROWS", LAYOUT_PACK_ROWS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_QUERY_HEADS", LAYOUT_QUERY_HEADS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_KEY_HEADS", LAYOUT_KEY_HEADS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_VALUE_HEADS", LAYOUT_VALUE_HEADS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_KEY_CONTIGUOUS", LAYOUT_KEY_CONTIGUOUS) < 0 ||
+        PyModule_AddIntConstant(module, "LAYOUT_VALUE_CONTIGUOUS", LAYOUT_VALUE_CONTIGUOUS) < 0) {
         return -1;
     }
     return 0;
@@ -93,7 +105,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "diffkv._C",
-    .m_doc = "diffkv's C core: DLPack tensor bridge, the seed's validation rules, batch "
+    .m_doc = "diffkv's C core: DLPack tensor bridge, vLLM-Omni's adapter's validation rules, batch "
              "preparation, piecewise plans, KV write and paged attention (CPU reference and CUDA).",
     .m_size = sizeof(module_state),
     .m_slots = module_slots,

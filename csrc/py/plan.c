@@ -1,3 +1,9 @@
+/*
+ * plan.c -- the piecewise plan (vLLM-Omni's build_paged_piecewise_plan).
+ *
+ * Entry point: build_plan.  Rows' spans are read here as Python ints; csrc/plan.c validates and
+ * segments them and computes each token's key limit.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -99,7 +105,8 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *nrow = PyTuple_GetItem(norm, r);
         for (Py_ssize_t i = 0; i < PyTuple_Size(nrow); i++, k++) {
             PyObject *pair = PyTuple_GetItem(nrow, i);
-            /* Huge values saturate: they fail the "within the sequence" rule like the seed. */
+            /* Huge values saturate: they fail the "within the sequence" rule as in vLLM-Omni's
+             * adapter. */
             spans[2 * k] = dkpy_int_saturated(PyTuple_GetItem(pair, 0));
             spans[2 * k + 1] = dkpy_int_saturated(PyTuple_GetItem(pair, 1));
         }
@@ -211,6 +218,6 @@ done:
 }
 
 PyMethodDef dkpy_plan_methods[] = {
-    FAST(build_plan, "Piecewise plan (the seed's build_paged_piecewise_plan)."),
+    FAST(build_plan, "Piecewise plan (vLLM-Omni's adapter's build_paged_piecewise_plan)."),
     {NULL, NULL, 0, NULL},
 };

@@ -1,9 +1,17 @@
+/*
+ * qkv.c -- prepare_layer_context's rules on query, key and value.
+ *
+ * How the caller's tensors flatten into [tokens, heads, head_size] views, which leading dims are
+ * tokens, whether the padded-row scatter is needed, dtype/device agreement, in vLLM-Omni's
+ * adapter's order and words.  Entry point: check_layer_qkv.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* The seed's _flatten_tensor decision: *tok_ndim leading dims are tokens; C4 otherwise. */
+/* vLLM-Omni's adapter's _flatten_tensor decision: *tok_ndim leading dims are tokens, or the
+ * adapter's error when the trailing dims are neither [heads, size] nor [heads * size]. */
 static int
 flatten_layout(const dk_tensor *t, int64_t heads, int64_t size, const char *name, int *has_heads,
                int *tok_ndim)
@@ -43,7 +51,7 @@ same_token_shape(const dk_tensor *a, int an, const dk_tensor *b, int bn)
     return 1;
 }
 
-/* C5..C8 for key ("key") or value ("value"). */
+/* The token dims of key ("key") or value ("value") against the query's. */
 static int
 token_shape_mismatch(const dk_tensor *q, int qn, const dk_tensor *t, int tn, const char *name)
 {
@@ -102,7 +110,7 @@ dtypes_differ(PyObject *a, const dk_tensor *ta, PyObject *b, const dk_tensor *tb
 
 /*
  * Describes a tensor DLPack cannot export (a "meta" tensor, another backend's device) from its
- * Python attributes, so the seed's device check can name it: shape from .shape, device type 0
+ * Python attributes, so the adapter's device check can name it: shape from .shape, device type 0
  * (matches no adapter device) unless .device is cpu/cuda, dtype DK_OTHER (compared through
  * the tensors' own .dtype).  Returns 0, or -1 with the original export error restored.
  */
@@ -160,8 +168,8 @@ layer_tensor(PyObject *module, PyObject *obj, const char *arg, dk_tensor *t)
     return describe_unexported(obj, t);
 }
 
-/* The seed's K/V normalisation rule on the flattened [N, heads, size] view: dims dense and
- * heads `size` apart (one head: any head stride).  A tensor DLPack could not export counts as
+/* vLLM-Omni's adapter's K/V normalisation rule on the flattened [N, heads, size] view: dims dense
+ * and heads `size` apart (one head: any head stride).  A tensor DLPack could not export counts as
  * not dense.  Cannot fail. */
 static int
 dense_heads(const dk_tensor *t, int has_heads, int64_t heads, int64_t size)
@@ -216,7 +224,8 @@ py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         token_shape_mismatch(&q, qn, &v, vn, "value");
         return NULL;
     }
-    /* C9..C11: the seed's _token_packing_indices decision. */
+    /* The token layout, as vLLM-Omni's adapter's _token_packing_indices decides it: packed
+     * [N] tokens, or uniform batched [B, T] that needs packing when a row is shorter than T. */
     int needs_packing = 0;
     if (qn == 1) {
         if (q.shape[0] != n) {
@@ -266,7 +275,7 @@ py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         return NULL;
     }
-    /* C12: devices after normalisation ("cuda" = the current device, resolved by the caller). */
+    /* Devices, after normalisation ("cuda" = the current device, resolved by the caller). */
     const dk_tensor *ts[3] = {&q, &k, &v};
     for (int i = 0; i < 3; i++) {
         if (ts[i]->device_type != dev_type ||
@@ -285,7 +294,7 @@ py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    /* C13, C14. */
+    /* Dtypes: key and value like the query, the query like the layer's. */
     int ne_k = dtypes_differ(qo, &q, ko, &k);
     int ne_v = ne_k < 0 ? -1 : dtypes_differ(qo, &q, vo, &v);
     if (ne_k < 0 || ne_v < 0) {
@@ -332,22 +341,20 @@ py_check_layer_qkv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (tok == NULL) {
         return NULL;
     }
-    /* Layout facts the caller would otherwise read back from torch, one bit each:
-     * 1 rows need packing; 2/4/8 query/key/value already [N, heads, size] (no reshape);
-     * 16/32 key/value need .contiguous() (the writer reads heads and dims densely). */
-    long flags = needs_packing ? 1 : 0;
-    flags |= (q.ndim == 3 && q_heads) ? 2 : 0;
-    flags |= (k.ndim == 3 && k_heads) ? 4 : 0;
-    flags |= (v.ndim == 3 && v_heads) ? 8 : 0;
+    long flags = needs_packing ? LAYOUT_PACK_ROWS : 0;
+    flags |= (q.ndim == 3 && q_heads) ? LAYOUT_QUERY_HEADS : 0;
+    flags |= (k.ndim == 3 && k_heads) ? LAYOUT_KEY_HEADS : 0;
+    flags |= (v.ndim == 3 && v_heads) ? LAYOUT_VALUE_HEADS : 0;
     if (!needs_packing) {
-        flags |= dense_heads(&k, k_heads, hkv, d) ? 0 : 16;
-        flags |= dense_heads(&v, v_heads, hkv, dv) ? 0 : 32;
+        flags |= dense_heads(&k, k_heads, hkv, d) ? 0 : LAYOUT_KEY_CONTIGUOUS;
+        flags |= dense_heads(&v, v_heads, hkv, dv) ? 0 : LAYOUT_VALUE_CONTIGUOUS;
     }
     return Py_BuildValue("(NOl)", tok, q_heads ? Py_True : Py_False, flags);
 }
 
 PyMethodDef dkpy_qkv_methods[] = {
-    FAST(check_layer_qkv, "prepare_layer_context rules C4..C14; returns (token shape, has head "
-                          "dims, layout flags)."),
+    FAST(check_layer_qkv,
+         "prepare_layer_context's query/key/value rules; returns (token shape, has head "
+         "dims, LAYOUT_* bits)."),
     {NULL, NULL, 0, NULL},
 };

@@ -1,3 +1,10 @@
+/*
+ * rules.c -- vLLM-Omni's adapter's rules on rows, batch metadata, steps and layer heads.
+ *
+ * They judge Python objects ("is this exactly an int", any int however large, reprs of row
+ * identities), so they run here on the objects, with vLLM-Omni's messages to the letter.
+ * Entry points: check_row, check_metadata, check_step, check_layer_heads, check_head_sizes.
+ */
 #include "binding.h"
 
 #include <stdlib.h>
@@ -44,7 +51,7 @@ py_check_row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!dkpy_is_exact_int(kv_start_pos) || dkpy_int_sign(kv_start_pos) < 0) {
         return dkpy_value_error("Paged attention kv_start_pos must be a non-negative integer");
     }
-    /* Exact Python arithmetic: the seed accepts any int, however large. */
+    /* Exact Python arithmetic: vLLM-Omni's adapter accepts any int, however large. */
     PyObject *end = PyNumber_Add(kv_start_pos, query_len);
     if (end == NULL) {
         return NULL;
@@ -229,10 +236,12 @@ py_check_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyMethodDef dkpy_rules_methods[] = {
-    FAST(check_row, "Row rules R1..R8."),
-    FAST(check_metadata, "Metadata rules M1, M2."),
-    FAST(check_step, "rows_for_step rule M3."),
-    FAST(check_layer_heads, "Layer rules L1..L3; returns rank-local heads."),
-    FAST(check_head_sizes, "Layer rule L5."),
+    FAST(check_row, "DiffusionPagedAttentionRow's rules (ids, lengths, write span)."),
+    FAST(check_metadata,
+         "DiffusionPagedAttentionMetadata's rules (both row lists, same identities)."),
+    FAST(check_step, "rows_for_step's rule (a non-negative step)."),
+    FAST(check_layer_heads,
+         "The layer's head rules (ulysses_degree, GQA divisibility); returns rank-local heads."),
+    FAST(check_head_sizes, "The layer's head-size rule (equal key/value head sizes)."),
     {NULL, NULL, 0, NULL},
 };

@@ -1,3 +1,9 @@
+/*
+ * tables.c -- block tables, slot mappings and the block pool.
+ *
+ * Entry points: table_append, gather_block_tables, compute_slot_mappings (CPU or CUDA),
+ * pool_init, pool_allocate, pool_free.  The pool's state lives in a caller-owned int64 tensor.
+ */
 #include "binding.h"
 
 #include <stdlib.h>

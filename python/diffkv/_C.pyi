@@ -1,8 +1,8 @@
-"""Type stub and contract of diffkv._C, the C extension (csrc/module.c).
+"""Type stub and contract of diffkv._C, the C extension (csrc/py/; module.c there lists the files).
 
 Every function validates its arguments before it writes anything.  Tensors are torch tensors
 read through DLPack (borrowed for the call).  Errors: TypeError for wrong types/dtypes/devices,
-ValueError for wrong shapes/values (and the seed's ValueErrors, letter for letter),
+ValueError for wrong shapes/values (and vLLM-Omni's adapter's ValueErrors, letter for letter),
 RuntimeError for state errors and CPU-only builds, CudaError for CUDA failures.
 
 A "CPU or CUDA" function runs the C reference on CPU tensors and the CUDA launcher on CUDA
@@ -59,7 +59,7 @@ def last_attention_kernel() -> str:
     """The kernel the last CUDA attention call of this process launched: 'sm90-tma', 'sm90',
     'sm80', 'f32', or 'none' before the first."""
 
-# --- rows / metadata / layer (the seed's messages) -------------------------------------------
+# --- rows / metadata / layer (vLLM-Omni's adapter's messages) -------------------------------------------
 
 def check_row(
     request_id: object,
@@ -69,24 +69,26 @@ def check_row(
     sequence_id: object,
     context_id: object,
 ) -> None:
-    """DiffusionPagedAttentionRow.__post_init__: rules R1..R8 in the seed's order."""
+    """DiffusionPagedAttentionRow.__post_init__: its rules in vLLM-Omni's adapter's order."""
 
 def check_metadata(prefill_rows: tuple, denoise_rows: tuple) -> None:
-    """DiffusionPagedAttentionMetadata.__post_init__: M1, M2 (reads row.identity)."""
+    """DiffusionPagedAttentionMetadata.__post_init__: both row lists non-empty, the same ordered
+    identities (reads row.identity)."""
 
 def check_step(step_idx: object) -> None:
-    """rows_for_step: M3."""
+    """rows_for_step: the step is a non-negative int."""
 
 def check_layer_heads(ulysses_degree: object, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """L1, L2, L3; returns the rank-local (num_heads, num_kv_heads)."""
+    """ulysses_degree a positive int; heads positive, num_heads divisible by num_kv_heads, both by
+    ulysses_degree; returns the rank-local (num_heads, num_kv_heads)."""
 
 def check_head_sizes(head_size: int, head_size_v: int) -> None:
-    """L5."""
+    """head_size_v == head_size."""
 
 # --- prepare_batch ------------------------------------------------------------------------------
 
 def check_batch_rows(rows: tuple, active: bool, max_num_reqs: int) -> None:
-    """P1 (no rows), P2 (active -> RuntimeError), P3 (too many rows), P4 (duplicate identities)."""
+    """No rows, an active forward (RuntimeError), more rows than max_num_reqs, duplicate identities."""
 
 def check_batch_bindings(
     rows: tuple,
@@ -100,7 +102,7 @@ def check_batch_bindings(
     cp_size: int,
     num_blocks: torch.Tensor,
 ) -> int:
-    """P5..P11 in the seed's order; reads binding.row_index and binding.max_seq_len.
+    """The rows against the Worker's tables and token budget, in vLLM-Omni's adapter's order; reads binding.row_index and binding.max_seq_len.
     num_blocks: CPU int32/int64 tensor [num_groups, max_num_reqs] (BlockTables.num_blocks.np
     through torch.as_tensor).  Returns num_tokens = sum(query_len)."""
 
@@ -183,7 +185,7 @@ def build_plan(
     key_limits_out: torch.Tensor | None,
     query_indices_out: torch.Tensor | None,
 ) -> tuple[tuple, tuple]:
-    """The seed's build_paged_piecewise_plan, in C.  Raises the planner's ValueErrors
+    """vLLM-Omni's adapter's build_paged_piecewise_plan, in C.  Raises the planner's ValueErrors
     ('Paged piecewise inputs must have one entry per row', ...).
     Returns (spans, segments): spans = normalised tuple(tuple((start, end), ...) per row);
     segments = tuple over segments k of tuple over rows r of (q_start, q_end, kv_end, mode)
@@ -204,6 +206,13 @@ def kv_write(
 MASK_NONE: int  # 0
 MASK_CAUSAL: int  # 1
 MASK_LIMITS: int  # 2
+# check_layer_qkv's layout bits
+LAYOUT_PACK_ROWS: int  # 1: right-padded [B, T] rows, gather the valid tokens
+LAYOUT_QUERY_HEADS: int  # 2: the query is already [N, heads, size]
+LAYOUT_KEY_HEADS: int  # 4: the key likewise
+LAYOUT_VALUE_HEADS: int  # 8: the value likewise
+LAYOUT_KEY_CONTIGUOUS: int  # 16: the key needs .contiguous()
+LAYOUT_VALUE_CONTIGUOUS: int  # 32: the value needs .contiguous()
 
 def paged_attention(
     query: torch.Tensor,

@@ -69,6 +69,14 @@ def _normalized_device(device: torch.device) -> torch.device:
     return device
 
 
+# check_layer_qkv's layout bits (module globals: read on every layer call)
+_PACK_ROWS = _C.LAYOUT_PACK_ROWS
+_QUERY_HEADS = _C.LAYOUT_QUERY_HEADS
+_KEY_HEADS = _C.LAYOUT_KEY_HEADS
+_VALUE_HEADS = _C.LAYOUT_VALUE_HEADS
+_KEY_CONTIGUOUS = _C.LAYOUT_KEY_CONTIGUOUS
+_VALUE_CONTIGUOUS = _C.LAYOUT_VALUE_CONTIGUOUS
+
 _DTYPE_CODES = {
     torch.float32: _C.DTYPE_FLOAT32,
     torch.float16: _C.DTYPE_FLOAT16,
@@ -849,8 +857,8 @@ class DiffusionPagedAttentionAdapter:
             None if omni_attn_metadata is None else self._validate_omni_attn_metadata(omni_attn_metadata)
         )
 
-        # C4..C14 in the seed's order, in one C call (the K/V gather of padded rows has no
-        # visible effect, so the device/dtype checks may precede it).
+        # vLLM-Omni's adapter's query/key/value rules in its order, in one C call (the K/V gather
+        # of padded rows has no visible effect, so the device/dtype checks may precede it).
         device_type, device_index = self._active_device_key
         expected_dtype = self.vllm_config.model_config.dtype
         query_token_shape, query_has_head_dims, layout = _C.check_layer_qkv(
@@ -869,22 +877,23 @@ class DiffusionPagedAttentionAdapter:
             batch.num_tokens,
             self._active_query_lens,
         )
-        # layout bits (from C): 1 rows need packing; 2/4/8 Q/K/V already [N, heads, size];
-        # 16/32 K/V need .contiguous() (the writer reads heads and dims densely; it honours the
-        # token stride, so QKV-projection views stay views).
-        query_flat = query if layout & 2 else query.reshape(-1, layer.num_heads, layer.head_size)
-        key_flat = key if layout & 4 else key.reshape(-1, layer.num_kv_heads, layer.head_size)
-        value_flat = value if layout & 8 else value.reshape(-1, layer.num_kv_heads, layer.head_size_v)
+        # K/V that need .contiguous(): the writer reads heads and dims densely; it honours the
+        # token stride, so QKV-projection views stay views.
+        query_flat = query if layout & _QUERY_HEADS else query.reshape(-1, layer.num_heads, layer.head_size)
+        key_flat = key if layout & _KEY_HEADS else key.reshape(-1, layer.num_kv_heads, layer.head_size)
+        value_flat = (
+            value if layout & _VALUE_HEADS else value.reshape(-1, layer.num_kv_heads, layer.head_size_v)
+        )
         output_scatter_indices = None
-        if layout & 1:
+        if layout & _PACK_ROWS:
             output_scatter_indices = self._packing_indices(query_token_shape, batch, query.device)
             query_flat = self._pack_rows(query_flat, output_scatter_indices)
             key_flat = self._pack_rows(key_flat, output_scatter_indices)
             value_flat = self._pack_rows(value_flat, output_scatter_indices)
         else:
-            if layout & 16:
+            if layout & _KEY_CONTIGUOUS:
                 key_flat = key_flat.contiguous()
-            if layout & 32:
+            if layout & _VALUE_CONTIGUOUS:
                 value_flat = value_flat.contiguous()
         non_suffix_rows = self._active_non_suffix_rows
         if non_suffix_rows and not bool(getattr(layer.spec, "non_causal", False)):
