@@ -16,6 +16,8 @@ launch_attention(const void *a, void *stream, dk_error *err)
     return dk_cuda_attention((const dk_attention_args *)a, stream, err);
 }
 
+/* An [N, H * D] output o read as the [N, H, D] view of the query q's heads and size: 1 with o
+ * rewritten, 0 (o untouched) when o is not such a tensor.  Cannot fail. */
 static int
 heads_of_flat(dk_tensor *o, const dk_tensor *q)
 {

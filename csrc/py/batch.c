@@ -293,6 +293,7 @@ done:
     return result;
 }
 
+/* *t = a CPU int32 1-D contiguous tensor of at least n entries: 0, or -1 with the message. */
 static int
 cpu_i32_1d(PyObject *module, PyObject *obj, const char *op, const char *arg, int64_t n,
            dk_tensor *t)

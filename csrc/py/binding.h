@@ -92,7 +92,9 @@ state_of(PyObject *module)
     return (module_state *)PyModule_GetState(module);
 }
 
-/* One METH_FASTCALL entry of a method table: FAST(name, doc) binds py_<name>. */
+/* One METH_FASTCALL entry of a method table: FAST(name, doc) binds py_<name>, the static function
+ * behind _C.<name>, whose contract (arguments, shapes, errors) is its docstring in
+ * python/diffkv/_C.pyi.  Each returns a new reference, or NULL with an exception set. */
 #define FAST(name, doc)                                                                            \
     {                                                                                              \
 #name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc                          \

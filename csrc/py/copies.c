@@ -204,8 +204,8 @@ py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* A 2-D o of num_heads * head_size columns (query q's [N, H, D]) becomes its [N, H, D] view:
- * 1, else 0 (o unchanged). */
+/* rows_gather/rows_scatter's arguments (src, index, dst) into *a; *src_out = src's view.  With
+ * scatter, index has one entry per src row, else one per dst row: 0 or -1. */
 static int
 parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args *a,
            dk_tensor *src_out, int scatter)
@@ -257,6 +257,8 @@ parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args
     return 0;
 }
 
+/* rows_gather (scatter 0) or rows_scatter (1): checks, then the CPU reference or the CUDA
+ * launcher.  None, or NULL with the error. */
 static PyObject *
 rows_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int scatter)
 {

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* dense_attention's joint_key/joint_value (args[0], args[1]) into kv[2], kv[3]: both None
+ * (ndim -1) or both tensors shaped and typed like key/value (kv[0], kv[1]): 0 or -1. */
 static int
 joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
 {

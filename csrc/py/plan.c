@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Sets ValueError(msg) (the planner's messages) and returns NULL. */
 static PyObject *
 plan_error(const char *msg)
 {

@@ -37,6 +37,7 @@ flatten_layout(const dk_tensor *t, int64_t heads, int64_t size, const char *name
     return -1;
 }
 
+/* 1 when a's first an dims equal b's first bn dims (an == bn), else 0.  Cannot fail. */
 static int
 same_token_shape(const dk_tensor *a, int an, const dk_tensor *b, int bn)
 {
@@ -76,6 +77,7 @@ token_shape_mismatch(const dk_tensor *q, int qn, const dk_tensor *t, int tn, con
     return -1;
 }
 
+/* "torch.<dtype>" for the floating dtypes a layer may hold, NULL for others.  Cannot fail. */
 static const char *
 torch_dtype_name(dk_dtype dtype)
 {

@@ -15,6 +15,7 @@ launch_slots(const void *a, void *stream, dk_error *err)
     return dk_cuda_slots((const dk_slots_args *)a, stream, err);
 }
 
+/* *t = a CPU int32 2-D tensor with unit column stride (a host block table): 0 or -1. */
 static int
 cpu_i32_2d(PyObject *module, PyObject *obj, const char *op, const char *arg, dk_tensor *t)
 {
@@ -244,6 +245,9 @@ py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* BlockPool's state tensors (args[0..2]: state int64, free_stack int32, in_use uint8, all CPU
+ * and contiguous, free_stack and in_use of one length) into *pool; *state = the state's data:
+ * 0 or -1. */
 static int
 pool_args(PyObject *module, PyObject *const *args, const char *op, dk_pool *pool, int64_t **state)
 {

@@ -83,6 +83,7 @@ lookup_type(dk_bridge *b, PyObject *type, const DLPackExchangeAPI **api_out)
     return -1;
 }
 
+/* 1 when obj exports DLPack (torch.Tensor and its subclasses).  Cannot fail. */
 static int
 is_tensor_like(PyObject *obj)
 {
@@ -90,6 +91,8 @@ is_tensor_like(PyObject *obj)
     return PyObject_HasAttrString(obj, "__dlpack__");
 }
 
+/* A DLTensor (CPU or CUDA, at most DK_MAX_DIMS dims) into *out, its strides made explicit;
+ * dtypes DLPack names that diffkv does not use become DK_OTHER: 0, or -1 with the error. */
 static int
 convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor *out)
 {
@@ -147,6 +150,8 @@ convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor
     return 0;
 }
 
+/* The fallback path: *out from torch.utils.dlpack.to_dlpack(obj), the capsule read and released
+ * at once (both capsule names): 0, or -1 with the error. */
 static int
 read_capsule(dk_bridge *b, PyObject *obj, const char *op, const char *arg, dk_tensor *out)
 {
@@ -214,6 +219,8 @@ reject_negative_view(dk_bridge *b, PyObject *obj, const char *op, const char *ar
     return 0;
 }
 
+/* After a bridge read with result rc: floating views that DLPack could not express (negative
+ * bit) are refused (reject_negative_view).  Returns rc, or -1 with the error. */
 static int
 checked_float_view(dk_bridge *b, PyObject *obj, const char *op, const char *arg, int rc,
                    const dk_tensor *out)
