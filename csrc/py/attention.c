@@ -496,33 +496,6 @@ done:
     return result;
 }
 
-/*
- * dense_attention: attention over keys and values held in two plain tensors
- * key/value [num_keys, num_kv_heads, head_size] (one stride set), addressed per row through
- * key_index [num_rows, cols] int32: key j of row r is key token key_index[r, j] (a block table
- * over blocks of one token).  Serves DiffKVAttentionImpl.forward: dense, key-padded and
- * packed varlen batches all become rows of key indices, so the paged kernels run them with
- * no copy of K or V.  A row may have fewer keys than queries in every mask mode (a key-padding
- * mask leaves fewer keys; a token that sees none gets zeros): see dkpy_short_rows_mask.
- * args: query, key, value, key_index, query_start_loc, seq_lens, key_limits, mask, scale, out,
- *       host_key_index, host_query_start_loc, host_seq_lens, max_query_len
- * max_query_len (> 0) sizes the launch when the host copies are None (CUDA, trusted metadata:
- * the caller vouches that no row has more queries); 0 = up to every query token, as in
- * paged_attention.  With host copies it is ignored (the checked copies give the exact max).
- * Then joint_key, joint_value, key_block (blocks of that many consecutive key tokens) and
- * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them): 1 every
- * row's keys are runs of consecutive rows whose 128-key tiles each lie in one source; 2 every
- * 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting at a
- * multiple of 8 (the row's last 16 may run past its keys).
- */
-/*
- * dense_attention's optional second K/V source: args[0] = joint_key, args[1] = joint_value
- * (both tensors or both None) into kv[2], kv[3] (ndim -1 when None): [num_joint, num_kv_heads,
- * head_size] with the key's dtype, device, trailing shape and strides (the kernels address
- * both sources with one stride set), at most INT32_MAX keys in all.  0, or -1 with an
- * exception set.
- */
-
 PyMethodDef dkpy_attention_methods[] = {
     FAST(paged_attention, "Paged attention (CPU or CUDA)."),
     FAST(paged_attention_lse, "Paged attention + log-sum-exp per (token, head)."),

@@ -51,6 +51,7 @@ launch_layer(const void *l, void *stream, dk_error *err)
     return dk_cuda_layer(x->w, x->a, stream, err);
 }
 
+/* forward_paged's work (args as there); out_flat: out may be [N, H * D] (dkpy_parse_attention). */
 static PyObject *
 forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
 {
