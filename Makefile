@@ -21,8 +21,8 @@ PYTEST_ARGS ?=
 deps:
 	@$(PYTHON) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 10) else 1)" 2>/dev/null \
 		|| $(PIP) install --quiet "torch>=2.10"
-	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel, hypothesis" 2>/dev/null \
-		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel hypothesis
+	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel, hypothesis, matplotlib" 2>/dev/null \
+		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel hypothesis matplotlib
 
 install: deps
 	DIFFKV_WERROR=1 $(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall .

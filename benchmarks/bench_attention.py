@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common import environment, fmt, median, print_table, time_many_us, write_json
 from diffkv import _C
+from diffkv._bench import environment, fmt, median, print_table, time_interleaved, write_json
 
 BASELINES = ("flash", "cudnn", "flex")
 CHECK_TOL = 3e-2  # bf16 outputs of softmax-weighted N(0, 1) values
@@ -519,7 +519,7 @@ def _shape(case: Case) -> str:
 
 def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
     """One case: diffkv, its comparison (contiguous K/V or causal) and every baseline set up
-    first, then timed together (``time_many_us``: round-robin, so the GPU's clock drift under
+    first, then timed together (``time_interleaved``: round-robin, so the GPU's clock drift under
     its power cap is shared by all of them rather than handed to a ratio)."""
     dtype = torch.bfloat16
     seed = 1234
@@ -594,7 +594,7 @@ def run_case(case: Case, args, device: torch.device) -> dict[str, Any]:
                 setups[name] = setup
                 timers[name] = setup["run"]
 
-    timed = time_many_us(timers, device, warmup=args.warmup, reps=args.reps)
+    timed = time_interleaved(timers, device, warmup=args.warmup, reps=args.reps)
     us = timed["diffkv"]["median_us"]
     result["diffkv_us"] = us
     result["diffkv_samples_us"] = timed["diffkv"]["samples_us"]
@@ -788,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--cases: unknown {missing}; --list shows the cases")
         cases = [c for c in cases if c.name in wanted]
 
-    env = environment(device)
+    env = environment(device, checkout=__file__)
     print(
         f"diffkv paged attention vs torch on {env.get('gpu', device)} (torch {env['torch']}, "
         f"diffkv {env['diffkv']}); bf16; median of {args.reps} after {args.warmup} warm-up"

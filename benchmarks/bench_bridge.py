@@ -8,15 +8,13 @@ against a Python function call that does nothing (the floor).  Medians of repeat
 """
 
 import argparse
-import json
-import platform
 import statistics
 import time
 
 import torch
 
-import diffkv
 from diffkv import _C
+from diffkv._bench import environment, write_json
 
 
 def _per_call_ns(fn, args, calls=20000, repeats=15):
@@ -51,11 +49,7 @@ def main():
             _C.set_bridge_path("auto")
     record = {
         "benchmark": "bridge_noop4",
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "diffkv": diffkv.__version__,
+        "env": environment(device, checkout=__file__),
         "path_used": _C.bridge_path(tensors[0]),
         **{k: round(v, 1) for k, v in results.items()},
     }
@@ -65,8 +59,7 @@ def main():
     print(f"  DLPack exchange API: {results['exchange_ns']:8.1f}")
     print(f"  to_dlpack capsules : {results['capsule_ns']:8.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(args.json, record)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import diffkv
-from common import environment, print_table, runnable, time_many_us, write_json
+from diffkv._bench import environment, print_table, runnable, time_interleaved, write_json
 from diffkv.backends.abstract import AttentionMetadata
 
 CASES = ("wan_nc", "wan_keypad", "varlen_4docs", "wan_causal", "wan_joint512")
@@ -48,10 +48,10 @@ def _sdpa(backend: SDPBackend, q, k, v, mask=None, causal=False):
 
 
 def _time(fns: dict[str, Any], device, args) -> dict[str, float | None]:
-    """Median us of each call, timed interleaved (``time_many_us``: every round runs each once,
+    """Median us of each call, timed interleaved (``time_interleaved``: every round runs each once,
     so the GPU's clock drift falls on all alike); a call whose first run raises is reported
     unavailable (None)."""
-    timed = time_many_us(runnable(fns), device, warmup=args.warmup, reps=args.reps)
+    timed = time_interleaved(runnable(fns), device, warmup=args.warmup, reps=args.reps)
     return {name: timed[name]["median_us"] if name in timed else None for name in fns}
 
 
@@ -147,7 +147,7 @@ def main() -> int:
         print("bench_dense needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    env = environment(device)
+    env = environment(device, checkout=__file__)
     print(
         f"diffkv dense attention vs torch SDPA on {env.get('gpu')} (diffkv kernel: "
         f"{env['diffkv_build']['attention_kernel']}); bf16; median of {args.reps}, L2 flushed"

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 import diffkv as dk
-from common import environment, fmt, median, print_table, write_json
 from diffkv import _C
+from diffkv._bench import environment, fmt, median, print_table, write_json
 from diffkv.backends.diffkv import run_forward_paged
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, PREFIX = 2, 1, 64, 16, 63
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not _C.cuda_compiled():
         parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
-    env = environment(device)
+    env = environment(device, checkout=__file__)
     timings = run(device, args.calls, args.samples)
     print(
         f"diffkv host overhead per call on {env.get('gpu', device)} (torch {env['torch']}, "

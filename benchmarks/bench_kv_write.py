@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from common import device_times_us, environment, fmt, print_table, time_us, write_json
 from diffkv import _C
+from diffkv._bench import device_times_us, environment, fmt, print_table, time_us, write_json
 
 
 def _case(
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 20)
 
-    env = environment(device)
+    env = environment(device, checkout=__file__)
     print(
         f"diffkv KV write on {env.get('gpu', device)} (torch {env['torch']}, diffkv {env['diffkv']}); "
         f"bf16, head_size {args.head_size}, block {args.block_size}, random block order; "

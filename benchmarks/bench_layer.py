@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import environment, print_table, runnable, time_many_us, write_json
 from diffkv import _C
+from diffkv._bench import environment, print_table, runnable, time_interleaved, write_json
 
 BLOCK = 16
 
@@ -139,7 +139,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    env = environment(device)
+    env = environment(device, checkout=__file__)
     p = _problem(args.quick or device.type != "cuda", device, args.order)
     pairs = sum(p["image"] * s for s in p["seq"])
     flops = 4.0 * p["heads"] * p["head"] * pairs
@@ -154,7 +154,7 @@ def main() -> int:
             layers[name] = _torch_layer(p, backend)
     timers = runnable({name: trun for name, (trun, _) in layers.items()})
     torch_outs = {name: layers[name][1] for name in timers}
-    timed = time_many_us({"diffkv": run, **timers}, device, warmup=args.warmup, reps=args.reps)
+    timed = time_interleaved({"diffkv": run, **timers}, device, warmup=args.warmup, reps=args.reps)
     t = timed["diffkv"]["median_us"]
     res: dict[str, Any] = {
         "case": "hunyuan_denoise_layer",

@@ -37,11 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import diffkv  # noqa: E402
-from common import environment  # noqa: E402
-from diffkv import _C, parallel_cp, ulysses  # noqa: E402
+import diffkv
+from diffkv import _C, parallel_cp, ulysses
+from diffkv._bench import environment, print_table, write_json
 
 WORLD = 2
 MASKS = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL}
@@ -263,12 +261,7 @@ def main() -> int:
         f"{args.dtype}, block {args.block_size}"
     )
     print(f"{shape}; medians of {args.reps}, slower rank; memory: peak allocated per GPU (GiB)")
-    header = (
-        f"{'mask':<7} {'run':<11} {'ms':>8} {'speedup':>8} {'peak GiB r0/r1':>15} "
-        f"{'KV GiB':>7} {'max |diff|':>11}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for i, case in enumerate(ranks[0]["cases"]):
         for run in ("single", "ulysses", "cp"):
             r0, r1 = case[run], ranks[1]["cases"][i][run]
@@ -279,19 +272,19 @@ def main() -> int:
                 if run != "single"
                 else "-"
             )
-            print(
-                f"{case['mask']:<7} {label:<11} {r0['ms']:8.2f} {speed:>8} "
-                f"{r0['peak_gib']:7.2f}/{r1['peak_gib']:<7.2f} {r0['kv_cache_gib']:7.2f} {diff:>11}"
+            peak = f"{r0['peak_gib']:.2f}/{r1['peak_gib']:.2f}"
+            rows.append(
+                [case["mask"], label, f"{r0['ms']:.2f}", speed, peak, f"{r0['kv_cache_gib']:.2f}", diff]
             )
+    print_table(["mask", "run", "ms", "speedup", "peak GiB r0/r1", "KV GiB", "max |diff|"], rows, left=2)
     if args.json:
         record = {
             "benchmark": "multigpu",
             "shape": vars(args),
-            "environment": environment(torch.device("cuda", 0)),
+            "environment": environment(torch.device("cuda", 0), checkout=__file__),
             "ranks": ranks,
         }
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return 0
 
 

@@ -13,6 +13,7 @@ import diffkv
 from _helpers import HEAD_SIZE, RecordingBlockTables, make_adapter, make_layer, make_vllm_config, row
 from diffkv import adapter as adapter_mod
 from diffkv import platform as platform_mod
+from diffkv import selector
 
 
 def _raises(exc_type, message):
@@ -139,7 +140,7 @@ def test_l4_standalone_selection_rejects_head_size():
 
 def test_get_attn_backend_argument_errors():
     ok = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", attn_type="decoder", num_heads=4)
-    assert platform_mod.get_attn_backend(**ok) is diffkv.DiffKVAttentionBackend
+    assert selector.get_attn_backend(**ok) is diffkv.DiffKVAttentionBackend
     cases = [
         (
             dict(dtype=torch.int8),
@@ -155,7 +156,7 @@ def test_get_attn_backend_argument_errors():
     ]
     for change, message in cases:
         with _raises(ValueError, message):
-            platform_mod.get_attn_backend(**{**ok, **change})
+            selector.get_attn_backend(**{**ok, **change})
 
 
 def test_l5_equal_key_value_head_sizes():

@@ -1,5 +1,6 @@
-"""`python -m diffkv bench`: the sweep runs, writes its JSON record and a valid, non-blank PNG,
-and prints the table; options are checked; the built-in PNG writer round-trips."""
+"""`python -m diffkv bench`: the sweep runs, writes its JSON record and prints the table; with
+matplotlib it also draws bench.png, without it it says how to plot later; `--plot bench.json`
+draws the plot of a record and runs nothing; options are checked."""
 
 import io
 import json
@@ -7,62 +8,64 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
 
 import diffkv.__main__ as cli
-from diffkv import _bench, _png
+from diffkv import _bench_cli
 
 ENV_KEYS = {"time_utc", "device", "python", "torch", "torch_cuda", "diffkv", "diffkv_build", "diffkv_commit"}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
-    """(width, height, rows of RGB bytes) of an 8-bit RGB, non-interlaced PNG; every chunk's
-    CRC verified; every filter type undone (0-4) so that any writer's output decodes."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert zlib.crc32(kind + body) == crc, kind
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert depth == 8 and interlace == 0 and color in (2, 6)
-    bpp = 3 if color == 2 else 4
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    stride = width * bpp
-    assert len(raw) == height * (stride + 1)
-    rows, prev = [], bytearray(stride)
-    for y in range(height):
-        ftype, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - bpp] if i >= bpp else 0
-            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
-            if ftype == 1:
-                line[i] = (line[i] + a) & 255
-            elif ftype == 2:
-                line[i] = (line[i] + b) & 255
-            elif ftype == 3:
-                line[i] = (line[i] + (a + b) // 2) & 255
-            elif ftype == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
-                line[i] = (line[i] + pred) & 255
-            else:
-                assert ftype == 0
-        rows.append(bytes(line) if bpp == 3 else bytes(v for j, v in enumerate(line) if j % 4 != 3))
-        prev = line
-    return width, height, rows
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG file's header: the signature, then the IHDR chunk first."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    (length,) = struct.unpack(">I", data[8:12])
+    assert length == 13 and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
 
 
-def _colors(rows: list[bytes]) -> set[tuple[int, int, int]]:
-    return {tuple(row[i : i + 3]) for row in rows for i in range(0, len(row), 3)}
+def _expected_size(panels: int) -> tuple[int, int]:
+    width, height = _bench_cli.PANEL_INCHES
+    return round(width * panels * _bench_cli.PLOT_DPI), round(height * _bench_cli.PLOT_DPI)
+
+
+def _check_plot(path, panels: int, block_sizes: int) -> None:
+    """path is a real PNG of the expected size that matplotlib reads back, with white ground
+    and the colour of each diffkv block size's line on it."""
+    import matplotlib.colors
+    import matplotlib.image
+
+    assert _png_size(path) == _expected_size(panels)
+    pixels = matplotlib.image.imread(str(path))
+    width, height = _expected_size(panels)
+    assert pixels.shape[:2] == (height, width)
+    rgb = {tuple(int(round(c * 255)) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
+    assert (255, 255, 255) in rgb
+    for color in _bench_cli.DIFFKV_COLORS[:block_sizes]:
+        assert tuple(int(round(c * 255)) for c in matplotlib.colors.to_rgb(color)) in rgb, color
+
+
+def _hide_matplotlib(monkeypatch) -> None:
+    """`import matplotlib` raises ImportError for the rest of the test, as on a machine
+    without it (a None entry in sys.modules makes the import fail)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_matplotlib = pytest.mark.skipif(
+    not _has_matplotlib(), reason="matplotlib is not installed (pip install 'diffkv[bench]')"
+)
 
 
 def _check_record(record, *, quick=True):
@@ -85,11 +88,15 @@ def _check_record(record, *, quick=True):
                 assert entry["status"] == "skipped" and entry["reason"]
 
 
-def test_bench_quick_command(tmp_path):
-    """The exact command the brief names: JSON, PNG, table, exit 0."""
+def test_bench_quick_command_without_matplotlib(tmp_path):
+    """The exact command, on a Python where matplotlib cannot be imported: the JSON, the table,
+    exit 0, no PNG, and how to draw the plot later."""
+    hide = tmp_path / "hide"
+    (hide / "matplotlib").mkdir(parents=True)
+    (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
     out = tmp_path / "bench"
     env = dict(os.environ)
-    env["MPLBACKEND"] = "Agg"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hide), env.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [sys.executable, "-m", "diffkv", "bench", "--quick", "--out", str(out)],
         capture_output=True,
@@ -100,37 +107,109 @@ def test_bench_quick_command(tmp_path):
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "bench.json").read_text())
     _check_record(record)
-    width, height, rows = _decode_png((out / "bench.png").read_bytes())
-    assert width > 400 and height > 300
-    assert len(_colors(rows)) > 4
+    assert record["files"]["png"] is None
+    assert not (out / "bench.png").exists()
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq_len"))
     assert "diffkv TFLOP/s" in lines[header] and set(lines[header + 1].replace(" ", "")) == {"-"}
     table = lines[header + 2 : header + 2 + len(record["points"])]
     assert [int(line.split()[0]) for line in table] == [p["seq_len"] for p in record["points"]]
+    json_path = out / "bench.json"
+    assert f"wrote {json_path}" in lines
+    assert (
+        "no plot: matplotlib is not installed; to draw it: pip install 'diffkv[bench]' (matplotlib), "
+        f"then: python -m diffkv bench --plot {json_path}"
+    ) in lines
     assert "100%" in result.stderr  # the progress bar ran to the end
 
 
-def test_bench_builtin_png_not_blank(tmp_path, capsys):
-    """The self-written chart: valid PNG, filter 0 rows, axes/grid/text and each series'
-    colour present (diffkv block 16 red, block 128 orange)."""
-    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--plotter", "builtin"]
-    assert cli.main(argv + ["--seq-lens", "48,96", "--reps", "1"]) == 0
-    data = (tmp_path / "bench.png").read_bytes()
-    (ihdr_len,) = struct.unpack(">I", data[8:12])
-    assert ihdr_len == 13 and data[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", data[16:24])
-    w2, h2, rows = _decode_png(data)
-    assert (w2, h2) == (width, height)
-    colors = _colors(rows)
-    assert (255, 255, 255) in colors and (20, 20, 20) in colors  # background, text
-    assert (214, 39, 40) in colors and (255, 127, 14) in colors  # the two diffkv lines
-    assert (222, 222, 222) in colors  # gridlines
-    record = json.loads((tmp_path / "bench.json").read_text())
-    assert record["plotter"] == "builtin"
-    assert record["config"]["seq_lens"] == [48, 96]
-    out = capsys.readouterr().out
-    assert "wrote" in out and "bench.png (builtin)" in out
+def test_bench_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """--plot on a machine without matplotlib: exit 1 and how to install it; nothing written."""
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-plot"]) == 0
+    _hide_matplotlib(monkeypatch)
+    capsys.readouterr()
+    json_path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--plot", str(json_path)]) == 1
+    assert capsys.readouterr().err == (
+        "--plot needs matplotlib, which is not installed: pip install 'diffkv[bench]' (matplotlib), "
+        f"then: python -m diffkv bench --plot {json_path}\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["bench.json"]
+
+
+def test_bench_sweep_without_matplotlib_in_process(tmp_path, monkeypatch, capsys):
+    """The JSON path of the sweep when the import of matplotlib fails in this process."""
+    _hide_matplotlib(monkeypatch)
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--seq-lens", "48", "--reps", "1"]
+    assert cli.main(argv) == 0
+    assert sorted(os.listdir(tmp_path)) == ["bench.json"]
+    _check_record(json.loads((tmp_path / "bench.json").read_text()))
+    assert "python -m diffkv bench --plot" in capsys.readouterr().out
+
+
+@needs_matplotlib
+def test_bench_draws_the_plot_then_again_from_the_json(tmp_path, monkeypatch, capsys):
+    """With matplotlib the sweep writes bench.png (TFLOP/s against sequence length, one panel
+    per rows value, a line per block size); `--plot bench.json --out other.png` draws the same
+    plot from the record without running anything, and leaves the record as it was."""
+    out = tmp_path / "run"
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(out), "--seq-lens", "48,96", "--reps", "1"]
+    assert cli.main(argv) == 0
+    record = json.loads((out / "bench.json").read_text())
+    assert record["files"]["png"] == str(out / "bench.png")
+    _check_plot(out / "bench.png", panels=2, block_sizes=2)
+    assert f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in capsys.readouterr().out
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("--plot ran the sweep")
+
+    monkeypatch.setattr(_bench_cli, "_sweep", no_sweep)
+    monkeypatch.setattr(_bench_cli, "_group", no_sweep)
+    before = (out / "bench.json").read_bytes()
+    again = tmp_path / "later" / "again.png"
+    again.parent.mkdir()
+    assert cli.main(["bench", "--plot", str(out / "bench.json"), "--out", str(again)]) == 0
+    assert capsys.readouterr().out == f"wrote {again}\n"
+    _check_plot(again, panels=2, block_sizes=2)
+    assert (out / "bench.json").read_bytes() == before
+
+
+@needs_matplotlib
+def test_bench_plot_default_path_and_one_panel(tmp_path, capsys):
+    """--plot without --out writes next to the record, the .json swapped for .png; one rows
+    value gives one panel."""
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-plot", "--rows", "1"]
+    assert cli.main(argv + ["--block-sizes", "16", "--seq-lens", "32,64", "--reps", "1"]) == 0
+    assert not (tmp_path / "bench.png").exists()
+    os.rename(tmp_path / "bench.json", tmp_path / "mine.json")
+    assert cli.main(["bench", "--plot", str(tmp_path / "mine.json")]) == 0
+    _check_plot(tmp_path / "mine.png", panels=1, block_sizes=1)
+
+
+def test_bench_plot_refuses_sweep_options_and_other_files(tmp_path, capsys):
+    json_path = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--plot", str(json_path), "--quick", "--rows", "1"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --plot draws a record written earlier and runs nothing: it takes only --out, "
+        "got --quick, --rows\n"
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--plot", str(json_path)])
+    assert f"error: --plot: cannot read {json_path}: [Errno 2]" in capsys.readouterr().err
+    json_path.write_text(json.dumps({"benchmark": "host_overhead"}))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--plot", str(json_path)])
+    assert capsys.readouterr().err.endswith(
+        f"error: --plot: {json_path} is not the record of a `python -m diffkv bench` run\n"
+    )
+    json_path.write_text(json.dumps({"benchmark": "diffkv bench", "schema": 0}))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--plot", str(json_path)])
+    assert capsys.readouterr().err.endswith(
+        f"error: --plot: {json_path} has schema 0; this diffkv reads schema {_bench_cli.SCHEMA}\n"
+    )
 
 
 def test_bench_causal_odd_lengths_no_plot(tmp_path, capsys):
@@ -178,12 +257,12 @@ def test_bench_full_needs_gpu(tmp_path, capsys):
 
 
 def test_seq_len_parsing():
-    assert _bench._int_list("1k, 2K,4096,") == [1024, 2048, 4096]
+    assert _bench_cli._int_list("1k, 2K,4096,") == [1024, 2048, 4096]
 
 
 def test_progress_lines_off_terminal():
     stream = io.StringIO()
-    bar = _bench.Progress(total_steps=2, total_work=4.0, stream=stream, width=10)
+    bar = _bench_cli.Progress(total_steps=2, total_work=4.0, stream=stream, width=10)
     bar.show("step a")
     bar.advance(1.0)
     bar.show("step b")
@@ -195,41 +274,11 @@ def test_progress_lines_off_terminal():
     assert lines[2].startswith("[##########] 2/2 100%") and lines[2].endswith("done")
 
 
-def test_encode_png_roundtrip():
-    pixels = bytes(range(2 * 3 * 3))
-    width, height, rows = _decode_png(_png.encode_png(3, 2, pixels))
-    assert (width, height) == (3, 2) and b"".join(rows) == pixels
-    with pytest.raises(ValueError, match=r"encode_png\(\): rgb must hold 18 bytes, got 17"):
-        _png.encode_png(3, 2, pixels[:-1])
-    with pytest.raises(ValueError, match=r"encode_png\(\): width and height must be >= 1, got 0x2"):
-        _png.encode_png(0, 2, b"")
-
-
-def test_line_chart_gaps_and_errors():
-    series = {"a": [(1, 1.0), (2, None), (4, 3.0)], "b": [(1, 2.0), (4, 2.5)]}
-    data = _png.line_chart(
-        [("one", series)], title="t", x_label="x", y_label="y", x_ticks=[(1, "1"), (2, "2"), (4, "4")]
-    )
-    _, _, rows = _decode_png(data)
-    colors = _colors(rows)
-    assert _png.PALETTE[0] in colors and _png.PALETTE[1] in colors
-    with pytest.raises(ValueError, match=r"line_chart\(\): x values must be > 0 \(log2 axis\)"):
-        _png.line_chart([("p", {"a": [(0, 1.0)]})], title="", x_label="", y_label="", x_ticks=[])
-    with pytest.raises(ValueError, match=r"line_chart\(\): panels must not be empty"):
-        _png.line_chart([], title="", x_label="", y_label="", x_ticks=[])
-
-
-def test_nice_ticks():
-    assert _png.nice_ticks(9.3) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
-    assert _png.nice_ticks(0.0093)[-1] >= 0.0093
-    assert _png.nice_ticks(0.0) == [0.0, 1.0]
-
-
 @pytest.mark.gpu
 def test_bench_gpu_with_baselines(tmp_path, capsys):
     """A small real sweep on the GPU: every baseline ran or says why not; diffkv matches them."""
     argv = ["bench", "--out", str(tmp_path), "--seq-lens", "512,1k", "--rows", "1,2", "--block-sizes", "16"]
-    argv += ["--heads", "8", "--kv-heads", "2", "--warmup", "1", "--reps", "3", "--plotter", "builtin"]
+    argv += ["--heads", "8", "--kv-heads", "2", "--warmup", "1", "--reps", "3"]
     assert cli.main(argv) == 0
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["env"]["gpu"] and "driver" in record["env"]
@@ -240,5 +289,6 @@ def test_bench_gpu_with_baselines(tmp_path, capsys):
             if entry["status"] == "ok":
                 assert entry["tflops"] > 0 and entry["ratio"] > 0
     assert any(e["status"] == "ok" for p in record["points"] for e in p["baselines"].values())
-    _decode_png((tmp_path / "bench.png").read_bytes())
+    if _has_matplotlib():
+        _check_plot(tmp_path / "bench.png", panels=2, block_sizes=1)
     assert "vs flash" in capsys.readouterr().out

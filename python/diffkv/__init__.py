@@ -1,6 +1,6 @@
 """diffkv: paged-KV attention for diffusion transformers, as a C extension over torch tensors.
 
-The public names keep vLLM-Omni's diffusion paged-attention adapter API (the seed classes),
+The public names keep the API of vLLM-Omni's diffusion paged-attention adapter and backend ABC,
 plus diffkv's standalone collaborators (configs, BlockTables, BlockPool, KV cache allocation)
 and the DIFFKV attention backend.  Every hot operation runs in diffkv._C; ``diffkv.ops`` registers
 the same operations as ``torch.ops.diffkv.*`` operators for torch.compile.

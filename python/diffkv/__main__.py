@@ -9,8 +9,10 @@ dense float32 reference with an explicit mask.  Full size on a GPU, scaled down 
 info: versions, build flags and the devices diffkv sees.
 
 bench: paged attention throughput on this GPU, swept over sequence length, rows and block size,
-against torch SDPA (flash, cuDNN) and FlexAttention; writes a JSON record and a PNG plot and
-prints the table (diffkv/_bench.py).  --quick: a tiny diffkv-only sweep that runs on the CPU.
+against torch SDPA (flash, cuDNN) and FlexAttention; writes a JSON record, prints the table and,
+with matplotlib installed (pip install diffkv[bench]), draws a PNG plot (diffkv/_bench_cli.py).
+--quick: a tiny diffkv-only sweep that runs on the CPU.  --plot bench.json: the plot of a
+record written earlier, nothing run.
 """
 
 import argparse
@@ -244,10 +246,10 @@ def info(args):
     return 0
 
 
-def bench(args, parser_error):
-    from diffkv import _bench
+def bench(args, parser):
+    from diffkv import _bench_cli
 
-    return _bench.run(args, parser_error)
+    return _bench_cli.run(args, parser)
 
 
 def main(argv=None):
@@ -261,17 +263,19 @@ def main(argv=None):
     sub.add_parser("info", help="versions, build flags, devices")
     p_bench = sub.add_parser(
         "bench",
-        help="paged attention TFLOP/s vs torch SDPA/FlexAttention: JSON, PNG plot, table",
+        help="paged attention TFLOP/s vs torch SDPA/FlexAttention: JSON, table, PNG plot",
         description="Sweeps sequence length x rows x block size on the current GPU, timing diffkv "
         "against torch SDPA (flash, cuDNN) and compiled FlexAttention on the same data; writes "
-        "bench.json and bench.png under --out and prints the table.",
+        "bench.json under --out, prints the table and, with matplotlib installed (pip install "
+        "'diffkv[bench]'), draws bench.png.  --plot bench.json draws the plot of a record written "
+        "earlier and runs nothing.",
     )
-    from diffkv import _bench
+    from diffkv import _bench_cli
 
-    _bench.add_arguments(p_bench)
+    _bench_cli.add_arguments(p_bench)
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench(args, p_bench.error)
+        return bench(args, p_bench)
     return {"demo": demo, "info": info}[args.command](args)
 
 

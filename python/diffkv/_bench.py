@@ -1,36 +1,23 @@
-"""``python -m diffkv bench``: paged attention throughput on this GPU against torch's kernels.
+"""Benchmark helpers shared by ``python -m diffkv bench`` (``diffkv/_bench_cli.py``) and the
+scripts in the repository's ``benchmarks/``.
 
-The sweep: every sequence length x rows x block size.  Each row holds seq_len tokens that all
-attend (query_len == seq_len, the prefill / full-image case), non-causal by default
-(``--mask causal`` for the causal mask).  diffkv runs ``diffkv._C.paged_attention`` on a
-paged cache ``[2, num_blocks, block_size, Hkv, D]`` whose blocks are a random permutation with
-spare blocks; the baselines run in the same process on the same data laid out densely
-(``[rows, H, seq_len, D]``, one call): torch SDPA with the flash backend, torch SDPA with the
-cuDNN backend and ``torch.compile(flex_attention)``.  GQA goes through ``enable_gqa=True``,
-or K/V expanded beforehand (outside the timing) when a backend refuses it.  A baseline that
-cannot run is skipped with its reason in the notes.  Baselines do not depend on the block size:
-they are timed once per (seq_len, rows) and reported on every block size's point.
+Timing on CUDA: warm-up calls first, the L2 cache flushed before every timed repetition (a
+256 MiB buffer is overwritten, far above the H200's 60 MB L2), CUDA events around the call
+only, the median of the repetitions; on the CPU the same loop runs with perf_counter.  The calls
+of one comparison are timed interleaved (``time_interleaved``), so a drift of the GPU's clock
+falls on all of them alike.  ``device_times_us`` times GPU work from the profiler's kernel
+records instead, for calls that synchronise the host inside (events would count the sync).
 
-Timing: CUDA events around the call only, warm-up calls first, the L2 cache flushed before
-every repetition, the median of the repetitions (perf_counter on CPU); a (seq_len, rows)
-shape's calls -- diffkv at each block size and every baseline -- are timed interleaved, one of
-each per repetition round, so a drift of the GPU's clock falls on all of them alike.  TFLOP/s counts
-4 * H * D * visible (query, key) pairs.  diffkv's output is checked against every baseline's
-(or a float32 reference when none ran and the case is small).
-
-Writes DIR/bench.json (environment and every point, rewritten after each point so a run cut
-short keeps what it measured) and DIR/bench.png (TFLOP/s against sequence length, one panel per
-rows value, one line per diffkv block size and per baseline), and prints the table.
-
-Entry points: add_arguments(parser), run(args).
+Entry points: timing (``flush_l2``, ``time_interleaved``, ``time_us``, ``device_times_us``,
+``runnable``); the record (``environment``, ``run_command``, ``write_json``); the printout
+(``print_table``, ``fmt``, ``median``); a paged cache for timing ``_C.paged_attention``
+(``_paged``, ``paged_call``).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -38,224 +25,26 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 
 import diffkv
-from diffkv import _C, _png
+from diffkv import _C
 
-BASELINES = ("flash", "cudnn", "flex")
-BASELINE_TITLES = {"flash": "torch SDPA flash", "cudnn": "torch SDPA cuDNN", "flex": "FlexAttention"}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 L2_FLUSH_BYTES = 256 << 20  # far above the H200's 60 MB L2
-REFERENCE_MAX_SCORES = 1 << 24  # float32 reference only when rows * H * S * S is at most this
-SCHEMA = 1
-
-# HunyuanImage-3.0's DiT attention: 32 query heads, 8 KV heads, head size 128, bf16.
-FULL = {
-    "seq_lens": [1024, 2048, 4096, 8192, 16384, 32768],
-    "rows": [1, 2],
-    "block_sizes": [16, 128],
-    "heads": 32,
-    "kv_heads": 8,
-    "head_size": 128,
-    "warmup": 3,
-    "reps": 10,
-}
-QUICK = {
-    "seq_lens": [64, 128, 256],
-    "rows": [1, 2],
-    "block_sizes": [16, 128],
-    "heads": 4,
-    "kv_heads": 2,
-    "head_size": 64,
-    "warmup": 1,
-    "reps": 3,
-}
 
 
-# --- arguments ----------------------------------------------------------------------------------
-
-
-def _int_list(text: str) -> list[int]:
-    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024); every value must be a positive integer."""
-    values = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        mult = 1024 if item.endswith("k") else 1
-        try:
-            value = int(item[:-1] if mult > 1 else item) * mult
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be positive integers (1k = 1024), got {item!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be positive integers, got {value}")
-        values.append(value)
-    if not values:
-        raise argparse.ArgumentTypeError("must list at least one value")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the bench options to parser (the `bench` subcommand's parser)."""
-    parser.add_argument("--out", default="diffkv-bench", help="output folder (default: ./diffkv-bench)")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny sweep (4/2 heads x 64, seq 64..256) that also runs on the CPU; diffkv only",
-    )
-    parser.add_argument("--seq-lens", type=_int_list, default=None, help="e.g. 1k,2k,4k (default 1k..32k)")
-    parser.add_argument("--rows", type=_int_list, default=None, help="rows per call (default 1,2)")
-    parser.add_argument("--block-sizes", type=_int_list, default=None, help="default 16,128")
-    parser.add_argument("--heads", type=_positive, default=None, help="query heads (default 32)")
-    parser.add_argument("--kv-heads", type=_positive, default=None, help="KV heads (default 8)")
-    parser.add_argument("--head-size", type=_positive, default=None, help="default 128")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--mask", choices=("none", "causal"), default="none", help="default none")
-    parser.add_argument(
-        "--baselines", default=",".join(BASELINES), help="subset of flash,cudnn,flex ('' for none)"
-    )
-    parser.add_argument("--warmup", type=_positive, default=None, help="untimed calls first (default 3)")
-    parser.add_argument("--reps", type=_positive, default=None, help="timed calls, median taken (default 10)")
-    parser.add_argument("--device", default=None, help="cuda[:i] or cpu (default: cuda when available)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument(
-        "--plotter",
-        choices=("auto", "matplotlib", "builtin"),
-        default="auto",
-        help="auto: matplotlib when importable, else the built-in PNG writer",
-    )
-
-
-def _resolve(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> dict[str, Any]:
-    """The run's configuration: defaults (full or quick) overridden by the options."""
-    base = QUICK if args.quick else FULL
-    cfg: dict[str, Any] = {}
-    for key in base:
-        value = getattr(args, key)
-        cfg[key] = value if value is not None else base[key]
-    if cfg["heads"] % cfg["kv_heads"] != 0:
-        parser_error(f"--heads must be a multiple of --kv-heads, got {cfg['heads']} and {cfg['kv_heads']}")
-    baselines = [b for b in args.baselines.split(",") if b]
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown:
-        parser_error(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")
-    if args.device is not None:
-        device = torch.device(args.device)
-    elif torch.cuda.is_available() and _C.cuda_compiled():
-        device = torch.device("cuda")
-    elif args.quick:
-        device = torch.device("cpu")
-    else:
-        why = (
-            "diffkv was built without CUDA"
-            if not _C.cuda_compiled()
-            else "torch sees no CUDA device (torch.cuda.is_available() is False)"
-        )
-        parser_error(f"no GPU to benchmark: {why}; --quick runs a tiny sweep on the CPU")
-    if device.type == "cuda":
-        if not _C.cuda_compiled():
-            parser_error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
-        if not torch.cuda.is_available():
-            parser_error(f"--device {device}: torch sees no CUDA device")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        parser_error(f"--device must be cpu or cuda[:i], got {args.device!r}")
-    cfg.update(
-        device=device,
-        dtype=args.dtype,
-        mask=args.mask,
-        quick=args.quick,
-        baselines=[] if args.quick else baselines,
-        out=args.out,
-    )
-    return cfg
-
-
-# --- environment, timing, output helpers --------------------------------------------------------
-
-
-def _command(cmd: list[str]) -> str | None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _cudnn_version(device: torch.device) -> int | None:
-    """cuDNN's version on a CUDA run; None on the CPU (loading cuDNN there is pointless, and
-    fails outright when another cuDNN is first on the library path) or when it cannot load."""
-    if device.type != "cuda":
-        return None
-    try:
-        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    except RuntimeError:
-        return None
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """What a result depends on: GPU (name, capability, SMs, memory, driver, clocks), torch,
-    CUDA, cuDNN, Python, diffkv (version, build info, DIFFKV_COMMIT when set), the UTC time."""
-    record: dict[str, Any] = {
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(device),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cudnn": _cudnn_version(device),
-        "diffkv": diffkv.__version__,
-        "diffkv_build": _C.build_info(),
-        "diffkv_commit": os.environ.get("DIFFKV_COMMIT"),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        record.update(
-            gpu=torch.cuda.get_device_name(device),
-            gpu_capability=f"sm_{props.major}{props.minor}",
-            gpu_sms=props.multi_processor_count,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            driver=None,
-        )
-        if shutil.which("nvidia-smi"):
-            out = _command(
-                [
-                    "nvidia-smi",
-                    f"--id={device.index}",
-                    "--query-gpu=driver_version,clocks.max.sm,power.limit",
-                    "--format=csv,noheader",
-                ]
-            )
-            if out:
-                fields = [f.strip() for f in out.split(",")] + [None, None]
-                record.update(driver=fields[0], gpu_max_sm_clock=fields[1], gpu_power_limit=fields[2])
-    return record
-
+# --- timing -------------------------------------------------------------------------------------
 
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
+_flush_names: dict[torch.device, set[str]] = {}
 
 
-def flush_l2(device: torch.device) -> None:
+def flush_l2(device: torch.device | str) -> None:
     """Overwrites a 256 MiB int32 buffer on ``device`` so that the next timed call starts with a
-    cold L2 (CUDA only; a no-op on the CPU).  Also used by the repo's benchmarks/."""
+    cold L2 (CUDA only; a no-op on the CPU)."""
     device = torch.device(device)
     if device.type != "cuda":
         return
@@ -266,16 +55,21 @@ def flush_l2(device: torch.device) -> None:
     buf.fill_(7)
 
 
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
 def time_interleaved(
-    fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
+    fns: dict[str, Callable[[], Any]], device: torch.device | str, warmup: int = 3, reps: int = 10
 ) -> dict[str, dict[str, Any]]:
     """Times the calls of one comparison against each other: warmup untimed calls of each,
     then reps rounds in which each runs once (after an L2 flush, between CUDA events or
     perf_counter readings), the order rotated by one every round.  So every contestant is
     measured across the same stretch of time: an H200 held at its power cap moves its clock
     by 5-10 % over seconds, and back-to-back blocks of repetitions would hand that drift to
-    the ratio.  Returns {name: {'us': median, 'min_us', 'samples_us': [reps]}}, names in the
-    order given.  Also used by the repo's benchmarks/."""
+    the ratio.  Returns {name: {'median_us', 'min_us', 'samples_us': [reps]}}, names in the
+    order given."""
     names = list(fns)
     if not names:
         raise ValueError("time_interleaved(): fns must name at least one call, got none")
@@ -307,74 +101,237 @@ def time_interleaved(
         for name, start, end in events:
             samples[name].append(start.elapsed_time(end) * 1e3)
     return {
-        name: {
-            "us": float(statistics.median(samples[name])),
-            "min_us": min(samples[name]),
-            "samples_us": samples[name],
-        }
+        name: {"median_us": median(samples[name]), "min_us": min(samples[name]), "samples_us": samples[name]}
         for name in names
     }
 
 
-def _fmt_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
+def time_us(
+    fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 3, reps: int = 10
+) -> dict[str, Any]:
+    """``time_interleaved`` of one call: {'median_us', 'min_us', 'samples_us': [reps]}."""
+    return time_interleaved({"fn": fn}, device, warmup, reps)["fn"]
 
 
-class Progress:
-    """A progress bar on a text stream.  Work is counted in units the caller chooses (here
-    FLOPs, so the bar and the estimate of the time left follow the cost of the steps).  On a
-    terminal one line is redrawn; elsewhere (logs, pipes) each step prints its own line."""
+def runnable(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
+    """The calls of ``fns`` whose first run succeeds (each run once, then the GPU synchronised
+    when one is present); a call that raises RuntimeError -- a torch backend that cannot run the
+    case -- is reported unavailable and left out."""
+    ok = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except RuntimeError as exc:
+            print(f"  {name}: unavailable ({str(exc).splitlines()[0][:100]})")
+            continue
+        ok[name] = fn
+    return ok
 
-    def __init__(self, total_steps: int, total_work: float, stream: TextIO, width: int = 28):
-        self.total_steps = total_steps
-        self.total_work = max(total_work, 1e-30)
-        self.stream = stream
-        self.width = width
-        self.steps = 0
-        self.work = 0.0
-        self.start_time = time.monotonic()
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self._last_len = 0
 
-    def _line(self, label: str) -> str:
-        frac = min(1.0, self.work / self.total_work)
-        filled = int(frac * self.width)
-        elapsed = time.monotonic() - self.start_time
-        eta = f", ~{_fmt_duration(elapsed * (1 - frac) / frac)} left" if 0 < frac < 1 else ""
-        return (
-            f"[{'#' * filled}{'.' * (self.width - filled)}] {self.steps}/{self.total_steps} "
-            f"{frac * 100:3.0f}% {_fmt_duration(elapsed)}{eta}  {label}"
+def _flush_kernel_names(device: torch.device) -> set[str]:
+    """Names of the device records one flush_l2 leaves in a profile (profiled once per device)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if device in _flush_names:
+        return _flush_names[device]
+    flush_l2(device)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        flush_l2(device)
+        torch.cuda.synchronize(device)
+    names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
+    if not names:
+        raise RuntimeError("device_times_us(): the profiler recorded no CUDA activity (is CUPTI available?)")
+    _flush_names[device] = names
+    return names
+
+
+def device_times_us(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    *,
+    match: str | None = None,
+    warmup: int = 3,
+    reps: int = 10,
+) -> dict[str, Any]:
+    """GPU time of ``fn()`` from the profiler's device records (kernels, memcpys, memsets):
+    per repetition the sum of the durations of the records ``fn`` issued (only those whose
+    name contains ``match`` when given), each repetition after an L2 flush.  Host time and
+    host synchronisation inside ``fn`` are not counted.  Returns the dict of ``time_us`` plus
+    'kernels': the record names counted.  RuntimeError when the records do not split evenly
+    into repetitions (the call issued a different amount of work each time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device_times_us(): device must be a CUDA device, got {device}")
+    flush_names = _flush_kernel_names(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush_l2(device)
+            fn()
+        torch.cuda.synchronize(device)
+    records = [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+        and e.name not in flush_names
+        and (match is None or match in e.name)
+    ]
+    records.sort(key=lambda e: e.time_range.start)
+    if not records or len(records) % reps != 0:
+        raise RuntimeError(
+            f"device_times_us(): expected a multiple of {reps} device records"
+            f"{'' if match is None else f' matching {match!r}'}, got {len(records)}: "
+            f"{sorted({e.name for e in records})}"
         )
-
-    def show(self, label: str) -> None:
-        """Shows the bar with label naming the step now running."""
-        line = self._line(label)
-        if self.tty:
-            self.stream.write("\r" + line.ljust(self._last_len))
-            self._last_len = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def advance(self, work: float) -> None:
-        """Marks one step done that cost work units."""
-        self.steps += 1
-        self.work += work
-
-    def close(self) -> None:
-        """Draws the full bar and ends its line."""
-        line = self._line("done")
-        self.stream.write(("\r" + line.ljust(self._last_len) if self.tty else line) + "\n")
-        self.stream.flush()
+    per_rep = len(records) // reps
+    samples = [
+        sum(e.time_range.elapsed_us() for e in records[i * per_rep : (i + 1) * per_rep]) for i in range(reps)
+    ]
+    return {
+        "median_us": median(samples),
+        "min_us": min(samples),
+        "samples_us": samples,
+        "kernels": sorted({e.name for e in records}),
+    }
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
-    """Right-aligned columns, two spaces apart, a dashed rule under the headers."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+# --- the record ---------------------------------------------------------------------------------
+
+
+def run_command(cmd: list[str], cwd: str | None = None) -> str | None:
+    """The stripped stdout of ``cmd`` (run in ``cwd``, 20 s at most), or None when it cannot
+    start, fails or times out."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _cudnn_version(device: torch.device) -> int | None:
+    """cuDNN's version on a CUDA run; None on the CPU (loading cuDNN there is pointless, and
+    fails outright when another cuDNN is first on the library path) or when it cannot load."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError:
+        return None
+
+
+def _commit(checkout: str | None) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the diffkv sources measured.  DIFFKV_COMMIT wins: the GPU machine
+    gets a copy of the tree whose .git, if any, need not match it (dirty is then unknown).
+    Else git in ``checkout`` (a file or folder of a git checkout: a benchmark script passes
+    ``__file__``), or, without one, in the tree diffkv is imported from when that is a git
+    checkout of diffkv (``<top>/python/diffkv``; an installed copy names no commit)."""
+    if os.environ.get("DIFFKV_COMMIT"):
+        return os.environ["DIFFKV_COMMIT"], None
+    if checkout is None:
+        package = os.path.dirname(os.path.abspath(diffkv.__file__))
+        top = run_command(["git", "rev-parse", "--show-toplevel"], cwd=package)
+        sources = os.path.join(top, "python", "diffkv") if top else ""
+        if not os.path.isdir(sources) or not os.path.samefile(sources, package):
+            return None, None
+        checkout = top
+    elif not os.path.isdir(checkout):
+        checkout = os.path.dirname(os.path.abspath(checkout))
+    commit = run_command(["git", "rev-parse", "HEAD"], cwd=checkout)
+    status = run_command(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout)
+    return commit, None if commit is None or status is None else bool(status)
+
+
+def environment(device: torch.device | str, *, checkout: str | None = None) -> dict[str, Any]:
+    """What a result depends on: the UTC time, the device, Python, the platform, the CPU, torch
+    and its CUDA, cuDNN, diffkv (version, build info, commit and whether the tree was dirty:
+    see ``_commit``; ``checkout``: a file or folder of the git checkout the caller runs from), and
+    on CUDA the GPU (name, capability, SMs, memory, driver, max SM clock, power limit)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    commit, dirty = _commit(checkout)
+    record: dict[str, Any] = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": _cudnn_version(device),
+        "diffkv": diffkv.__version__,
+        "diffkv_build": _C.build_info(),
+        "diffkv_commit": commit,
+        "diffkv_dirty": dirty,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        record.update(
+            gpu=torch.cuda.get_device_name(device),
+            gpu_capability=f"sm_{props.major}{props.minor}",
+            gpu_sms=props.multi_processor_count,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            driver=None,
+        )
+        if shutil.which("nvidia-smi"):
+            out = run_command(
+                [
+                    "nvidia-smi",
+                    f"--id={device.index}",
+                    "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                    "--format=csv,noheader",
+                ]
+            )
+            if out:
+                fields = [f.strip() for f in out.split(",")] + [None, None]
+                record.update(driver=fields[0], gpu_max_sm_clock=fields[1], gpu_power_limit=fields[2])
+    return record
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    """Writes ``record`` as indented JSON, folders created as needed; through a temporary file
+    and a rename, so a reader (or a run cut short) never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# --- the printout -------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A number for a table cell; None becomes 'n/a'."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1, stream: TextIO | None = None
+) -> None:
+    """Prints rows of strings under headers and a dashed rule, columns two spaces apart, the
+    first ``left`` columns left-aligned and the others right-aligned (to stdout by default)."""
+    stream = sys.stdout if stream is None else stream
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        parts = [
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
 
     print(line(headers), file=stream)
     print(line(["-" * w for w in widths]), file=stream)
@@ -382,122 +339,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], stream: TextIO
         print(line(row), file=stream)
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+# --- a paged cache for timing _C.paged_attention ------------------------------------------------
 
 
-def _seq_label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-# --- one (seq_len, rows) group: data, baselines, diffkv per block size -------------------------
-
-
-def _pairs(seq_len: int, causal: bool) -> int:
-    """Visible (query, key) pairs of one square row."""
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-
-
-def _tflops(flops: float, us: float) -> float:
-    return flops / (us * 1e-6) / 1e12
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _sdpa_setup(name: str, q, k, v, causal: bool, scale: float) -> dict[str, Any]:
-    """{'run', 'out', 'gqa'} for SDPA under backend name, or {'reason'} when it cannot run.
-    q [R, H, S, D], k/v [R, Hkv, S, D] contiguous."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
-    gqa = q.shape[1] != k.shape[1]
-    reasons = []
-    for mode in ("enable_gqa", "repeat_interleave") if gqa else ("mha",):
-        if mode == "repeat_interleave":
-            rep = q.shape[1] // k.shape[1]
-            kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        else:
-            kk, vv = k, v
-        kwargs = {"enable_gqa": True} if mode == "enable_gqa" else {}
-
-        def run(kk=kk, vv=vv, kwargs=kwargs):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, scale=scale, **kwargs)
-
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = run()
-                torch.cuda.synchronize(q.device)
-        except RuntimeError as exc:
-            why = "; ".join(str(w.message).splitlines()[0] for w in caught) or _first_line(exc)
-            reasons.append(f"{mode}: {why}")
-            continue
-        return {"run": run, "out": out, "gqa": mode}
-    return {"reason": " | ".join(reasons)}
-
-
-_flex_compiled: Callable[..., Any] | None = None
-
-
-def _flex_setup(q, k, v, causal: bool, scale: float) -> dict[str, Any]:
-    """{'run', 'out', 'gqa'} for torch.compile(flex_attention) (compiled here, outside the
-    timing; one graph per shape)."""
-    global _flex_compiled
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if _flex_compiled is None:
-        import torch._dynamo.config as dynamo_config
-
-        for limit in ("recompile_limit", "cache_size_limit"):  # one graph per shape: raise the cap
-            if hasattr(dynamo_config, limit):
-                setattr(dynamo_config, limit, 256)
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    flex = _flex_compiled
-    seq_len = q.shape[2]
-    block_mask = None
-    if causal:
-
-        def causal_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx
-
-        block_mask = create_block_mask(causal_mod, None, None, seq_len, seq_len, device=q.device)
-    gqa = q.shape[1] != k.shape[1]
-
-    def run():
-        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-
-    out = run()
-    torch.cuda.synchronize(q.device)
-    return {"run": run, "out": out, "gqa": "enable_gqa" if gqa else "mha"}
-
-
-def _reference(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """float32 dense attention [R, H, S, D] with an explicit mask."""
-    rep = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
-    scores = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        s = q.shape[2]
-        visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
-    return scores.softmax(-1) @ vf
-
-
-def _max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref|: out packed [R*S, H, D], ref [R, H, S, D]; row by row (bounded memory)."""
-    rows, _, seq_len, _ = ref.shape
-    worst = 0.0
-    for r in range(rows):
-        mine = out[r * seq_len : (r + 1) * seq_len].transpose(0, 1)
-        worst = max(worst, (mine.float() - ref[r].float()).abs().max().item())
-    return worst
-
-
-def _paged(k, v, block_size: int, gen: torch.Generator) -> dict[str, Any]:
+def _paged(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator) -> dict[str, Any]:
     """A cache [2, num_blocks, block_size, Hkv, D] holding rows k/v [R, Hkv, S, D] in blocks
     drawn from a random permutation of num_blocks = needed + spare, with the metadata
     _C.paged_attention takes (device tensors and host copies)."""
@@ -549,342 +394,3 @@ def paged_call(
         )
 
     return run
-
-
-def _group(
-    cfg: dict[str, Any], seq_len: int, rows: int, progress: Progress, notes: dict[str, str]
-) -> list[dict[str, Any]]:
-    """Times diffkv at every block size and the baselines on one (seq_len, rows) shape, all in
-    one interleaved run (``time_interleaved``: each repetition round runs every call once, so
-    the GPU's clock drift falls on all alike).  Returns one point per block size."""
-    device, dtype = cfg["device"], DTYPES[cfg["dtype"]]
-    heads, kv_heads, head_size = cfg["heads"], cfg["kv_heads"], cfg["head_size"]
-    causal = cfg["mask"] == "causal"
-    scale = head_size**-0.5
-    flops = 4 * heads * head_size * rows * _pairs(seq_len, causal)
-    where = f"seq {_seq_label(seq_len)} rows {rows}"
-
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seq_len * 16 + rows)
-    q = torch.randn(rows, heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
-    v = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
-
-    timers: dict[str, Callable[[], Any]] = {}
-    baselines: dict[str, dict[str, Any]] = {}
-    setups: dict[str, dict[str, Any]] = {}
-    steps = 0  # progress steps this group owes: one per requested baseline and block size
-    for name in BASELINES:
-        if name not in cfg["baselines"]:
-            why = "--quick runs diffkv only" if cfg["quick"] else "not requested (--baselines)"
-            baselines[name] = {"status": "skipped", "reason": why}
-            continue
-        if device.type != "cuda":
-            baselines[name] = {"status": "skipped", "reason": "baselines run on CUDA only"}
-            continue
-        steps += 1
-        progress.show(f"{where}: {name} setup")
-        try:
-            if name == "flex":
-                setup = _flex_setup(q, k, v, causal, scale)
-            else:
-                setup = _sdpa_setup(name, q, k, v, causal, scale)
-        except Exception as exc:  # a baseline that cannot run is reported, not fatal
-            setup = {"reason": _first_line(exc)}
-        if "run" in setup:
-            setups[name] = setup
-            timers[name] = setup["run"]
-        else:
-            baselines[name] = {"status": "skipped", "reason": setup["reason"]}
-            notes.setdefault(f"{name}: {setup['reason']}", where)
-
-    query = q.transpose(1, 2).reshape(rows * seq_len, heads, head_size).contiguous()
-    mask_code = _C.MASK_CAUSAL if causal else _C.MASK_NONE
-    tol = 5e-3 if dtype == torch.float32 else 3e-2
-    runs: dict[int, dict[str, Any]] = {}
-    for block_size in cfg["block_sizes"]:
-        steps += 1
-        progress.show(f"{where}: diffkv block {block_size} setup")
-        paged = _paged(k, v, block_size, torch.Generator().manual_seed(block_size))
-        out = torch.empty_like(query)
-
-        run = paged_call(query, paged, mask_code, scale, out)
-
-        entry: dict[str, Any] = {"paged": paged, "out": out}
-        try:
-            run()  # a refusal is recorded on the point; the sweep goes on and the run fails
-            entry["kernel"] = _C.last_attention_kernel()  # e.g. TMA boxes or not, per block size
-            timers[f"diffkv block {block_size}"] = run
-        except Exception as exc:
-            entry["error"] = _first_line(exc)
-            notes.setdefault(f"diffkv: {entry['error']}", f"{where} block {block_size}")
-        runs[block_size] = entry
-
-    progress.show(f"{where}: timing {len(timers)} calls interleaved")
-    timed = time_interleaved(timers, device, cfg["warmup"], cfg["reps"]) if timers else {}
-    refs: dict[str, torch.Tensor] = {}
-    for name, setup in setups.items():
-        t = timed[name]
-        refs[name] = setup["out"]
-        baselines[name] = {
-            "status": "ok",
-            "us": t["us"],
-            "tflops": _tflops(flops, t["us"]),
-            "gqa": setup["gqa"],
-            "samples_us": t["samples_us"],
-        }
-    if not refs and rows * heads * seq_len * seq_len <= REFERENCE_MAX_SCORES:
-        refs["fp32_reference"] = _reference(q, k, v, causal, scale)
-    baselines = {name: baselines[name] for name in BASELINES}
-
-    points = []
-    for block_size, entry in runs.items():
-        if "error" in entry:
-            result: dict[str, Any] = {"error": entry["error"], "us": None, "tflops": None}
-            checks: dict[str, float] = {}
-            ok = False
-        else:
-            t = timed[f"diffkv block {block_size}"]
-            result = {
-                "us": t["us"],
-                "tflops": _tflops(flops, t["us"]),
-                "min_us": t["min_us"],
-                "samples_us": t["samples_us"],
-                "kernel": entry["kernel"],
-            }
-            checks = {name: _max_diff(entry["out"], ref) for name, ref in refs.items()}
-            ok = all(d <= tol for d in checks.values())
-        point = {
-            "seq_len": seq_len,
-            "rows": rows,
-            "block_size": block_size,
-            "num_blocks": entry["paged"]["num_blocks"],
-            "pairs": rows * _pairs(seq_len, causal),
-            "flops": flops,
-            "diffkv": result,
-            "baselines": {},
-            "checks": checks,
-            "check_tol": tol,
-            "check_ok": ok,
-        }
-        for name, b in baselines.items():
-            b = dict(b)
-            if b["status"] == "ok" and result["tflops"] is not None:
-                b["ratio"] = result["tflops"] / b["tflops"]
-            point["baselines"][name] = b
-        points.append(point)
-    for _ in range(steps):
-        progress.advance(flops)
-    del q, k, v, refs, runs, setups, timers
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return points
-
-
-# --- output -------------------------------------------------------------------------------------
-
-
-def _write_json(path: str, record: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _title(record: dict[str, Any]) -> str:
-    cfg, env = record["config"], record["env"]
-    where = env.get("gpu") or env["device"]
-    heads = f"{cfg['heads']}/{cfg['kv_heads']}" if cfg["heads"] != cfg["kv_heads"] else f"{cfg['heads']}"
-    mask = "causal" if cfg["mask"] == "causal" else "non-causal"
-    kernel = env.get("diffkv_build", {}).get("attention_kernel", "none")
-    kernel = f" ({kernel} kernel)" if kernel != "none" else ""
-    return (
-        f"diffkv paged attention vs torch: {where}{kernel}, {heads} heads x {cfg['head_size']} "
-        f"{cfg['dtype']}, {mask}"
-    )
-
-
-def _panels(record: dict[str, Any]) -> list[tuple[str, dict[str, list[tuple[float, float | None]]]]]:
-    """One panel per rows value: a series per diffkv block size and per baseline that ran."""
-    cfg = record["config"]
-    panels = []
-    for rows in cfg["rows"]:
-        pts = [p for p in record["points"] if p["rows"] == rows]
-        series: dict[str, list[tuple[float, float | None]]] = {}
-        for bs in cfg["block_sizes"]:
-            series[f"diffkv block {bs}"] = [
-                (p["seq_len"], p["diffkv"]["tflops"]) for p in pts if p["block_size"] == bs
-            ]
-        first = [p for p in pts if p["block_size"] == cfg["block_sizes"][0]]
-        for name in BASELINES:
-            vals = [(p["seq_len"], p["baselines"][name].get("tflops")) for p in first]
-            if any(y is not None for _, y in vals):
-                series[BASELINE_TITLES[name]] = vals
-        panels.append((f"{rows} row" + ("s" if rows != 1 else ""), series))
-    return panels
-
-
-def _colors(record: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
-    colors = {
-        BASELINE_TITLES["flash"]: (31, 119, 180),
-        BASELINE_TITLES["cudnn"]: (44, 160, 44),
-        BASELINE_TITLES["flex"]: (148, 103, 189),
-    }
-    diffkv_colors = [(214, 39, 40), (255, 127, 14), (140, 86, 75), (227, 119, 194), (188, 189, 34)]
-    for i, bs in enumerate(record["config"]["block_sizes"]):
-        colors[f"diffkv block {bs}"] = diffkv_colors[i % len(diffkv_colors)]
-    return colors
-
-
-def plot(record: dict[str, Any], path: str, plotter: str = "auto") -> str:
-    """Writes the TFLOP/s-vs-sequence-length PNG of record to path.  plotter: 'matplotlib',
-    'builtin' or 'auto' (matplotlib when importable).  Returns the plotter used."""
-    if plotter in ("auto", "matplotlib"):
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            if plotter == "matplotlib":
-                raise
-        else:
-            panels, colors = _panels(record), _colors(record)
-            fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
-            seq_lens = record["config"]["seq_lens"]
-            for ax, (title, series) in zip(axes[0], panels, strict=True):
-                for name, pts in series.items():
-                    xs = [x for x, _ in pts]
-                    ys = [math.nan if y is None else y for _, y in pts]
-                    lw = 2.2 if name.startswith("diffkv") else 1.6
-                    ax.plot(
-                        xs, ys, marker="o", ms=4, lw=lw, label=name, color=[c / 255 for c in colors[name]]
-                    )
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(seq_lens, [_seq_label(s) for s in seq_lens])
-                ax.minorticks_off()
-                ax.set_ylim(bottom=0)
-                ax.set_title(title)
-                ax.set_xlabel("sequence length (tokens per row)")
-                ax.set_ylabel("TFLOP/s")
-                ax.grid(True, alpha=0.35)
-                ax.legend(fontsize=8)
-            fig.suptitle(_title(record), fontsize=10)
-            fig.tight_layout()
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            return "matplotlib"
-    seq_lens = record["config"]["seq_lens"]
-    png = _png.line_chart(
-        _panels(record),
-        title=_title(record),
-        x_label="sequence length",
-        y_label="TFLOP/s",
-        x_ticks=[(s, _seq_label(s)) for s in seq_lens],
-        colors=_colors(record),
-    )
-    with open(path, "wb") as f:
-        f.write(png)
-    return "builtin"
-
-
-def print_table(record: dict[str, Any], stream: TextIO) -> None:
-    """The points as a table: diffkv time and TFLOP/s, each baseline's TFLOP/s and diffkv's
-    ratio to it (> 1: diffkv faster), the worst check difference."""
-    names = [b for b in BASELINES if any(p["baselines"][b]["status"] == "ok" for p in record["points"])]
-    headers = ["seq_len", "rows", "block", "kernel", "diffkv us", "diffkv TFLOP/s"]
-    headers += [f"{b} TFLOP/s" for b in names] + [f"vs {b}" for b in names] + ["max diff"]
-    rows = []
-    for p in record["points"]:
-        tf = p["diffkv"]["tflops"]
-        cells = [str(p["seq_len"]), str(p["rows"]), str(p["block_size"])]
-        cells += [p["diffkv"].get("kernel", "n/a"), _fmt(p["diffkv"]["us"])]
-        cells.append("ERROR" if tf is None else _fmt(tf, 1 if tf >= 10 else 3))
-        cells += [_fmt(p["baselines"][b].get("tflops")) for b in names]
-        cells += [_fmt(p["baselines"][b].get("ratio"), 2) for b in names]
-        diff = max(p["checks"].values()) if p["checks"] else None
-        if "error" in p["diffkv"]:
-            cells.append("n/a")
-        else:
-            cells.append("none" if diff is None else f"{diff:.1e}" + ("" if p["check_ok"] else " MISMATCH"))
-        rows.append(cells)
-    _table(headers, rows, stream)
-
-
-# --- the command --------------------------------------------------------------------------------
-
-
-def run(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> int:
-    """Runs the sweep of args (from add_arguments); parser_error(message) reports a bad option
-    (argparse's parser.error: exits 2).  Returns 0, or 1 when diffkv raised at a point or its output
-    differed from a baseline or the reference by more than the tolerance."""
-    cfg = _resolve(args, parser_error)
-    device = cfg["device"]
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    os.makedirs(cfg["out"], exist_ok=True)
-    json_path = os.path.join(cfg["out"], "bench.json")
-    png_path = os.path.join(cfg["out"], "bench.png")
-    env = environment(device)
-    config = {k: v for k, v in cfg.items() if k not in ("device", "out")}
-    config.update(device=str(device), l2_flush_bytes=L2_FLUSH_BYTES if device.type == "cuda" else 0)
-    record: dict[str, Any] = {
-        "benchmark": "diffkv bench",
-        "schema": SCHEMA,
-        "what": (
-            "diffkv._C.paged_attention on a permuted paged cache vs torch SDPA flash, SDPA cuDNN and "
-            "compiled FlexAttention on the same data laid out densely; TFLOP/s = 4*H*D*visible pairs / "
-            "median time; ratio = diffkv TFLOP/s / baseline TFLOP/s"
-        ),
-        "config": config,
-        "env": env,
-        "points": [],
-        "notes": [],
-        "files": {"json": os.path.abspath(json_path), "png": None},
-    }
-    heads = f"{cfg['heads']}/{cfg['kv_heads']}"
-    print(
-        f"diffkv {diffkv.__version__} bench on {env.get('gpu', device)}: heads {heads} x {cfg['head_size']} "
-        f"{cfg['dtype']}, mask {cfg['mask']}, seq {','.join(_seq_label(s) for s in cfg['seq_lens'])}, "
-        f"rows {cfg['rows']}, blocks {cfg['block_sizes']}; median of {cfg['reps']} after "
-        f"{cfg['warmup']} warm-up" + (", L2 flushed before each" if device.type == "cuda" else ""),
-        flush=True,
-    )
-    active = cfg["baselines"] if device.type == "cuda" else []
-    groups = [(s, r) for r in cfg["rows"] for s in cfg["seq_lens"]]
-    causal = cfg["mask"] == "causal"
-    steps_per_group = len(active) + len(cfg["block_sizes"])
-    flops = [4 * cfg["heads"] * cfg["head_size"] * r * _pairs(s, causal) for s, r in groups]
-    progress = Progress(len(groups) * steps_per_group, steps_per_group * sum(flops), sys.stderr)
-    notes: dict[str, str] = {}
-    for seq_len, rows in groups:
-        record["points"] += _group(cfg, seq_len, rows, progress, notes)
-        record["notes"] = [f"{n} (first at {w})" for n, w in notes.items()]
-        _write_json(json_path, record)
-    progress.close()
-    if device.type != "cuda":
-        record["notes"].append(f"baselines run on CUDA only (this run: {device})")
-    elif cfg["quick"]:
-        record["notes"].append("--quick runs diffkv only")
-    if not args.no_plot:
-        record["files"]["png"] = os.path.abspath(png_path)
-        record["plotter"] = plot(record, png_path, args.plotter)
-    _write_json(json_path, record)
-
-    print()
-    print_table(record, sys.stdout)
-    print()
-    print("TFLOP/s = 4*H*D*visible (query, key) pairs / median time; vs b = diffkv TFLOP/s / b TFLOP/s")
-    for note in record["notes"]:
-        print(f"note: {note}")
-    print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path} ({record['plotter']})"))
-    bad = [p for p in record["points"] if not p["check_ok"]]
-    if bad:
-        print(
-            f"FAILED at {len(bad)} point(s): diffkv raised (see the notes) or differs from a baseline or "
-            "the reference by more than the tolerance",
-            file=sys.stderr,
-        )
-        return 1
-    return 0

@@ -35,10 +35,10 @@ from .platform import (
     AttentionType,
     cdiv,
     current_omni_platform,
-    get_attn_backend,
     override_paged_kv_adapter,
     set_current_vllm_config,
 )
+from .selector import get_attn_backend
 
 __all__ = [
     "AttentionBackendEnum",

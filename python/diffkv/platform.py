@@ -1,6 +1,6 @@
 """Standalone stand-ins for the vLLM / vLLM-Omni module-level collaborators of the adapter.
 
-The seed adapter looks these names up at call time in its own module namespace, and so does
+vLLM-Omni's adapter looks these names up at call time in its own module namespace, and so does
 ``diffkv.adapter`` (tests monkeypatch them there).  Here they are small, self-contained
 objects that need neither vLLM nor vLLM-Omni:
 
@@ -10,8 +10,10 @@ objects that need neither vLLM nor vLLM-Omni:
 - ``set_current_vllm_config(cfg)`` / ``get_current_vllm_config()``: the current config;
 - ``override_paged_kv_adapter(adapter)`` / ``current_paged_kv_adapter()``: the forward
   context's paged-KV adapter;
-- ``get_attn_backend(...)``: selects ``DiffKVAttentionBackend`` after checking its arguments;
 - ``AttentionBackendEnum``, ``AttentionType``, ``cdiv``, ``AttentionLayerBase``.
+
+Backend selection (``get_attn_backend``) is in ``diffkv.selector``: it needs the backend
+classes, which need this module.
 """
 
 from __future__ import annotations
@@ -33,15 +35,10 @@ __all__ = [
     "cdiv",
     "current_omni_platform",
     "current_paged_kv_adapter",
-    "get_attn_backend",
     "get_current_vllm_config",
     "override_paged_kv_adapter",
     "set_current_vllm_config",
 ]
-
-# Activation dtypes the DIFFKV kernels are built for (C reference and CUDA path alike).
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,7 +53,7 @@ class AttentionType:
 
 
 class AttentionBackendEnum(enum.Enum):
-    """Backend names a config may request.  ``FLASH_ATTN`` is the seed's portable request,
+    """Backend names a config may request.  ``FLASH_ATTN`` is vLLM-Omni's adapter's portable request,
     which diffkv's platform resolves to its own ``DIFFKV`` backend."""
 
     FLASH_ATTN = "FLASH_ATTN"
@@ -100,7 +97,7 @@ class DiffKVPlatform:
 
     def build_diffusion_kv_attn_metadata(self, **kwargs: Any) -> dict[str, Any]:
         """Native metadata per layer for one batch: ``diffkv.native.build_attn_metadata``
-        with the seed's keyword set (attn_groups, num_reqs, num_tokens, query_start_loc_gpu,
+        with vLLM-Omni's adapter's keyword set (attn_groups, num_reqs, num_tokens, query_start_loc_gpu,
         ...)."""
         from . import native
 
@@ -169,40 +166,3 @@ def override_paged_kv_adapter(adapter: Any) -> Iterator[None]:
 def current_paged_kv_adapter() -> Any | None:
     """The adapter installed by the innermost active ``override_paged_kv_adapter`` (or None)."""
     return _current_paged_kv_adapter.get()
-
-
-def get_attn_backend(
-    *,
-    head_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: str | None,
-    attn_type: str,
-    num_heads: int,
-) -> type:
-    """Select the attention backend for a layer: ``DiffKVAttentionBackend``.
-
-    Raises ValueError naming the argument when the backend cannot serve the layer.
-    """
-    from .backends.diffkv import DiffKVAttentionBackend
-
-    supported_head_sizes = list(DiffKVAttentionBackend.get_supported_head_sizes())
-    if type(head_size) is not int or head_size not in supported_head_sizes:
-        raise ValueError(
-            f"get_attn_backend(): head_size must be one of {supported_head_sizes}, got {head_size!r}"
-        )
-    supported_dtypes = [_DTYPE_NAMES[d] for d in _SUPPORTED_DTYPES]
-    if dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"get_attn_backend(): dtype must be one of {supported_dtypes}, got {dtype!r}")
-    allowed_cache_dtypes = (None, "auto", _DTYPE_NAMES[dtype], dtype)
-    if kv_cache_dtype not in allowed_cache_dtypes:
-        raise ValueError(
-            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
-            f"{_DTYPE_NAMES[dtype]!r} (unquantized cache), got {kv_cache_dtype!r}"
-        )
-    if attn_type != AttentionType.DECODER:
-        raise ValueError(
-            f"get_attn_backend(): attn_type must be {AttentionType.DECODER!r}, got {attn_type!r}"
-        )
-    if type(num_heads) is not int or num_heads <= 0:
-        raise ValueError(f"get_attn_backend(): num_heads must be a positive integer, got {num_heads!r}")
-    return DiffKVAttentionBackend

@@ -1,1 +1,3 @@
-"""Attention backends: the seed's diffusion backend ABC (abstract.py) and DIFFKV (diffkv.py)."""
+"""Attention backends: vLLM-Omni's diffusion backend ABC (abstract.py) and DIFFKV (diffkv.py).
+
+Which backend serves a layer is decided in ``diffkv.selector``."""

@@ -5,7 +5,7 @@ Entry points: ``AttentionBackend`` (capability flags and class-level factory met
 ``AttentionImpl`` (per-platform ``forward`` dispatch and the opt-in ``forward_paged``), and the
 per-forward metadata ``AttentionMetadata`` with ``QueryRange``, ``VideoTokenSpan``,
 ``VideoTokenLayout`` and ``PackedPaddingMetadata``.  Names, fields, defaults, flags and
-messages follow the seed; the platform is diffkv's (``diffkv.platform.current_omni_platform``),
+messages follow vLLM-Omni's backend; the platform is diffkv's (``diffkv.platform.current_omni_platform``),
 looked up in this module at call time.
 """
 

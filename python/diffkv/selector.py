@@ -1,0 +1,58 @@
+"""Attention backend selection: which backend class serves a layer (vLLM's
+``vllm.v1.attention.selector.get_attn_backend``, written for diffkv).
+
+Selection lives in its own module, apart from the platform (``diffkv.platform``) and the
+backend classes (``diffkv.backends``): it needs both, and neither needs it, so the import
+graph stays one-way (platform <- backends.abstract <- backends.diffkv <- selector <- adapter).
+
+Entry point: ``get_attn_backend(...)``, which ``diffkv.adapter`` calls (and re-exports as a
+module attribute that tests and a vLLM-Omni install replace).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.diffkv import DiffKVAttentionBackend
+from .platform import AttentionType
+
+__all__ = ["get_attn_backend"]
+
+# Activation dtypes the DIFFKV kernels are built for (C reference and CUDA path alike).
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def get_attn_backend(
+    *,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | None,
+    attn_type: str,
+    num_heads: int,
+) -> type:
+    """Select the attention backend for a layer: ``DiffKVAttentionBackend``.
+
+    Raises ValueError naming the argument when the backend cannot serve the layer.
+    """
+    supported_head_sizes = list(DiffKVAttentionBackend.get_supported_head_sizes())
+    if type(head_size) is not int or head_size not in supported_head_sizes:
+        raise ValueError(
+            f"get_attn_backend(): head_size must be one of {supported_head_sizes}, got {head_size!r}"
+        )
+    supported_dtypes = [_DTYPE_NAMES[d] for d in _SUPPORTED_DTYPES]
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"get_attn_backend(): dtype must be one of {supported_dtypes}, got {dtype!r}")
+    allowed_cache_dtypes = (None, "auto", _DTYPE_NAMES[dtype], dtype)
+    if kv_cache_dtype not in allowed_cache_dtypes:
+        raise ValueError(
+            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
+            f"{_DTYPE_NAMES[dtype]!r} (unquantized cache), got {kv_cache_dtype!r}"
+        )
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(
+            f"get_attn_backend(): attn_type must be {AttentionType.DECODER!r}, got {attn_type!r}"
+        )
+    if type(num_heads) is not int or num_heads <= 0:
+        raise ValueError(f"get_attn_backend(): num_heads must be a positive integer, got {num_heads!r}")
+    return DiffKVAttentionBackend
