@@ -102,7 +102,8 @@ def check_batch_bindings(
     cp_size: int,
     num_blocks: torch.Tensor,
 ) -> int:
-    """The rows against the Worker's tables and token budget, in vLLM-Omni's adapter's order; reads binding.row_index and binding.max_seq_len.
+    """The rows against the Worker's tables and token budget, in vLLM-Omni's adapter's order;
+    reads binding.row_index and binding.max_seq_len.
     num_blocks: CPU int32/int64 tensor [num_groups, max_num_reqs] (BlockTables.num_blocks.np
     through torch.as_tensor).  Returns num_tokens = sum(query_len)."""
 

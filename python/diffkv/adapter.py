@@ -1,6 +1,6 @@
 """vLLM-Omni's diffusion paged-attention adapter API, backed by diffkv._C.
 
-Entry points (the seed's classes, same names, fields, flags, validation order and messages):
+Entry points (vLLM-Omni's adapter's classes, same names, fields, flags, validation order and messages):
 ``DiffusionPagedAttentionLayerAdapter`` (registers one diffusion layer with a native paged
 backend), ``DiffusionPagedAttentionRow`` / ``DiffusionPagedAttentionMetadata`` (row layouts of
 one request), ``DiffusionPagedAttentionAdapter`` (``prepare_batch`` once per phase,
@@ -63,7 +63,7 @@ __all__ = [
 
 
 def _normalized_device(device: torch.device) -> torch.device:
-    """``cuda`` without an index means the current CUDA device (DESIGN §7)."""
+    """``cuda`` without an index means the current CUDA device (docs/usage.md, *The API*)."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -132,7 +132,7 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
             total_heads = int(layer.num_heads)
             total_kv_heads = int(spec.num_kv_heads)
         except Exception:
-            # The seed checks ulysses_degree before it reads the head counts.
+            # vLLM-Omni's adapter checks ulysses_degree before it reads the head counts.
             _C.check_layer_heads(ulysses_degree, 1, 1)
             raise
         num_heads, num_kv_heads = _C.check_layer_heads(ulysses_degree, total_heads, total_kv_heads)
@@ -968,7 +968,7 @@ class DiffusionPagedAttentionAdapter:
             return None
         full_attn_spans = getattr(metadata, "full_attn_spans", None)
         attn_mask = getattr(metadata, "attn_mask", None)
-        # Read in the seed's order, without a comprehension (this runs on every layer call).
+        # Read in vLLM-Omni's adapter's order, without a comprehension (this runs on every layer call).
         joint_attn_mask = getattr(metadata, "joint_attn_mask", None)
         query_ranges = getattr(metadata, "query_ranges", None)
         video_layout = getattr(metadata, "video_layout", None)

@@ -1,6 +1,6 @@
-"""diffkv's standalone collaborators: the objects vLLM supplies to the seed adapter.
+"""diffkv's standalone collaborators: the objects vLLM supplies to vLLM-Omni's adapter.
 
-Entry points (DESIGN.md §5):
+Entry points (docs/usage.md, *The API*):
 
 - configs and specs: ``ModelConfig``, ``CacheConfig``, ``DiffusionConfig``, ``AttentionSpec``,
   ``KVCacheGroup``, ``KVCacheConfig``, ``AttentionGroup`` (+ ``PagedMetadataBuilder``);

@@ -1,9 +1,9 @@
 """Paged piecewise (mixed causal / full-span) attention plans.
 
 Entry point: ``build_paged_piecewise_plan(full_attn_spans, query_offsets, query_lens,
-seq_lens, *, device=None)``, the seed planner's contract (vLLM-Omni ``piecewise_attn.py``,
+seq_lens, *, device=None)``, vLLM-Omni's planner's contract (its ``piecewise_attn.py``,
 newest version), computed in C by ``diffkv._C.build_plan``.  It returns a
-``PagedPiecewisePlan`` whose ``segments`` describe the seed's per-segment decomposition (used
+``PagedPiecewisePlan`` whose ``segments`` describe vLLM-Omni's per-segment decomposition (used
 for per-segment native metadata) and whose ``key_limits`` carry diffkv's single-launch form of
 the same mask: packed query token ``t`` at global position ``p`` sees keys ``j < key_limits[t]``
 (``p + 1`` in a causal segment, the span end in a full segment).
@@ -99,7 +99,7 @@ def build_paged_piecewise_plan(
     attention (empty: the row is causal); query_offsets / query_lens / seq_lens: per row, the
     global start and length of its queries and its key count.  The query tensors of the plan
     (``query_indices``, ``key_limits``) live on ``device`` (CPU when None).
-    Raises the seed planner's ValueErrors.
+    Raises vLLM-Omni's planner's ValueErrors.
     """
     num_query_tokens = _packed_length(query_lens)
     key_limits_cpu = torch.empty(num_query_tokens, dtype=torch.int32)

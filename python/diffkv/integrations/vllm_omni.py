@@ -66,8 +66,8 @@ _REGISTRY_MODULE = "vllm_omni.diffusion.attention.backends.registry"
 _SELECTOR_MODULE = "vllm_omni.diffusion.attention.selector"
 _ADAPTER_MODULE = "vllm_omni.diffusion.diffusion_kv.paged_attention_adapter"
 
-# Collaborators of diffkv.adapter taken from Omni's adapter module (the seed imports each of
-# them from vLLM or vLLM-Omni into that module).
+# Collaborators of diffkv.adapter taken from Omni's adapter module (vLLM-Omni's adapter imports
+# each of them from vLLM or vLLM-Omni into that module).
 _COLLABORATORS = (
     "set_current_vllm_config",
     "get_attn_backend",
