@@ -40,7 +40,14 @@ from fuzz_strategies import (
     hostile_tensors,
     table_problems,
 )
-from reference import key_limits_for_spans
+from reference import (
+    dense_kv_from_cache,
+    key_limits_for_spans,
+    mask_causal,
+    mask_key_limits,
+    mask_none,
+    ref_attention,
+)
 
 _CI_EXAMPLES = 40
 settings.register_profile(
@@ -165,37 +172,33 @@ def ref_kv_write(p: AttentionProblem) -> torch.Tensor:
     return cache
 
 
-def ref_paged_attention(p: AttentionProblem, cache: torch.Tensor) -> torch.Tensor:
-    """float64 [N, H, D] reference of p's attention over `cache`."""
-    q = p.query.double()
-    num_heads, head_size = q.shape[1], q.shape[2]
-    group = num_heads // cache.shape[3]
-    block_size = cache.shape[2]
-    out = torch.zeros_like(q)
+def _visible_per_row(p: AttentionProblem) -> list[torch.Tensor]:
+    """p's mask per row as bool [query_len, seq_len]: every key, bottom-right causal, or the
+    per-token key limits."""
     qsl = p.query_start_loc.tolist()
+    masks = []
     for r, seq_len in enumerate(p.seq_lens.tolist()):
-        blocks = torch.tensor(
-            [int(p.block_table[r, j // block_size]) for j in range(seq_len)], dtype=torch.long
-        )
-        offsets = torch.arange(seq_len) % block_size
-        k = cache[0, blocks, offsets].double().repeat_interleave(group, dim=1)
-        v = cache[1, blocks, offsets].double().repeat_interleave(group, dim=1)
         query_len = qsl[r + 1] - qsl[r]
-        for i in range(query_len):
-            t = qsl[r] + i
-            if p.mask == 0:
-                n = seq_len
-            elif p.mask == 1:
-                n = i + seq_len - query_len + 1
-            else:
-                n = int(p.key_limits[t])
-            n = max(0, min(n, seq_len))
-            if n == 0:
-                continue
-            scores = torch.einsum("hd,shd->hs", q[t], k[:n]) * p.scale
-            out[t] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v[:n])
-    del head_size
-    return out
+        if p.mask == 0:
+            masks.append(mask_none(range(query_len), seq_len))
+        elif p.mask == 1:
+            masks.append(mask_causal(range(seq_len - query_len, seq_len), seq_len))
+        else:
+            masks.append(mask_key_limits(p.key_limits[qsl[r] : qsl[r + 1]], seq_len))
+    return masks
+
+
+def ref_paged_attention(p: AttentionProblem, cache: torch.Tensor, lse: bool = False) -> Any:
+    """float64 [N, H, D] reference of p's attention over `cache` (with lse: also the float64
+    [N, H] log-sum-exp, -inf where a token sees no key)."""
+    qsl = p.query_start_loc.tolist()
+    out = torch.zeros(p.query.shape, dtype=torch.float64)
+    out_lse = torch.full(p.query.shape[:2], float("-inf"), dtype=torch.float64)
+    for r, (seq_len, visible) in enumerate(zip(p.seq_lens.tolist(), _visible_per_row(p), strict=True)):
+        k, v = dense_kv_from_cache(cache, p.block_table[r], seq_len)
+        rows = slice(qsl[r], qsl[r + 1])
+        out[rows], out_lse[rows] = ref_attention(p.query[rows], k, v, visible, p.scale, lse=True)
+    return (out, out_lse) if lse else out
 
 
 _ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
@@ -552,34 +555,6 @@ def test_attention_and_kv_write_correct(p):
     assert torch.equal(p.kv_cache, expected_cache)
 
 
-def ref_lse(p: AttentionProblem, cache: torch.Tensor) -> torch.Tensor:
-    """float64 [N, H] log-sum-exp of p's scaled scores over each token's visible keys (-inf
-    when it sees none)."""
-    q = p.query.double()
-    group = q.shape[1] // cache.shape[3]
-    block_size = cache.shape[2]
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    qsl = p.query_start_loc.tolist()
-    for r, seq_len in enumerate(p.seq_lens.tolist()):
-        blocks = torch.tensor(
-            [int(p.block_table[r, j // block_size]) for j in range(seq_len)], dtype=torch.long
-        )
-        k = cache[0, blocks, torch.arange(seq_len) % block_size].double().repeat_interleave(group, dim=1)
-        query_len = qsl[r + 1] - qsl[r]
-        for i in range(query_len):
-            t = qsl[r] + i
-            if p.mask == 0:
-                n = seq_len
-            elif p.mask == 1:
-                n = i + seq_len - query_len + 1
-            else:
-                n = int(p.key_limits[t])
-            n = max(0, min(n, seq_len))
-            if n > 0:
-                lse[t] = torch.logsumexp(torch.einsum("hd,shd->hs", q[t], k[:n]) * p.scale, dim=-1)
-    return lse
-
-
 @FUZZ
 @given(p=attention_problems())
 def test_attention_lse_correct(p):
@@ -593,7 +568,7 @@ def test_attention_lse_correct(p):
     with no_hang():
         _C.paged_attention_lse(*args)
     assert torch.equal(p.out, expected_out)
-    lse, expected = args[9], ref_lse(p, p.kv_cache)
+    lse, expected = args[9], ref_paged_attention(p, p.kv_cache, lse=True)[1]
     blind = torch.isinf(expected)
     assert torch.equal(torch.isinf(lse), blind) and (lse[blind] < 0).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}[p.query.dtype]
