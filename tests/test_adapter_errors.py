@@ -13,6 +13,7 @@ import diffkv
 from _helpers import HEAD_SIZE, RecordingBlockTables, make_adapter, make_layer, make_vllm_config, row
 from diffkv import adapter as adapter_mod
 from diffkv import platform as platform_mod
+from error_cases import all_cases, check, error_cases
 
 
 def _raises(exc_type, message):
@@ -961,3 +962,14 @@ def test_default_platform_answers_from_torch():
 def test_make_layer_helper_builds_a_diffkv_layer():
     layer = make_layer("x", device="cpu", vllm_config=make_vllm_config())
     assert isinstance(layer.impl, diffkv.DiffKVAttentionImpl)
+
+
+# --- the _C entry points: every failing case of the shared table ----------------------------------
+
+
+@pytest.mark.parametrize(("entry", "name"), [(entry, case.name) for entry, case in error_cases()])
+def test_entry_point_error_case(entry, name):
+    """Each failing case of error_cases.py raises exactly its exception type with its full
+    message (the leak and fuzz tests run the same cases)."""
+    case = next(c for c in all_cases()[entry] if c.name == name)
+    check(case)

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 import diffkv
 from _helpers import HEAD_SIZE, fake_forward_context, make_adapter
 from diffkv import _C
+from error_cases import check, error_cases
 from fuzz_strategies import (
     AttentionProblem,
     attention_problems,
@@ -573,6 +574,19 @@ def test_attention_lse_correct(p):
     assert torch.equal(torch.isinf(lse), blind) and (lse[blind] < 0).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}[p.query.dtype]
     assert torch.allclose(lse[~blind].double(), expected[~blind], atol=tol, rtol=tol)
+
+
+def test_table_error_cases_change_nothing():
+    """The explicit examples next to the random ones: every failing case of the shared table
+    (error_cases.py) raises its exception with its full message, twice in a row, and changes no
+    tensor it was given (outputs the entry point may fill before it fails aside)."""
+    scratch = {name: slots for name, (_, slots) in _valid_calls().items()}
+    for entry, case in error_cases():
+        snap = Snapshot(case.args, skip=scratch.get(entry, ()))
+        for _ in range(2):
+            with no_hang():
+                check(case)
+        snap.assert_unchanged()
 
 
 def _reachable(p: AttentionProblem) -> list[tuple[int, int]]:
