@@ -269,7 +269,7 @@ def _cases_rules() -> dict[str, list[Case]]:
             ok("check_row context_id", _C.check_row, "r", 4, 8, 0, None, "ctx"),
             ok("check_row huge ints", _C.check_row, "r", HUGE, HUGE * 2, HUGE, HUGE, None),
             bad(
-                "check_row R1",
+                "check_row request_id",
                 ValueError,
                 ("Paged attention request_id must be a non-empty string"),
                 _C.check_row,
@@ -281,7 +281,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 None,
             ),
             bad(
-                "check_row R2",
+                "check_row exactly one id",
                 ValueError,
                 ("Paged attention row requires exactly one of sequence_id or context_id"),
                 _C.check_row,
@@ -293,7 +293,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 "c",
             ),
             bad(
-                "check_row R3",
+                "check_row sequence_id",
                 ValueError,
                 ("Paged attention sequence_id must be a non-negative integer"),
                 _C.check_row,
@@ -305,7 +305,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 None,
             ),
             bad(
-                "check_row R4",
+                "check_row context_id",
                 ValueError,
                 ("Paged attention context_id must be a non-empty string"),
                 _C.check_row,
@@ -317,7 +317,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 "",
             ),
             bad(
-                "check_row R5",
+                "check_row query_len",
                 ValueError,
                 "Paged attention query_len must be a positive integer",
                 _C.check_row,
@@ -329,7 +329,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 None,
             ),
             bad(
-                "check_row R6",
+                "check_row seq_len",
                 ValueError,
                 "Paged attention seq_len must be a positive integer",
                 _C.check_row,
@@ -341,7 +341,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 None,
             ),
             bad(
-                "check_row R7",
+                "check_row kv_start_pos",
                 ValueError,
                 ("Paged attention kv_start_pos must be a non-negative integer"),
                 _C.check_row,
@@ -353,7 +353,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 None,
             ),
             bad(
-                "check_row R8",
+                "check_row write span past seq_len",
                 ValueError,
                 (
                     "Paged attention write span exceeds seq_len: start=1180591620717411303424, "
@@ -372,7 +372,7 @@ def _cases_rules() -> dict[str, list[Case]]:
         "check_metadata": [
             ok("check_metadata ok", _C.check_metadata, pre, den),
             bad(
-                "check_metadata M1",
+                "check_metadata both row sets",
                 ValueError,
                 ("Paged attention metadata requires both prefill and denoise rows"),
                 _C.check_metadata,
@@ -380,7 +380,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 den,
             ),
             bad(
-                "check_metadata M2",
+                "check_metadata same identities",
                 ValueError,
                 (
                     "Paged attention prefill and denoise rows must use the same ordered identities: "
@@ -435,7 +435,7 @@ def _cases_rules() -> dict[str, list[Case]]:
             ok("check_layer_heads ok", _C.check_layer_heads, 2, 4, 2),
             ok("check_layer_heads huge", _C.check_layer_heads, 2, HUGE * 4, HUGE * 2),
             bad(
-                "check_layer_heads L1",
+                "check_layer_heads ulysses degree",
                 ValueError,
                 ("ulysses_degree must be a positive integer, got True"),
                 _C.check_layer_heads,
@@ -453,7 +453,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 2,
             ),
             bad(
-                "check_layer_heads L2",
+                "check_layer_heads head counts",
                 ValueError,
                 (
                     "Paged attention requires positive Q/KV heads with num_heads divisible by "
@@ -465,7 +465,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 3,
             ),
             bad(
-                "check_layer_heads L3",
+                "check_layer_heads heads divisible by ulysses",
                 ValueError,
                 (
                     "Paged attention requires Q/KV heads divisible by ulysses_degree: num_heads=4, "
@@ -480,7 +480,7 @@ def _cases_rules() -> dict[str, list[Case]]:
         "check_head_sizes": [
             ok("check_head_sizes ok", _C.check_head_sizes, 64, 64),
             bad(
-                "check_head_sizes L5",
+                "check_head_sizes key and value head sizes",
                 ValueError,
                 (
                     "Diffusion native paged attention requires equal key/value head sizes; got "
@@ -503,21 +503,21 @@ def _cases_rules() -> dict[str, list[Case]]:
             ok("check_layer_qkv packed", _C.check_layer_qkv, *qkv(q, k, k)),
             ok("check_layer_qkv batched padded", _C.check_layer_qkv, *qkv(qb, kb, kb, n=2, lens=(2,))),
             bad(
-                "check_layer_qkv C4",
+                "check_layer_qkv trailing shape",
                 ValueError,
                 ("Paged attention query must end in (2, 2) or (4,); got shape=(2, 2)"),
                 _C.check_layer_qkv,
                 *qkv(q[:, 0], k, k),
             ),
             bad(
-                "check_layer_qkv C5",
+                "check_layer_qkv key layout",
                 ValueError,
                 ("Paged attention key token count must match the query layout: query=(2,), key=(1,)"),
                 _C.check_layer_qkv,
                 *qkv(q, k[:1], k),
             ),
             bad(
-                "check_layer_qkv C8",
+                "check_layer_qkv value layout",
                 ValueError,
                 (
                     "Paged attention batched value layout must match prepared rows and the query "
@@ -527,7 +527,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 *qkv(qb, kb, kb[:, :2]),
             ),
             bad(
-                "check_layer_qkv C9",
+                "check_layer_qkv token counts",
                 ValueError,
                 (
                     "Paged attention Q/K/V token count must match the prepared write batch: tokens=2, "
@@ -537,7 +537,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 *qkv(q, k, k, n=3),
             ),
             bad(
-                "check_layer_qkv C10",
+                "check_layer_qkv batched layout",
                 ValueError,
                 (
                     "Paged attention batched Q/K/V layout must match prepared rows for the current "
@@ -547,7 +547,7 @@ def _cases_rules() -> dict[str, list[Case]]:
                 *qkv(qb, kb, kb, lens=(4,)),
             ),
             bad(
-                "check_layer_qkv C11",
+                "check_layer_qkv token rank",
                 ValueError,
                 (
                     "Paged attention Q/K/V supports packed [T, ...] or uniform batched [B, T, ...] "
@@ -557,21 +557,21 @@ def _cases_rules() -> dict[str, list[Case]]:
                 *qkv(q[None, None], k[None, None], k[None, None]),
             ),
             bad(
-                "check_layer_qkv C12",
+                "check_layer_qkv device",
                 ValueError,
                 ("Paged attention Q/K/V must be on cpu; got query=cpu, key=cpu, value=cpu"),
                 _C.check_layer_qkv,
                 *qkv(q, k, k, dev_type=2),
             ),
             bad(
-                "check_layer_qkv C13",
+                "check_layer_qkv dtypes match",
                 ValueError,
                 ("Paged attention Q/K/V dtypes must match; got torch.float32, torch.float64, torch.float32"),
                 _C.check_layer_qkv,
                 *qkv(q, k.double(), k),
             ),
             bad(
-                "check_layer_qkv C14",
+                "check_layer_qkv model dtype",
                 ValueError,
                 (
                     "Paged attention Q/K/V dtype must match model activation dtype torch.float16; got "
@@ -642,7 +642,7 @@ def _cases_batch() -> dict[str, list[Case]]:
         "check_batch_rows": [
             ok("check_batch_rows ok", _C.check_batch_rows, rb.rows, False, 4),
             bad(
-                "check_batch_rows P1",
+                "check_batch_rows no rows",
                 ValueError,
                 ("Paged attention batch must contain at least one row"),
                 _C.check_batch_rows,
@@ -651,7 +651,7 @@ def _cases_batch() -> dict[str, list[Case]]:
                 4,
             ),
             bad(
-                "check_batch_rows P2",
+                "check_batch_rows active forward",
                 RuntimeError,
                 ("Cannot prepare paged attention metadata during an active forward"),
                 _C.check_batch_rows,
@@ -660,7 +660,7 @@ def _cases_batch() -> dict[str, list[Case]]:
                 4,
             ),
             bad(
-                "check_batch_rows P3",
+                "check_batch_rows too many rows",
                 ValueError,
                 "Paged attention batch has 2 rows; Worker capacity is 1",
                 _C.check_batch_rows,
@@ -669,7 +669,7 @@ def _cases_batch() -> dict[str, list[Case]]:
                 1,
             ),
             bad(
-                "check_batch_rows P4",
+                "check_batch_rows duplicate identities",
                 ValueError,
                 ("Paged attention batch contains duplicate row identities"),
                 _C.check_batch_rows,
@@ -706,21 +706,21 @@ def _cases_batch() -> dict[str, list[Case]]:
                 *bind(bindings=rb.bindings[:1]),
             ),
             bad(
-                "check_batch_bindings P5",
+                "check_batch_bindings same worker row",
                 ValueError,
                 "Paged attention batch resolves multiple inputs to the same Worker row",
                 _C.check_batch_bindings,
                 *bind(bindings=(B(0, 4), B(0, 4))),
             ),
             bad(
-                "check_batch_bindings P6",
+                "check_batch_bindings invalid capacity",
                 ValueError,
                 "Paged attention row ('b', 1, None) resolved to invalid logical capacity 'x'",
                 _C.check_batch_bindings,
                 *bind(bindings=(B(0, 4), B(1, "x"))),
             ),
             bad(
-                "check_batch_bindings P7",
+                "check_batch_bindings over capacity",
                 ValueError,
                 (
                     "Paged attention row ('b', 1, None) uses seq_len=2, but its installed allocation "
@@ -730,7 +730,7 @@ def _cases_batch() -> dict[str, list[Case]]:
                 *bind(bindings=(B(0, 4), B(1, 1))),
             ),
             bad(
-                "check_batch_bindings P8",
+                "check_batch_bindings decode rows first",
                 ValueError,
                 (
                     "Causal paged attention rows must place native decode/short-query rows before "
@@ -740,14 +740,14 @@ def _cases_batch() -> dict[str, list[Case]]:
                 *bind(rows=decode_last, threshold=1),
             ),
             bad(
-                "check_batch_bindings P9",
+                "check_batch_bindings invalid worker row",
                 ValueError,
                 "Paged attention row ('b', 1, None) resolved to invalid Worker row 7",
                 _C.check_batch_bindings,
                 *bind(bindings=(B(0, 4), B(7, 4))),
             ),
             bad(
-                "check_batch_bindings P10",
+                "check_batch_bindings too few blocks",
                 ValueError,
                 (
                     "Paged attention row ('b', 1, None) requires 1 blocks in cache group 0 for "
@@ -757,7 +757,7 @@ def _cases_batch() -> dict[str, list[Case]]:
                 *bind(nbt=nb_short),
             ),
             bad(
-                "check_batch_bindings P11",
+                "check_batch_bindings too many tokens",
                 ValueError,
                 "Paged attention batch has 4 tokens; Worker capacity is 3",
                 _C.check_batch_bindings,

@@ -73,7 +73,7 @@ settings.load_profile(_PROFILE)
 FUZZ = settings(settings.get_profile(_PROFILE))
 
 # Exception types a hostile call may end in.  AttributeError only where the argument is a
-# foreign object that lacks an attribute the seed's duck typing reads.
+# foreign object that lacks an attribute vLLM-Omni's adapter's duck typing reads.
 ALLOWED = (TypeError, ValueError, KeyError, RuntimeError, NotImplementedError, IndexError)
 HANG_SECONDS = 120
 
@@ -429,12 +429,12 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
 
 
 # Entry points that read attributes of row / binding objects (row.identity, row.query_len,
-# binding.row_index), as the seed does, or of a per-call context (forward_context): a foreign
+# binding.row_index), as vLLM-Omni's adapter does, or of a per-call context (forward_context): a foreign
 # object there raises AttributeError.
 _DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch", "forward_context")
-# Entry points that keep the seed's Python arithmetic on the objects they are given (comparisons,
+# Entry points that keep vLLM-Omni's adapter's Python arithmetic on the objects they are given (comparisons,
 # `%`, int()): a foreign object or float there may raise OverflowError (int(inf), a huge int
-# compared with a tensor), as in the seed.
+# compared with a tensor), as in vLLM-Omni's adapter.
 _PYTHON_ARITHMETIC = ("check_head_sizes", "check_layer_heads", "check_batch_rows", "build_plan")
 
 # configure() is fuzzed on its own below: it replaces module state.
@@ -1097,7 +1097,7 @@ _span = st.tuples(st.integers(-2, 14), st.integers(-2, 14))
     huge=st.sampled_from((None, 2**62, 2**63 - 1, 2**64)),
 )
 def test_build_plan_fuzz(rows, huge):
-    """Malformed, unsorted, overlapping and out-of-range spans get the seed's messages; valid
+    """Malformed, unsorted, overlapping and out-of-range spans get vLLM-Omni's adapter's messages; valid
     plans give the reference key limits.  `huge` query lengths never overrun the outputs."""
     spans = [r[0] for r in rows]
     offsets = [r[1] for r in rows]
@@ -1155,8 +1155,8 @@ _row_field = st.one_of(hostile_ints(), hostile_objects(), st.sampled_from(("r", 
 @FUZZ
 @given(fields=st.tuples(_row_field, _row_field, _row_field, _row_field, _row_field, _row_field))
 def test_row_rules_fuzz(fields):
-    """DiffusionPagedAttentionRow accepts exactly the seed's rows; everything else is a
-    ValueError (the seed's type)."""
+    """DiffusionPagedAttentionRow accepts exactly vLLM-Omni's adapter's rows; everything else is a
+    ValueError (vLLM-Omni's adapter's type)."""
     names = ("request_id", "query_len", "seq_len", "kv_start_pos", "sequence_id", "context_id")
     ok, result = call(lambda: diffkv.DiffusionPagedAttentionRow(**dict(zip(names, fields, strict=True))))
     assert ok == _check_row_oracle(*fields)
@@ -1344,7 +1344,7 @@ def test_runtime_and_restore_output_hostile(step, output):
     runtime = diffkv.DiffusionPagedAttentionRuntime(env.adapter, metadata)
     ok, exc = call(runtime.ensure_active, step)
     if not ok:
-        # The seed evaluates `step_idx == 0` first: a tensor step may fail in torch's __eq__.
+        # vLLM-Omni's adapter evaluates `step_idx == 0` first: a tensor step may fail in torch's __eq__.
         assert type(exc) is not ValueError or "denoise step index" in str(exc)
     else:
         assert type(step) is int and step >= 0
@@ -1353,7 +1353,7 @@ def test_runtime_and_restore_output_hostile(step, output):
         ctx = env.adapter.prepare_layer_context(
             "layer0", torch.randn(4, 2, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE)
         )
-        # The seed's restore_output is a plain reshape: a non-tensor raises AttributeError.
+        # vLLM-Omni's adapter's restore_output is a plain reshape: a non-tensor raises AttributeError.
         ok, restored = call(ctx.restore_output, output, allowed=ALLOWED + (AttributeError,))
         if ok:
             assert isinstance(output, torch.Tensor) and restored.shape == (4, 2, HEAD_SIZE)
@@ -1423,7 +1423,7 @@ def _collaborator_calls() -> dict[str, tuple[Callable[..., Any], list[Any], tupl
                 ulysses_degree=u,
             ),
             [2, 0.5, 1],
-            (OverflowError,),  # the seed's int(layer.num_heads) of inf
+            (OverflowError,),  # vLLM-Omni's adapter's int(layer.num_heads) of inf
         ),
     }
 
@@ -1431,7 +1431,7 @@ def _collaborator_calls() -> dict[str, tuple[Callable[..., Any], list[Any], tupl
 @FUZZ
 @given(data=st.data())
 def test_hostile_argument_public_methods(data):
-    """Public methods of the seed classes and collaborators, one or two arguments hostile:
+    """Public methods of vLLM-Omni's adapter classes and collaborators, one or two arguments hostile:
     an allowed exception (or a documented extra type) and no tensor changed on failure."""
     calls = _collaborator_calls()
     name = data.draw(st.sampled_from(sorted(calls)))

@@ -501,7 +501,8 @@ def test_public_layer_path_does_not_leak(record_property):
 
 def test_public_batch_path_does_not_leak(record_property):
     """prepare_batch + activate (directly and through DiffusionPagedAttentionRuntime) with
-    one layer call each, plus failing preparations (P7, P2), BATCH_ITERS iterations."""
+    one layer call each, plus failing preparations (a row over its capacity, a batch prepared during an active
+    forward), BATCH_ITERS iterations."""
     h, prefill, denoise, metadata, t = _public_setup()
     adapter = h.adapter
     causal = h.layers["causal"]
