@@ -1,4 +1,4 @@
-"""Fakes shaped like the vLLM / vLLM-Omni objects the adapter contract lists (§1-§4), for the
+"""Fakes shaped like the vLLM / vLLM-Omni objects vLLM-Omni's adapter reads, for the
 tests of ``diffkv.integrations.vllm_omni`` on a machine without vLLM.
 
 - vLLM side: ``FullAttentionSpec``, ``KVCacheGroupSpec``, ``KVCacheConfig``, ``VllmConfig``

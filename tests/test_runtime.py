@@ -1,4 +1,5 @@
-"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, T1) and the
+"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, the step-index
+errors) and the
 per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V stride rules,
 restore_output, device normalisation."""
 
