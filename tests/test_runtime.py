@@ -1,7 +1,6 @@
 """The runtime (prefill -> denoise switching, reuse of one batch per phase, close, the step-index
-errors) and the
-per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V stride rules,
-restore_output, device normalisation."""
+errors) and the per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V
+stride rules, restore_output, device normalisation."""
 
 from __future__ import annotations
 
