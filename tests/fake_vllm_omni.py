@@ -1,4 +1,4 @@
-"""Fakes shaped like the vLLM / vLLM-Omni objects the adapter contract lists (§1-§4), for the
+"""Fakes shaped like the vLLM / vLLM-Omni objects vLLM-Omni's adapter reads, for the
 tests of ``diffkv.integrations.vllm_omni`` on a machine without vLLM.
 
 - vLLM side: ``FullAttentionSpec``, ``KVCacheGroupSpec``, ``KVCacheConfig``, ``VllmConfig``
@@ -13,7 +13,7 @@ tests of ``diffkv.integrations.vllm_omni`` on a machine without vLLM.
   ``register_diffusion_backend``), the selector's cached backend lookup, Omni's dense
   ``FlashAttentionBackend`` (``supports_paged_kv``), the forward context
   (``override_paged_kv_adapter``), the platform (``build_diffusion_kv_attn_metadata`` building
-  FlashAttention metadata per cache group), the adapter module (the seed's module attributes and
+  FlashAttention metadata per cache group), the adapter module (vLLM-Omni's adapter's module attributes and
   class names) and the model-runner module that imports those classes by name.
 """
 
@@ -599,7 +599,7 @@ def _make_forward_context(module: ModuleType) -> None:
 
 
 class _OriginalClass:
-    """Marker base of the seed's adapter classes in the fake adapter module."""
+    """Marker base of vLLM-Omni's adapter classes in the fake adapter module."""
 
 
 def _original(name: str) -> type:

@@ -1,8 +1,10 @@
-"""Plain PyTorch references for the tests: paged K/V read-back, attention with an explicit mask,
-and the three mask builders (none, causal bottom-right, piecewise spans).
+"""The tests' one reference attention (``ref_attention``: float64, an explicit mask, GQA, any
+value head size, optional log-sum-exp, dense or batched), the mask builders it takes (none,
+bottom-right causal, piecewise spans, per-token key limits) and the paged K/V read-back.
 
-Everything is computed in float64 unless a lower ``dtype`` is asked for (the "same-precision
-reference" whose error bounds the kernels' error, STYLE.md).
+Everything is computed in float64 unless a lower ``precision`` is asked for (the
+"same-precision reference" whose error bounds the kernels' error, STYLE.md).  Every test that
+checks an attention output compares against ``ref_attention``; no test spells out its own.
 """
 
 from __future__ import annotations
@@ -70,33 +72,64 @@ def key_limits_for_spans(positions: Sequence[int], spans: Sequence[tuple[int, in
     return limits
 
 
+def mask_key_limits(limits: Sequence[int] | torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Query token ``i`` sees keys ``j < limits[i]`` (the kernels' per-token key limit; a limit
+    at or below 0 sees nothing): bool ``[n, seq_len]``."""
+    limits = torch.as_tensor(limits, dtype=torch.long).cpu()
+    return torch.arange(seq_len)[None, :] < limits[:, None]
+
+
 def ref_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     visible: torch.Tensor,
     scale: float,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Attention of ``q [n, H, D]`` over ``k, v [S, Hkv, D]`` (GQA: query head ``h`` uses KV
-    head ``h // (H / Hkv)``) with a bool ``visible [n, S]`` mask; rows that see nothing give
-    zeros.  Computed in ``dtype`` (scores and P@V in ``dtype``, softmax in fp32 when ``dtype``
-    is lower than fp32) and returned as float64 ``[n, H, D]`` on the CPU."""
-    q = q.detach().cpu().to(dtype)
-    k = k.detach().cpu().to(dtype)
-    v = v.detach().cpu().to(dtype)
-    visible = visible.cpu()
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q, k) * scale
-    softmax_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    scores = scores.to(softmax_dtype).masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0).to(dtype)
-    out = torch.einsum("hns,shd->nhd", probs, v)
-    return out.double()
+    *,
+    precision: str = "float64",
+    lse: bool = False,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The one reference attention of the tests.
+
+    ``q [..., n, H, D]`` attends over ``k [..., S, Hkv, D]`` and ``v [..., S, Hkv, Dv]`` (any
+    leading batch dims, the same on all four; GQA: query head ``h`` uses KV head
+    ``h // (H / Hkv)``; ``Dv`` may differ from ``D``) under the explicit bool mask
+    ``visible [..., n, S]`` (``mask_none``, ``mask_causal``, ``mask_spans``,
+    ``mask_key_limits``); a query that sees no key gives zeros.  Computed on ``device`` and
+    returned there as float64 ``[..., n, H, Dv]``; with ``lse=True`` also the float64
+    log-sum-exp of the scaled visible scores ``[..., n, H]`` (``-inf`` where nothing is visible).
+
+    ``precision`` says which roundings to the inputs' dtype it models:
+
+    - ``"float64"``: none, everything in float64 (the exact result);
+    - ``"inputs"``: the "same-precision reference" -- scores and P@V in the inputs' dtype,
+      the softmax in fp32 when that dtype is lower;
+    - ``"flash"``: what a flash kernel computes -- fp32 scores, softmax and P@V, with P rounded
+      to the inputs' dtype before P@V.
+    """
+    if precision not in ("float64", "inputs", "flash"):
+        raise ValueError(f"precision must be 'float64', 'inputs' or 'flash', got {precision!r}")
+    dtype = q.dtype
+    work = {"float64": torch.float64, "inputs": dtype, "flash": torch.float32}[precision]
+    q, k, v = (t.detach().to(device=device, dtype=work) for t in (q, k, v))
+    visible = visible.to(device)
+    group = q.shape[-2] // k.shape[-2]
+    k = k.repeat_interleave(group, dim=-2)
+    v = v.repeat_interleave(group, dim=-2)
+    scores = torch.einsum("...nhd,...shd->...hns", q, k) * scale
+    if precision == "inputs" and work in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    if precision == "inputs":
+        probs = probs.to(work)
+    elif precision == "flash":
+        probs = probs.to(dtype).to(work)
+    out = torch.einsum("...hns,...shd->...nhd", probs, v).double()
+    if not lse:
+        return out
+    return out, torch.logsumexp(scores.double(), dim=-1).transpose(-1, -2)
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -120,7 +153,7 @@ def assert_attention_close(
     computation done in the input dtype, plus ``ATOL[dtype]``."""
     dtype = q.dtype
     exact = ref_attention(q, k, v, visible, scale)
-    low = ref_attention(q, k, v, visible, scale, dtype=dtype)
+    low = ref_attention(q, k, v, visible, scale, precision="inputs")
     bound = 2 * max_error(low, exact) + ATOL[dtype]
     err = max_error(out, exact)
     assert err <= bound, f"max error {err:.3g} > bound {bound:.3g} ({dtype})"

@@ -1,5 +1,7 @@
 """Every error of the layer adapter, the adapter and the backend ABC, matched on its full text
-(contract §1.9: L1..L8, A1..A4, P1..P11, I1, V1..V3, C1..C22), and validation-before-side-effect."""
+(the layer adapter's constructor, the adapter's constructor, prepare_batch, invalidate, activate and
+prepare_layer_context, each rule in vLLM-Omni's adapter's order), validation before any side effect,
+and every failing case of the _C entry points' table (error_cases.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from _helpers import HEAD_SIZE, RecordingBlockTables, make_adapter, make_layer, 
 from diffkv import adapter as adapter_mod
 from diffkv import platform as platform_mod
 from diffkv import selector
+from error_cases import all_cases, check, error_cases
 
 
 def _raises(exc_type, message):
@@ -24,7 +27,7 @@ def _key_error(excinfo, message):
     assert excinfo.value.args == (message,)
 
 
-# --- layer adapter: L1..L8 ------------------------------------------------------------------------
+# --- layer adapter: ulysses degree, head counts, backend selection, head sizes, impl --------------
 
 
 def _layer_kwargs(device="cpu", *, num_heads=4, num_kv_heads=2, head_size=HEAD_SIZE, head_size_v=None, **kw):
@@ -46,12 +49,12 @@ def _layer_kwargs(device="cpu", *, num_heads=4, num_kv_heads=2, head_size=HEAD_S
 
 
 @pytest.mark.parametrize("ulysses_degree", [0, -2, True, 2.0, "2", None])
-def test_l1_ulysses_degree(ulysses_degree):
+def test_ulysses_degree_must_be_a_positive_integer(ulysses_degree):
     with _raises(ValueError, f"ulysses_degree must be a positive integer, got {ulysses_degree!r}"):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(ulysses_degree=ulysses_degree))
 
 
-def test_l1_checked_before_head_counts_are_read():
+def test_ulysses_degree_checked_before_head_counts_are_read():
     kwargs = _layer_kwargs(ulysses_degree=0)
     kwargs["layer"] = SimpleNamespace(softmax_scale=1.0)  # no num_heads
     with _raises(ValueError, "ulysses_degree must be a positive integer, got 0"):
@@ -63,7 +66,7 @@ def test_l1_checked_before_head_counts_are_read():
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(0, 2), (-4, 2), (3, 2), (2, 4)])
-def test_l2_head_counts(num_heads, num_kv_heads):
+def test_head_counts_positive_and_divisible(num_heads, num_kv_heads):
     message = (
         "Paged attention requires positive Q/KV heads with num_heads divisible by num_kv_heads: "
         f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
@@ -75,7 +78,7 @@ def test_l2_head_counts(num_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "ulysses_degree"), [(4, 2, 4), (6, 3, 2), (4, 2, 3)])
-def test_l3_heads_divisible_by_ulysses(num_heads, num_kv_heads, ulysses_degree):
+def test_heads_divisible_by_ulysses_degree(num_heads, num_kv_heads, ulysses_degree):
     message = (
         "Paged attention requires Q/KV heads divisible by ulysses_degree: "
         f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, ulysses_degree={ulysses_degree}"
@@ -103,7 +106,7 @@ def test_ulysses_gives_rank_local_heads_and_spec():
     assert layer._q_scale_float == layer._k_scale_float == layer._v_scale_float == 1.0
 
 
-def test_l4_selection_errors_propagate_and_config_is_restored(monkeypatch):
+def test_backend_selection_errors_propagate_and_config_is_restored(monkeypatch):
     attention_config = SimpleNamespace(backend="mine", backend_per_kind={"decoder": "x"})
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(dtype=torch.float32),
@@ -133,7 +136,7 @@ def test_l4_selection_errors_propagate_and_config_is_restored(monkeypatch):
     assert platform_mod.get_current_vllm_config() is None
 
 
-def test_l4_standalone_selection_rejects_head_size():
+def test_standalone_backend_selection_rejects_head_size():
     with _raises(ValueError, "get_attn_backend(): head_size must be one of [64, 128], got 48"):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(head_size=48))
 
@@ -159,7 +162,7 @@ def test_get_attn_backend_argument_errors():
             selector.get_attn_backend(**{**ok, **change})
 
 
-def test_l5_equal_key_value_head_sizes():
+def test_key_and_value_head_sizes_must_be_equal():
     message = (
         "Diffusion native paged attention requires equal key/value head sizes; "
         "got head_size=64, head_size_v=128"
@@ -214,7 +217,7 @@ def _with_backend(monkeypatch, backend):
     monkeypatch.setattr(adapter_mod, "get_attn_backend", lambda **kwargs: backend)
 
 
-def test_native_impl_gets_the_seed_keywords(monkeypatch):
+def test_native_impl_gets_vllm_omni_adapter_keywords(monkeypatch):
     _with_backend(monkeypatch, _fake_backend(_Impl))
     layer = diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(num_heads=4, num_kv_heads=2))
     assert layer.impl.kwargs == dict(
@@ -231,19 +234,19 @@ def test_native_impl_gets_the_seed_keywords(monkeypatch):
     )
 
 
-def test_l6_impl_without_forward(monkeypatch):
+def test_impl_without_forward_paged(monkeypatch):
     _with_backend(monkeypatch, _fake_backend(_ImplNoForward))
     with _raises(RuntimeError, "Native paged-attention backend 'FAKE' has no forward implementation"):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
 
 
-def test_l7_impl_cannot_update_cache(monkeypatch):
+def test_impl_that_cannot_update_the_cache(monkeypatch):
     _with_backend(monkeypatch, _fake_backend(_ImplNoUpdate))
     with _raises(RuntimeError, "Native paged-attention backend 'FAKE' cannot update the KV cache"):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
 
 
-def test_l7_only_when_an_explicit_update_is_needed(monkeypatch):
+def test_cache_update_needed_only_when_forward_does_not_write(monkeypatch):
     _with_backend(monkeypatch, _fake_backend(_ImplNoUpdate, forward_includes_kv_cache_update=True))
     diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
 
@@ -256,7 +259,7 @@ def test_l7_only_when_an_explicit_update_is_needed(monkeypatch):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
 
 
-def test_l8_kernel_unavailable(monkeypatch):
+def test_paged_kernel_unavailable(monkeypatch):
     _with_backend(monkeypatch, _fake_backend(_ImplNoKernel))
     with _raises(RuntimeError, "Native paged-attention kernel is unavailable for diffusion layer 'layer0'"):
         diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
@@ -277,7 +280,7 @@ def test_platform_may_swap_the_paged_backend(monkeypatch):
     assert layer.attn_backend is swapped and isinstance(layer.impl, _Impl)
 
 
-# --- adapter constructor: A1..A4 ------------------------------------------------------------------
+# --- adapter constructor: layers and KV cache groups ----------------------------------------------
 
 
 def _adapter_kwargs(h, **changes):
@@ -294,19 +297,19 @@ def _adapter_kwargs(h, **changes):
     return kwargs
 
 
-def test_a1_needs_a_layer():
+def test_adapter_needs_a_layer():
     h = make_adapter("cpu")
     with _raises(ValueError, "Paged attention requires at least one native attention layer"):
         diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, layers={}))
 
 
-def test_a2_group_mismatch():
+def test_attention_groups_must_match_cache_groups():
     h = make_adapter("cpu")
     with _raises(ValueError, "Paged attention group mismatch: builders=2, cache_groups=1"):
         diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, attn_groups=h.attn_groups * 2))
 
 
-def test_a3_group_mixes_causality():
+def test_cache_group_must_not_mix_causality():
     with _raises(ValueError, "Paged attention cache group 1 mixes causal and non-causal layers"):
         make_adapter(
             "cpu",
@@ -315,14 +318,14 @@ def test_a3_group_mixes_causality():
         )
 
 
-def test_a4_group_names_unknown_layer():
+def test_cache_group_names_an_unknown_layer():
     h = make_adapter("cpu", groups=(("a", "b"),))
     with pytest.raises(KeyError) as excinfo:
         diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, layers={"a": h.layers["a"]}))
     assert excinfo.value.args == ("b",)
 
 
-# --- prepare_batch: P1..P11 -------------------------------------------------------------------------
+# --- prepare_batch: rows, bindings, capacities, blocks, tokens ------------------------------------
 
 
 def _recording(h):
@@ -336,7 +339,7 @@ def _assert_untouched(h, recording, generation=0):
     assert h.adapter._prepare_generation == generation
 
 
-def test_p1_no_rows():
+def test_prepare_batch_needs_rows():
     h = make_adapter("cpu")
     recording = _recording(h)
     with _raises(ValueError, "Paged attention batch must contain at least one row"):
@@ -345,7 +348,7 @@ def test_p1_no_rows():
     assert h.resolver.calls == []
 
 
-def test_p2_during_active_forward():
+def test_prepare_batch_during_an_active_forward():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
     recording = _recording(h)
@@ -355,7 +358,7 @@ def test_p2_during_active_forward():
     _assert_untouched(h, recording, generation=1)
 
 
-def test_p1_before_p2():
+def test_no_rows_checked_before_active_forward():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row()])
     with h.adapter.activate(batch):
@@ -363,7 +366,7 @@ def test_p1_before_p2():
             h.adapter.prepare_batch(())
 
 
-def test_p3_too_many_rows():
+def test_more_rows_than_max_num_reqs():
     h = make_adapter("cpu", max_num_reqs=2)
     recording = _recording(h)
     rows = [row(sequence_id=i) for i in range(3)]
@@ -373,7 +376,7 @@ def test_p3_too_many_rows():
     assert h.resolver.calls == []
 
 
-def test_p4_duplicate_identities():
+def test_duplicate_row_identities():
     h = make_adapter("cpu")
     recording = _recording(h)
     with _raises(ValueError, "Paged attention batch contains duplicate row identities"):
@@ -390,7 +393,7 @@ def test_resolver_errors_propagate():
     _assert_untouched(h, recording)
 
 
-def test_p5_same_worker_row():
+def test_two_rows_resolve_to_the_same_worker_row():
     h = make_adapter("cpu", bindings={("req", 0, None): (1, 16), ("req", 1, None): (1, 16)})
     recording = _recording(h)
     with _raises(ValueError, "Paged attention batch resolves multiple inputs to the same Worker row"):
@@ -400,7 +403,7 @@ def test_p5_same_worker_row():
 
 
 @pytest.mark.parametrize("capacity", [-1, 16.0, "16", None, True])
-def test_p6_invalid_capacity(capacity):
+def test_invalid_row_capacity(capacity):
     h = make_adapter("cpu")
     h.resolver.bindings[("req", 0, None)] = diffkv.DiffusionPagedAttentionRowBinding(0, capacity)
     recording = _recording(h)
@@ -410,7 +413,7 @@ def test_p6_invalid_capacity(capacity):
     _assert_untouched(h, recording)
 
 
-def test_p7_seq_len_over_capacity():
+def test_seq_len_over_row_capacity():
     h = make_adapter("cpu", bindings={("req", 0, None): (0, 8)})
     recording = _recording(h)
     message = (
@@ -422,7 +425,7 @@ def test_p7_seq_len_over_capacity():
     _assert_untouched(h, recording)
 
 
-def test_p8_decode_rows_first():
+def test_causal_groups_need_decode_rows_first():
     bindings = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
     h = make_adapter("cpu", bindings=bindings, reorder_batch_threshold=1)
     recording = _recording(h)
@@ -442,7 +445,7 @@ def test_p8_decode_rows_first():
     h.adapter.prepare_batch([row(query_len=1, seq_len=4, kv_start_pos=3, sequence_id=1), row(sequence_id=0)])
 
 
-def test_p8_ignored_without_causal_groups():
+def test_decode_rows_first_ignored_without_causal_groups():
     bindings = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
     h = make_adapter("cpu", bindings=bindings, reorder_batch_threshold=1, non_causal=True)
     assert h.adapter._reorder_batch_threshold is None
@@ -455,7 +458,7 @@ def test_p8_ignored_without_causal_groups():
 
 
 @pytest.mark.parametrize("row_index", [4, -1, "0", 1.0, True])
-def test_p9_invalid_worker_row(row_index):
+def test_invalid_worker_row(row_index):
     h = make_adapter("cpu", max_num_reqs=4)
     h.resolver.bindings[("req", 0, None)] = diffkv.DiffusionPagedAttentionRowBinding(row_index, 16)
     recording = _recording(h)
@@ -465,7 +468,7 @@ def test_p9_invalid_worker_row(row_index):
     _assert_untouched(h, recording)
 
 
-def test_p10_too_few_installed_blocks():
+def test_too_few_installed_blocks():
     h = make_adapter("cpu", bindings={("req", 0, None): (0, 16)}, block_ids={0: [[5]]})
     recording = _recording(h)
     message = (
@@ -477,7 +480,7 @@ def test_p10_too_few_installed_blocks():
     _assert_untouched(h, recording)
 
 
-def test_p10_counts_manager_blocks_with_kernel_blocks_and_groups():
+def test_installed_blocks_counted_as_manager_blocks_with_kernel_blocks_and_groups():
     # block 4 = two kernel blocks of 2; group 1 has one manager block only.
     h = make_adapter(
         "cpu",
@@ -496,7 +499,7 @@ def test_p10_counts_manager_blocks_with_kernel_blocks_and_groups():
     h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
 
 
-def test_p10_uses_cp_size():
+def test_installed_blocks_counted_with_cp_size():
     # cp_size 2: a row of 8 tokens needs cdiv(8, 4 * 2) = 1 manager block per rank.
     h = make_adapter("cpu", cp_size=2, cp_rank=0, bindings={("req", 0, None): (0, 8)}, block_ids={0: [[3]]})
     h.adapter.prepare_batch([row(query_len=8, seq_len=8)])
@@ -509,7 +512,7 @@ def test_p10_uses_cp_size():
         h.adapter.prepare_batch([row(query_len=9, seq_len=9)])
 
 
-def test_p11_too_many_tokens():
+def test_more_tokens_than_max_num_batched_tokens():
     bindings = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
     h = make_adapter("cpu", bindings=bindings, max_num_batched_tokens=20)
     recording = _recording(h)
@@ -520,8 +523,9 @@ def test_p11_too_many_tokens():
     _assert_untouched(h, recording)
 
 
-def test_p_rules_run_in_seed_order():
-    # P6 and P7 run row by row: row 0's P7 comes before row 1's P6.
+def test_prepare_batch_rules_run_in_vllm_omni_adapter_order():
+    # The capacity checks run row by row: row 0's seq_len over its capacity comes before row 1's
+    # invalid capacity.
     bindings = {("req", 0, None): (0, 4), ("req", 1, None): (1, -1)}
     h = make_adapter("cpu", bindings={("req", 0, None): (0, 16), ("req", 1, None): (1, 16)})
     h.resolver.bindings = {
@@ -533,7 +537,7 @@ def test_p_rules_run_in_seed_order():
         "but its installed allocation has logical length 4",
     ):
         h.adapter.prepare_batch([row(query_len=8, seq_len=8, sequence_id=0), row(sequence_id=1)])
-    # P7 (capacity) precedes P9 (bad Worker row) and P10 (blocks).
+    # The capacity check precedes the Worker row check and the installed-blocks check.
     h.resolver.bindings = {("req", 0, None): diffkv.DiffusionPagedAttentionRowBinding(99, 4)}
     with _raises(
         ValueError,
@@ -541,7 +545,7 @@ def test_p_rules_run_in_seed_order():
         "but its installed allocation has logical length 4",
     ):
         h.adapter.prepare_batch([row(query_len=8, seq_len=8)])
-    # P9 precedes P11.
+    # The Worker row check precedes the batched-token limit.
     h.resolver.bindings = {("req", 0, None): diffkv.DiffusionPagedAttentionRowBinding(99, 4000)}
     with _raises(ValueError, "Paged attention row ('req', 0, None) resolved to invalid Worker row 99"):
         h.adapter.prepare_batch([row(query_len=1000, seq_len=1000)])
@@ -564,10 +568,10 @@ def test_generation_bumps_before_metadata_build_fails(monkeypatch):
             pass
 
 
-# --- invalidate / activate: I1, V1..V3 --------------------------------------------------------------
+# --- invalidate / activate --------------------------------------------------------------
 
 
-def test_i1_invalidate_during_forward():
+def test_invalidate_during_an_active_forward():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row()])
     with h.adapter.activate(batch):
@@ -577,7 +581,7 @@ def test_i1_invalidate_during_forward():
     assert h.adapter._prepare_generation == 2
 
 
-def test_v1_batch_of_another_adapter():
+def test_activate_a_batch_of_another_adapter():
     h = make_adapter("cpu")
     other = make_adapter("cpu")
     batch = other.adapter.prepare_batch([row()])
@@ -589,7 +593,7 @@ def test_v1_batch_of_another_adapter():
     assert h.adapter._active_batch is None
 
 
-def test_v2_stale_batch():
+def test_activate_a_stale_batch():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row()])
     h.adapter.invalidate_prepared_batches()
@@ -604,7 +608,7 @@ def test_v2_stale_batch():
         assert active is h.adapter
 
 
-def test_v3_already_active():
+def test_activate_while_already_active():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row()])
     with h.adapter.activate(batch):
@@ -615,7 +619,7 @@ def test_v3_already_active():
     assert h.adapter._active_batch is None
 
 
-# --- prepare_layer_context: C1..C22 -------------------------------------------------------------
+# --- prepare_layer_context: activation, layer, metadata, Q/K/V, slots, piecewise ------------------
 
 
 def _qkv(n, *, device="cpu", dtype=torch.float32, heads=2, kv_heads=1, d=HEAD_SIZE, lead=None):
@@ -636,21 +640,21 @@ def active(device):
         yield h
 
 
-def test_c1_outside_activation(device):
+def test_layer_context_outside_an_activation(device):
     h = make_adapter(device)
     q, k, v = _qkv(4, device=device)
     with _raises(RuntimeError, "Paged attention forward must run inside adapter.activate(batch)"):
         h.adapter.prepare_layer_context("layer0", q, k, v)
 
 
-def test_c2_unknown_layer(active):
+def test_layer_context_for_an_unknown_layer(active):
     q, k, v = _qkv(4, device=active.device)
     with pytest.raises(KeyError) as excinfo:
         active.adapter.prepare_layer_context("nope", q, k, v)
     _key_error(excinfo, "Unknown diffusion paged attention layer 'nope'")
 
 
-def _c3(fields):
+def _unsupported_metadata(fields):
     return (
         "Diffusion paged attention cannot translate Omni attention metadata fields "
         f"{fields} to native FlashAttention metadata"
@@ -681,13 +685,13 @@ def _c3(fields):
         ),
     ],
 )
-def test_c3_unsupported_omni_metadata(active, metadata, fields):
+def test_unsupported_omni_metadata_fields(active, metadata, fields):
     q, k, v = _qkv(4, device=active.device)
-    with _raises(NotImplementedError, _c3(fields)):
+    with _raises(NotImplementedError, _unsupported_metadata(fields)):
         active.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=metadata)
 
 
-def test_c3_accepted_metadata(active):
+def test_accepted_omni_metadata_fields(active):
     q, k, v = _qkv(4, device=active.device)
     plain = diffkv.AttentionMetadata(
         joint_query=torch.ones(1), packed_padding=object(), joint_strategy="rear"
@@ -701,7 +705,7 @@ def test_c3_accepted_metadata(active):
     assert context.piecewise_plan is None and context.query.shape == (4, 2, HEAD_SIZE)
 
 
-def test_c4_trailing_shapes(active):
+def test_query_trailing_shape(active):
     q, k, v = _qkv(4, device=active.device)
     other = torch.randn(4, 3, 32, device=active.device)
     with _raises(ValueError, "Paged attention query must end in (2, 64) or (128,); got shape=(4, 3)"):
@@ -715,7 +719,7 @@ def test_c4_trailing_shapes(active):
         active.adapter.prepare_layer_context("layer0", k, q, v)
 
 
-def test_c5_c6_key_layout(active):
+def test_key_layout(active):
     q, k, v = _qkv(4, device=active.device)
     with _raises(
         ValueError, "Paged attention key token count must match the query layout: query=(4,), key=(3,)"
@@ -729,7 +733,7 @@ def test_c5_c6_key_layout(active):
         active.adapter.prepare_layer_context("layer0", q, k.reshape(2, 2, 1, HEAD_SIZE), v)
 
 
-def test_c7_c8_value_layout(active):
+def test_value_layout(active):
     q, k, v = _qkv(4, device=active.device)
     with _raises(
         ValueError, "Paged attention value token count must match the query layout: query=(4,), value=(5,)"
@@ -743,7 +747,7 @@ def test_c7_c8_value_layout(active):
         active.adapter.prepare_layer_context("layer0", q, k, v.reshape(1, 4, HEAD_SIZE))
 
 
-def test_c9_token_count(active):
+def test_query_key_value_token_counts(active):
     q, k, v = _qkv(3, device=active.device)
     with _raises(
         ValueError,
@@ -753,7 +757,7 @@ def test_c9_token_count(active):
 
 
 @pytest.mark.parametrize("lead", [(2, 4), (1, 3)])
-def test_c10_batched_layout(active, lead):
+def test_batched_layout_matches_the_rows(active, lead):
     q, k, v = _qkv(0, device=active.device, lead=lead)
     with _raises(
         ValueError,
@@ -763,7 +767,7 @@ def test_c10_batched_layout(active, lead):
         active.adapter.prepare_layer_context("layer0", q, k, v)
 
 
-def test_c11_token_rank(active):
+def test_query_token_rank(active):
     q, k, v = _qkv(0, device=active.device, lead=(1, 2, 2))
     with _raises(
         ValueError,
@@ -773,7 +777,7 @@ def test_c11_token_rank(active):
         active.adapter.prepare_layer_context("layer0", q, k, v)
 
 
-def test_c12_device(active):
+def test_query_key_value_device(active):
     q, k, v = _qkv(4, device=active.device)
     meta_k = torch.empty(4, 1, HEAD_SIZE, device="meta")
     with _raises(
@@ -784,7 +788,7 @@ def test_c12_device(active):
         active.adapter.prepare_layer_context("layer0", q, meta_k, v)
 
 
-def test_c13_dtypes_match(active):
+def test_query_key_value_dtypes_match(active):
     q, k, v = _qkv(4, device=active.device)
     with _raises(
         ValueError, "Paged attention Q/K/V dtypes must match; got torch.float32, torch.float32, torch.float16"
@@ -792,7 +796,7 @@ def test_c13_dtypes_match(active):
         active.adapter.prepare_layer_context("layer0", q, k, v.half())
 
 
-def test_c14_model_dtype(active):
+def test_query_dtype_is_the_model_dtype(active):
     q, k, v = _qkv(4, device=active.device, dtype=torch.float16)
     with _raises(
         ValueError,
@@ -820,7 +824,7 @@ def test_negative_bit_view_is_refused_by_the_binding_that_reads_it(active, name)
     assert torch.equal(layer.kv_cache, cache)
 
 
-def test_c15_causal_layers_need_suffix_rows(device):
+def test_causal_layers_need_suffix_rows(device):
     h = make_adapter(device, groups=(("causal",), ("full",)), non_causal={"causal": False, "full": True})
     batch = h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
     q, k, v = _qkv(2, device=device)
@@ -835,7 +839,7 @@ def test_c15_causal_layers_need_suffix_rows(device):
     assert context.slot_mapping.shape == (2,)
 
 
-def test_c16_no_slot_mapping(active):
+def test_no_slot_mapping(active):
     del active.batch.slot_mappings_by_layer["layer1"]
     q, k, v = _qkv(4, device=active.device)
     with pytest.raises(KeyError) as excinfo:
@@ -843,14 +847,14 @@ def test_c16_no_slot_mapping(active):
     _key_error(excinfo, "No native slot mapping was built for diffusion layer 'layer1'")
 
 
-def test_c17_short_slot_mapping(active):
+def test_slot_mapping_shorter_than_the_tokens(active):
     active.batch.slot_mappings_by_layer["layer1"] = torch.zeros(3, dtype=torch.int64, device=active.device)
     q, k, v = _qkv(4, device=active.device)
     with _raises(ValueError, "Paged attention slot mapping for 'layer1' has 3 entries; expected 4"):
         active.adapter.prepare_layer_context("layer1", q, k, v)
 
 
-def test_c18_no_native_metadata(active):
+def test_no_native_metadata(active):
     del active.batch.attn_metadata["layer1"]
     q, k, v = _qkv(4, device=active.device)
     with pytest.raises(KeyError) as excinfo:
@@ -858,7 +862,7 @@ def test_c18_no_native_metadata(active):
     _key_error(excinfo, "No native attention metadata was built for diffusion layer 'layer1'")
 
 
-def test_c19_piecewise_needs_suffix_rows(device):
+def test_piecewise_spans_need_suffix_rows(device):
     h = make_adapter(device, non_causal=True)
     batch = h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
     q, k, v = _qkv(2, device=device)
@@ -873,7 +877,7 @@ def test_c19_piecewise_needs_suffix_rows(device):
             h.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
 
 
-def test_c20_spans_change_between_layers(active):
+def test_spans_change_between_layers(active):
     q, k, v = _qkv(4, device=active.device)
     first = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
     second = diffkv.AttentionMetadata(full_attn_spans=[[(1, 4)]])
@@ -885,7 +889,7 @@ def test_c20_spans_change_between_layers(active):
     assert context.piecewise_plan is active.adapter._active_piecewise_plan
 
 
-def test_c21_piecewise_helpers_need_an_active_batch():
+def test_piecewise_helpers_need_an_active_batch():
     h = make_adapter("cpu")
     with _raises(RuntimeError, "Piecewise paged attention requires an active prepared batch"):
         h.adapter._get_piecewise_plan([[(0, 1)]])
@@ -894,7 +898,7 @@ def test_c21_piecewise_helpers_need_an_active_batch():
         h.adapter._get_piecewise_native_metadata(plan)
 
 
-def test_c22_no_piecewise_metadata_for_layer(active):
+def test_no_piecewise_metadata_for_the_layer(active):
     q, k, v = _qkv(4, device=active.device)
     spans = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
     active.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
@@ -904,7 +908,7 @@ def test_c22_no_piecewise_metadata_for_layer(active):
     _key_error(excinfo, "No piecewise native attention metadata was built for diffusion layer 'layer1'")
 
 
-# --- backend ABC ------------------------------------------------------------------------------------
+# --- backend ABC ----------------------------------------------------------------------------------
 
 
 class _DenseImpl(diffkv.AttentionImpl):
@@ -962,3 +966,14 @@ def test_default_platform_answers_from_torch():
 def test_make_layer_helper_builds_a_diffkv_layer():
     layer = make_layer("x", device="cpu", vllm_config=make_vllm_config())
     assert isinstance(layer.impl, diffkv.DiffKVAttentionImpl)
+
+
+# --- the _C entry points: every failing case of the shared table ----------------------------------
+
+
+@pytest.mark.parametrize(("entry", "name"), [(entry, case.name) for entry, case in error_cases()])
+def test_entry_point_error_case(entry, name):
+    """Each failing case of error_cases.py raises exactly its exception type with its full
+    message (the leak and fuzz tests run the same cases)."""
+    case = next(c for c in all_cases()[entry] if c.name == name)
+    check(case)

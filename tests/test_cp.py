@@ -19,7 +19,14 @@ import torch
 
 import diffkv
 from diffkv import _C, parallel_cp
-from reference import dense_kv_from_cache, key_limits_for_spans, mask_causal, mask_none, mask_spans
+from reference import (
+    dense_kv_from_cache,
+    key_limits_for_spans,
+    mask_causal,
+    mask_none,
+    mask_spans,
+    ref_attention,
+)
 
 H, HKV, D = 4, 2, 8
 SCALE = 1.0 / math.sqrt(D)
@@ -29,18 +36,6 @@ MASK_OF = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "spans": _C.MASK_LIMI
 # ------------------------------------------------------------------------------------------------
 # LSE of the CPU reference
 # ------------------------------------------------------------------------------------------------
-
-
-def _ref_out_lse(q, k, v, visible, scale):
-    """float64 (out [n, H, D], lse [n, H]) of q over k, v with a bool visible [n, S] mask."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q.double(), k) * scale
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, n], -inf where nothing is visible
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.einsum("hns,shd->nhd", probs, v), lse.T
 
 
 SMALL_ROWS = {"seq_lens": [23, 7], "query_lens": [5, 7], "spans": [[(19, 22)], [(1, 4)]]}
@@ -96,7 +91,7 @@ def test_lse_matches_float64_reference(block_size, mode, dtype, short_row):
     for r in range(2):
         t0, t1 = int(qsl[r]), int(qsl[r + 1])
         k, v = dense_kv_from_cache(cache, bt[r], int(sl[r]))
-        ref_out, ref_lse = _ref_out_lse(q[t0:t1], k, v, visibles[r], SCALE)
+        ref_out, ref_lse = ref_attention(q[t0:t1], k, v, visibles[r], SCALE, lse=True)
         nothing = ~visibles[r].any(dim=1)
         assert torch.equal(torch.isinf(lse[t0:t1]), nothing[:, None].expand(-1, H))
         assert (lse[t0:t1][nothing] == float("-inf")).all()
@@ -204,7 +199,7 @@ def _float64_reference(keys, values, q, qsl, mode):
         positions = list(range(s - n, s))
         visible = {"none": mask_none, "causal": mask_causal}.get(mode)
         visible = visible(positions, s) if visible else mask_spans(positions, s, SPANS[r])
-        outs.append(_ref_out_lse(q[int(qsl[r]) : int(qsl[r + 1])], keys[r], values[r], visible, SCALE)[0])
+        outs.append(ref_attention(q[int(qsl[r]) : int(qsl[r + 1])], keys[r], values[r], visible, SCALE))
     return torch.cat(outs)
 
 
@@ -641,7 +636,7 @@ def _check_lse_case(dev, block_size, mode, dtype, dims, rows, seed, lse_atol):
     for r in range(2):
         t0, t1 = int(qsl[r]), int(qsl[r + 1])
         k, v = dense_kv_from_cache(cache, bt[r], int(sl[r]))
-        ref_out, ref_lse = _ref_out_lse(q[t0:t1], k, v, visibles[r], 0.125)
+        ref_out, ref_lse = ref_attention(q[t0:t1], k, v, visibles[r], 0.125, lse=True)
         nothing = ~visibles[r].any(dim=1)
         assert torch.equal(torch.isneginf(lse[t0:t1]), nothing[:, None].expand(-1, heads)), (r, mode)
         assert (out[t0:t1][nothing] == 0).all()
@@ -723,7 +718,7 @@ def test_cuda_lse_strided_output():
     _C.paged_attention_lse(*args, 0.125, out, lse_t.T, None, None, None)
     assert torch.equal(lse_t.T, lse)
     k, v = dense_kv_from_cache(cache, bt[0], int(sl[0]))
-    _, ref_lse = _ref_out_lse(q[: int(qsl[1])], k, v, visibles[0], 0.125)
+    _, ref_lse = ref_attention(q[: int(qsl[1])], k, v, visibles[0], 0.125, lse=True)
     assert (lse[: int(qsl[1])].cpu().double() - ref_lse).abs().max().item() < 2e-4
 
 
@@ -899,7 +894,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                             "causal": mask_causal(range(s - (t1 - t0), s), s),
                             "spans": visibles[r],
                         }[mode]
-                        ref.append(_ref_out_lse(q[t0:t1], keys[r], values[r], visible, 0.09)[0])
+                        ref.append(ref_attention(q[t0:t1], keys[r], values[r], visible, 0.09))
                     ref = torch.cat(ref)
                     report[f"{dtype}/{cp_interleave}/{mode}"] = {
                         "vs_single": (out.float() - single.float()).abs().max().item(),

@@ -12,6 +12,7 @@ import diffkv
 from diffkv import _C
 from diffkv.backends.abstract import AttentionMetadata, PackedPaddingMetadata, QueryRange
 from diffkv.backends.diffkv import DiffKVAttentionBackend
+from reference import mask_causal, ref_attention
 
 H, HKV = 8, 2
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -32,23 +33,9 @@ def _qkv(b, sq, sk, head, dtype, device, seed=0):
     return q.to(device), k.to(device), v.to(device)
 
 
-def _reference(q, k, v, visible, scale):
-    """float64 [B, Sq, H, D] with a bool visible [B, Sq, Sk] (rows that see nothing: zeros)."""
-    group = q.shape[2] // k.shape[2]
-    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    scores = scores.masked_fill(~visible.cpu()[:, None], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
 def _causal(b, sq, sk):
     """Bottom-right causal: query i sees keys j <= i + sk - sq."""
-    i = torch.arange(sq)[:, None]
-    j = torch.arange(sk)[None, :]
-    return (j <= i + sk - sq).expand(b, sq, sk)
+    return mask_causal(range(sk - sq, sk), sk).expand(b, sq, sk)
 
 
 def _close(out, ref, dtype):
@@ -67,7 +54,7 @@ def test_plain_and_causal(device, dtype, causal, shape, head):
     out = impl.forward(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
     visible = _causal(b, sq, sk) if causal else torch.ones(b, sq, sk, dtype=torch.bool)
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), dtype)
     # metadata with nothing set is the same call
     assert torch.equal(impl.forward(q, k, v, AttentionMetadata()), out)
 
@@ -89,7 +76,7 @@ def test_key_padding_mask_any_pattern(device, dtype, causal, four_d):
     visible = keep[:, None, :].expand(b, sq, sk)
     if causal:
         visible = visible & _causal(b, sq, sk)
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), dtype)
     assert (out[2] == 0).all()
 
 
@@ -101,7 +88,7 @@ def test_valid_kv_length_with_and_without_mask(device, causal):
     out = impl.forward(q, k, v, AttentionMetadata(extra={"valid_kv_length": valid}))
     visible = torch.zeros(b, sq, sk, dtype=torch.bool)
     visible[:, :, :valid] = _causal(b, sq, valid) if causal else True
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), torch.float32)
     # the same as slicing K/V by hand
     sliced = impl.forward(q, k[:, :valid], v[:, :valid])
     assert torch.allclose(out, sliced, atol=1e-6)
@@ -115,7 +102,7 @@ def test_valid_kv_length_with_and_without_mask(device, causal):
         # positions are original ones; the mask removes keys inside the causal window
         visible2 = keep[:, None, :valid].expand(b, sq, valid) & _causal(b, sq, valid)
         visible2 = torch.cat([visible2, torch.zeros(b, sq, sk - valid, dtype=torch.bool)], dim=2)
-    _close(masked, _reference(q, k, v, visible2, impl.softmax_scale), torch.float32)
+    _close(masked, ref_attention(q, k, v, visible2, impl.softmax_scale), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -146,7 +133,7 @@ def test_packed_varlen_documents_stay_apart(device, dtype, causal, cu_on_cpu):
         q0, q1, k0, k1 = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
         block = _causal(1, q1 - q0, k1 - k0)[0] if causal else True
         visible[0, q0:q1, k0:k1] = block
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -170,7 +157,7 @@ def test_packed_varlen_with_spans(device, causal):
         a, b = int(cu[r]), int(cu[r + 1])
         for t in range(a, b):
             visible[0, t, a : (min(int(limit[t]), b) if causal else b)] = True
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), torch.float32)
     if causal:
         other = torch.tensor([0, 50, 180, 187, 250], dtype=torch.int32)
         _raises(
@@ -224,7 +211,7 @@ def test_packed_varlen_head128_chunks(device, causal, spans, lens, tail):
         a, b = int(cu[r]), int(cu[r + 1])
         for t in range(a, b):
             visible[0, t, a : (min(int(limit[t]), b) if causal else b)] = True
-    _close(out, _reference(q, k[:, :total], v[:, :total], visible, impl.softmax_scale), dtype)
+    _close(out, ref_attention(q, k[:, :total], v[:, :total], visible, impl.softmax_scale), dtype)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +258,7 @@ def test_packed_padding_mask_free(device):
         out = impl.forward(q, k, v, AttentionMetadata(packed_padding=pp))
         visible = torch.zeros(b, s, s, dtype=torch.bool)
         visible[:, :70, :70] = _causal(b, 70, 70) if causal else True
-        _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+        _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), torch.float32)
         assert (out[:, 70:] == 0).all()
 
 
@@ -300,7 +287,7 @@ def test_full_attn_spans_piecewise(device, dtype, with_mask):
     visible = _span_visible(b, s, spans)
     if with_mask:
         visible = visible & keep[:, None, :]
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), dtype)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), dtype)
     # a non-causal layer attends to everything: the spans change nothing
     full = _impl(128, causal=False)
     assert torch.equal(full.forward(q, k, v, AttentionMetadata(full_attn_spans=spans)), full.forward(q, k, v))
@@ -314,7 +301,7 @@ def test_strided_inputs_from_a_fused_projection(device):
     q, k, v = fused[:, :, :H], fused[:, :, H : H + HKV], fused[:, :, H + HKV :]
     impl = _impl(head, causal=True)
     out = impl.forward(q, k, v)
-    ref = _reference(q, k, v, _causal(b, s, s), impl.softmax_scale)
+    ref = ref_attention(q, k, v, _causal(b, s, s), impl.softmax_scale)
     _close(out, ref, torch.float32)
     out2 = impl.forward(q, k, v.contiguous())
     _close(out2, ref, torch.float32)
@@ -643,7 +630,7 @@ def _joint_reference(impl, q, k, v, jq, jk, jv, front, keep=None, jkeep=None, va
     visible = kv_keep[:, None, :].expand(b, n_q, n_k)
     if impl.causal:
         visible = visible & _causal(b, n_q, n_k)
-    return _reference(qq, kk, vv, visible, impl.softmax_scale)
+    return ref_attention(qq, kk, vv, visible, impl.softmax_scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -783,4 +770,4 @@ def test_packed_varlen_tokens_outside_documents(device, first):
     for r in range(len(lens)):
         a, b = int(cu[r]), int(cu[r + 1])
         visible[0, a:b, a:b] = True
-    _close(out, _reference(q, k, v, visible, impl.softmax_scale), torch.float32)
+    _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), torch.float32)

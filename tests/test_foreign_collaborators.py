@@ -1,6 +1,6 @@
 """The adapter driven entirely by hand-written collaborators (SimpleNamespace configs, a fake
 BlockTables whose slot equals the position, a recording platform): it must read only the
-attributes the seed reads and call its collaborators through the module attributes."""
+attributes vLLM-Omni's adapter reads and call its collaborators through the module attributes."""
 
 from __future__ import annotations
 

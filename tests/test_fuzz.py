@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 import diffkv
 from _helpers import HEAD_SIZE, fake_forward_context, make_adapter
 from diffkv import _C
+from error_cases import check, error_cases
 from fuzz_strategies import (
     AttentionProblem,
     attention_problems,
@@ -40,7 +41,14 @@ from fuzz_strategies import (
     hostile_tensors,
     table_problems,
 )
-from reference import key_limits_for_spans
+from reference import (
+    dense_kv_from_cache,
+    key_limits_for_spans,
+    mask_causal,
+    mask_key_limits,
+    mask_none,
+    ref_attention,
+)
 
 _CI_EXAMPLES = 40
 settings.register_profile(
@@ -65,7 +73,7 @@ settings.load_profile(_PROFILE)
 FUZZ = settings(settings.get_profile(_PROFILE))
 
 # Exception types a hostile call may end in.  AttributeError only where the argument is a
-# foreign object that lacks an attribute the seed's duck typing reads.
+# foreign object that lacks an attribute vLLM-Omni's adapter's duck typing reads.
 ALLOWED = (TypeError, ValueError, KeyError, RuntimeError, NotImplementedError, IndexError)
 HANG_SECONDS = 120
 
@@ -165,37 +173,33 @@ def ref_kv_write(p: AttentionProblem) -> torch.Tensor:
     return cache
 
 
-def ref_paged_attention(p: AttentionProblem, cache: torch.Tensor) -> torch.Tensor:
-    """float64 [N, H, D] reference of p's attention over `cache`."""
-    q = p.query.double()
-    num_heads, head_size = q.shape[1], q.shape[2]
-    group = num_heads // cache.shape[3]
-    block_size = cache.shape[2]
-    out = torch.zeros_like(q)
+def _visible_per_row(p: AttentionProblem) -> list[torch.Tensor]:
+    """p's mask per row as bool [query_len, seq_len]: every key, bottom-right causal, or the
+    per-token key limits."""
     qsl = p.query_start_loc.tolist()
+    masks = []
     for r, seq_len in enumerate(p.seq_lens.tolist()):
-        blocks = torch.tensor(
-            [int(p.block_table[r, j // block_size]) for j in range(seq_len)], dtype=torch.long
-        )
-        offsets = torch.arange(seq_len) % block_size
-        k = cache[0, blocks, offsets].double().repeat_interleave(group, dim=1)
-        v = cache[1, blocks, offsets].double().repeat_interleave(group, dim=1)
         query_len = qsl[r + 1] - qsl[r]
-        for i in range(query_len):
-            t = qsl[r] + i
-            if p.mask == 0:
-                n = seq_len
-            elif p.mask == 1:
-                n = i + seq_len - query_len + 1
-            else:
-                n = int(p.key_limits[t])
-            n = max(0, min(n, seq_len))
-            if n == 0:
-                continue
-            scores = torch.einsum("hd,shd->hs", q[t], k[:n]) * p.scale
-            out[t] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v[:n])
-    del head_size
-    return out
+        if p.mask == 0:
+            masks.append(mask_none(range(query_len), seq_len))
+        elif p.mask == 1:
+            masks.append(mask_causal(range(seq_len - query_len, seq_len), seq_len))
+        else:
+            masks.append(mask_key_limits(p.key_limits[qsl[r] : qsl[r + 1]], seq_len))
+    return masks
+
+
+def ref_paged_attention(p: AttentionProblem, cache: torch.Tensor, lse: bool = False) -> Any:
+    """float64 [N, H, D] reference of p's attention over `cache` (with lse: also the float64
+    [N, H] log-sum-exp, -inf where a token sees no key)."""
+    qsl = p.query_start_loc.tolist()
+    out = torch.zeros(p.query.shape, dtype=torch.float64)
+    out_lse = torch.full(p.query.shape[:2], float("-inf"), dtype=torch.float64)
+    for r, (seq_len, visible) in enumerate(zip(p.seq_lens.tolist(), _visible_per_row(p), strict=True)):
+        k, v = dense_kv_from_cache(cache, p.block_table[r], seq_len)
+        rows = slice(qsl[r], qsl[r + 1])
+        out[rows], out_lse[rows] = ref_attention(p.query[rows], k, v, visible, p.scale, lse=True)
+    return (out, out_lse) if lse else out
 
 
 _ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
@@ -425,12 +429,12 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
 
 
 # Entry points that read attributes of row / binding objects (row.identity, row.query_len,
-# binding.row_index), as the seed does, or of a per-call context (forward_context): a foreign
+# binding.row_index), as vLLM-Omni's adapter does, or of a per-call context (forward_context): a foreign
 # object there raises AttributeError.
 _DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch", "forward_context")
-# Entry points that keep the seed's Python arithmetic on the objects they are given (comparisons,
+# Entry points that keep vLLM-Omni's adapter's Python arithmetic on the objects they are given (comparisons,
 # `%`, int()): a foreign object or float there may raise OverflowError (int(inf), a huge int
-# compared with a tensor), as in the seed.
+# compared with a tensor), as in vLLM-Omni's adapter.
 _PYTHON_ARITHMETIC = ("check_head_sizes", "check_layer_heads", "check_batch_rows", "build_plan")
 
 # configure() is fuzzed on its own below: it replaces module state.
@@ -552,34 +556,6 @@ def test_attention_and_kv_write_correct(p):
     assert torch.equal(p.kv_cache, expected_cache)
 
 
-def ref_lse(p: AttentionProblem, cache: torch.Tensor) -> torch.Tensor:
-    """float64 [N, H] log-sum-exp of p's scaled scores over each token's visible keys (-inf
-    when it sees none)."""
-    q = p.query.double()
-    group = q.shape[1] // cache.shape[3]
-    block_size = cache.shape[2]
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    qsl = p.query_start_loc.tolist()
-    for r, seq_len in enumerate(p.seq_lens.tolist()):
-        blocks = torch.tensor(
-            [int(p.block_table[r, j // block_size]) for j in range(seq_len)], dtype=torch.long
-        )
-        k = cache[0, blocks, torch.arange(seq_len) % block_size].double().repeat_interleave(group, dim=1)
-        query_len = qsl[r + 1] - qsl[r]
-        for i in range(query_len):
-            t = qsl[r] + i
-            if p.mask == 0:
-                n = seq_len
-            elif p.mask == 1:
-                n = i + seq_len - query_len + 1
-            else:
-                n = int(p.key_limits[t])
-            n = max(0, min(n, seq_len))
-            if n > 0:
-                lse[t] = torch.logsumexp(torch.einsum("hd,shd->hs", q[t], k[:n]) * p.scale, dim=-1)
-    return lse
-
-
 @FUZZ
 @given(p=attention_problems())
 def test_attention_lse_correct(p):
@@ -593,11 +569,24 @@ def test_attention_lse_correct(p):
     with no_hang():
         _C.paged_attention_lse(*args)
     assert torch.equal(p.out, expected_out)
-    lse, expected = args[9], ref_lse(p, p.kv_cache)
+    lse, expected = args[9], ref_paged_attention(p, p.kv_cache, lse=True)[1]
     blind = torch.isinf(expected)
     assert torch.equal(torch.isinf(lse), blind) and (lse[blind] < 0).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}[p.query.dtype]
     assert torch.allclose(lse[~blind].double(), expected[~blind], atol=tol, rtol=tol)
+
+
+def test_table_error_cases_change_nothing():
+    """The explicit examples next to the random ones: every failing case of the shared table
+    (error_cases.py) raises its exception with its full message, twice in a row, and changes no
+    tensor it was given (outputs the entry point may fill before it fails aside)."""
+    scratch = {name: slots for name, (_, slots) in _valid_calls().items()}
+    for entry, case in error_cases():
+        snap = Snapshot(case.args, skip=scratch.get(entry, ()))
+        for _ in range(2):
+            with no_hang():
+                check(case)
+        snap.assert_unchanged()
 
 
 def _reachable(p: AttentionProblem) -> list[tuple[int, int]]:
@@ -1108,7 +1097,7 @@ _span = st.tuples(st.integers(-2, 14), st.integers(-2, 14))
     huge=st.sampled_from((None, 2**62, 2**63 - 1, 2**64)),
 )
 def test_build_plan_fuzz(rows, huge):
-    """Malformed, unsorted, overlapping and out-of-range spans get the seed's messages; valid
+    """Malformed, unsorted, overlapping and out-of-range spans get vLLM-Omni's adapter's messages; valid
     plans give the reference key limits.  `huge` query lengths never overrun the outputs."""
     spans = [r[0] for r in rows]
     offsets = [r[1] for r in rows]
@@ -1166,8 +1155,8 @@ _row_field = st.one_of(hostile_ints(), hostile_objects(), st.sampled_from(("r", 
 @FUZZ
 @given(fields=st.tuples(_row_field, _row_field, _row_field, _row_field, _row_field, _row_field))
 def test_row_rules_fuzz(fields):
-    """DiffusionPagedAttentionRow accepts exactly the seed's rows; everything else is a
-    ValueError (the seed's type)."""
+    """DiffusionPagedAttentionRow accepts exactly vLLM-Omni's adapter's rows; everything else is a
+    ValueError (vLLM-Omni's adapter's type)."""
     names = ("request_id", "query_len", "seq_len", "kv_start_pos", "sequence_id", "context_id")
     ok, result = call(lambda: diffkv.DiffusionPagedAttentionRow(**dict(zip(names, fields, strict=True))))
     assert ok == _check_row_oracle(*fields)
@@ -1355,7 +1344,7 @@ def test_runtime_and_restore_output_hostile(step, output):
     runtime = diffkv.DiffusionPagedAttentionRuntime(env.adapter, metadata)
     ok, exc = call(runtime.ensure_active, step)
     if not ok:
-        # The seed evaluates `step_idx == 0` first: a tensor step may fail in torch's __eq__.
+        # vLLM-Omni's adapter evaluates `step_idx == 0` first: a tensor step may fail in torch's __eq__.
         assert type(exc) is not ValueError or "denoise step index" in str(exc)
     else:
         assert type(step) is int and step >= 0
@@ -1364,7 +1353,7 @@ def test_runtime_and_restore_output_hostile(step, output):
         ctx = env.adapter.prepare_layer_context(
             "layer0", torch.randn(4, 2, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE)
         )
-        # The seed's restore_output is a plain reshape: a non-tensor raises AttributeError.
+        # vLLM-Omni's adapter's restore_output is a plain reshape: a non-tensor raises AttributeError.
         ok, restored = call(ctx.restore_output, output, allowed=ALLOWED + (AttributeError,))
         if ok:
             assert isinstance(output, torch.Tensor) and restored.shape == (4, 2, HEAD_SIZE)
@@ -1434,7 +1423,7 @@ def _collaborator_calls() -> dict[str, tuple[Callable[..., Any], list[Any], tupl
                 ulysses_degree=u,
             ),
             [2, 0.5, 1],
-            (OverflowError,),  # the seed's int(layer.num_heads) of inf
+            (OverflowError,),  # vLLM-Omni's adapter's int(layer.num_heads) of inf
         ),
     }
 
@@ -1442,7 +1431,7 @@ def _collaborator_calls() -> dict[str, tuple[Callable[..., Any], list[Any], tupl
 @FUZZ
 @given(data=st.data())
 def test_hostile_argument_public_methods(data):
-    """Public methods of the seed classes and collaborators, one or two arguments hostile:
+    """Public methods of vLLM-Omni's adapter classes and collaborators, one or two arguments hostile:
     an allowed exception (or a documented extra type) and no tensor changed on failure."""
     calls = _collaborator_calls()
     name = data.draw(st.sampled_from(sorted(calls)))

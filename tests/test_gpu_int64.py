@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from diffkv import _C
+from reference import mask_causal, max_error, ref_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -37,9 +38,5 @@ def test_cache_beyond_int32_elements():
         q, cache, table.cuda(), qsl.cuda(), sl.cuda(), None, _C.MASK_CAUSAL, scale, out, table, qsl, sl
     )
 
-    k = key.float().repeat_interleave(heads // kv_heads, dim=1)
-    v = value.float().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q.float(), k) * scale
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device="cuda").tril()
-    ref = torch.einsum("hns,shd->nhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
-    assert (out.float() - ref).abs().max().item() < 2e-2
+    ref = ref_attention(q, key, value, mask_causal(range(seq_len), seq_len), scale, device="cuda")
+    assert max_error(out, ref) < 2e-2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diffkv import _C
+from reference import mask_key_limits, ref_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -85,31 +86,16 @@ def _run(p, mask, key_limits=None, scale=None, device="cuda"):
     return out
 
 
-def _reference(q, k, v, limits, scale, low_precision):
-    """Attention of q [n, H, D] over k/v [S, Hkv, D] where token i sees keys j < limits[i].
-    float64 throughout, or the "same-precision" variant: fp32 scores/softmax from the inputs'
-    dtype, P rounded to that dtype, fp32 P@V (what a flash kernel computes)."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    keys = torch.arange(k.shape[0], device=q.device)
-    visible = keys[None, :] < limits[:, None]
-    work = torch.float32 if low_precision else torch.float64
-    scores = torch.einsum("nhd,shd->hns", q.to(work), k.to(work)) * scale
-    probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    if low_precision:
-        probs = probs.to(q.dtype).to(work)
-    return torch.einsum("hns,shd->nhd", probs, v.to(work)).double()
-
-
 def _check(out, p, limits_per_row, scale):
     q = p["q"]
     qsl = p["qsl"].tolist()
     for r in range(len(p["dense_k"])):
         sl = slice(qsl[r], qsl[r + 1])
         lim = limits_per_row[r].cuda()
-        exact = _reference(q[sl], p["dense_k"][r], p["dense_v"][r], lim, scale, False)
-        low = _reference(q[sl], p["dense_k"][r], p["dense_v"][r], lim, scale, True)
+        k, v = p["dense_k"][r], p["dense_v"][r]
+        visible = mask_key_limits(lim, k.shape[0])
+        exact = ref_attention(q[sl], k, v, visible, scale, device=q.device)
+        low = ref_attention(q[sl], k, v, visible, scale, precision="flash", device=q.device)
         bound = 2 * (low - exact).abs().max().item() + (8e-3 if q.dtype == torch.bfloat16 else 1e-3)
         err = (out[sl].double() - exact).abs().max().item()
         assert err <= bound, f"row {r}: max error {err:.3g} > bound {bound:.3g}"

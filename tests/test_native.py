@@ -166,7 +166,7 @@ def test_block_tables_attributes(device):
 
 
 def test_worked_example_block_size_16(device):
-    # adapter_contract §4.2: block size 16, row blocks [3, 1].
+    # A worked example of vLLM's slot rule: block size 16, row blocks [3, 1].
     tables = diffkv.BlockTables([16], 2, 32, [4], device)
     tables.append_block_ids(1, [[3, 1]])
     assert tables.num_blocks.np[0, 1] == 2
@@ -177,7 +177,7 @@ def test_worked_example_block_size_16(device):
 
 
 def test_worked_example_block_size_4(device):
-    # adapter_contract §4.2: block size 4, blocks [1, 2, 3], positions 0..8 -> slots 4..12.
+    # A worked example of vLLM's slot rule: block size 4, blocks [1, 2, 3], positions 0..8 -> slots 4..12.
     tables = diffkv.BlockTables([4], 1, 16, [3], device)
     tables.append_block_ids(0, [[1, 2, 3]])
     row_indices, qsl, positions = batch_tensors([(0, 0, 9)], device)

@@ -1,5 +1,5 @@
 """Piecewise plans: the planner (segments, packed indices, ranges, homogeneity, key limits,
-errors) and the adapter's per-activation plan and per-segment native metadata (contract §3)."""
+errors) and the adapter's per-activation plan and per-segment native metadata."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_plan_types():
 
 
 def test_hunyuan_worked_example(device):
-    # Contract §3.7: two rows, kv_start_pos 3, query_len 6, seq_len 9, span (5, 8).
+    # A worked example: two rows, kv_start_pos 3, query_len 6, seq_len 9, span (5, 8).
     plan = build_paged_piecewise_plan([[(5, 8)], [(5, 8)]], [3, 3], [6, 6], [9, 9], device=device)
     assert plan.spans == (((5, 8),), ((5, 8),))
     assert plan.num_query_tokens == 12

@@ -1,5 +1,5 @@
 """prepare_batch contents over diffkv's native collaborators: row indices, offsets, positions,
-gathered block tables, slot mappings (contract §4.2 worked examples, kernel blocks, context
+gathered block tables, slot mappings (worked examples of vLLM's slot rule, kernel blocks, context
 parallel), native metadata, and the generation/ownership protocol."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_two_rows_contents(device, recording_platform):
 
 
 def test_worked_example_block_16(device):
-    # Contract §4.2: block size 16, row blocks [3, 1]: 0..15 -> 48..63, 16 -> 16, 17, 18 -> 17, 18.
+    # vLLM's slot rule: block size 16, row blocks [3, 1]: 0..15 -> 48..63, 16 -> 16, 17, 18 -> 17, 18.
     h = make_adapter(device, block_size=16, bindings={("req", 0, None): (0, 19)}, block_ids={0: [[3, 1]]})
     batch = h.adapter.prepare_batch([row(query_len=19, seq_len=19)])
     assert batch.slot_mappings[0].tolist() == list(range(48, 64)) + [16, 17, 18]

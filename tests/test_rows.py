@@ -1,4 +1,5 @@
-"""Rows, row bindings and request metadata: fields, flags and the seed's messages (R1..R8, M1..M3)."""
+"""Rows, row bindings and request metadata: fields, flags and vLLM-Omni's adapter's messages,
+each rule in its order."""
 
 from __future__ import annotations
 
@@ -146,79 +147,80 @@ def test_resolver_alias_is_exported():
     assert diffkv.DiffusionKVRowResolver is diffkv.adapter.DiffusionKVRowResolver
 
 
-# --- R1..R8 -------------------------------------------------------------------------------------
+# --- row fields: ids, lengths, write span ---------------------------------------------------------
 
-R1 = "Paged attention request_id must be a non-empty string"
-R2 = "Paged attention row requires exactly one of sequence_id or context_id"
-R3 = "Paged attention sequence_id must be a non-negative integer"
-R4 = "Paged attention context_id must be a non-empty string"
-R5 = "Paged attention query_len must be a positive integer"
-R6 = "Paged attention seq_len must be a positive integer"
-R7 = "Paged attention kv_start_pos must be a non-negative integer"
+REQUEST_ID = "Paged attention request_id must be a non-empty string"
+ONE_ID = "Paged attention row requires exactly one of sequence_id or context_id"
+SEQUENCE_ID = "Paged attention sequence_id must be a non-negative integer"
+CONTEXT_ID = "Paged attention context_id must be a non-empty string"
+QUERY_LEN = "Paged attention query_len must be a positive integer"
+SEQ_LEN = "Paged attention seq_len must be a positive integer"
+KV_START_POS = "Paged attention kv_start_pos must be a non-negative integer"
 
 
 @pytest.mark.parametrize("request_id", ["", 1, None, b"r"])
-def test_r1_request_id(request_id):
-    with _raises(ValueError, R1):
+def test_request_id_must_be_a_non_empty_string(request_id):
+    with _raises(ValueError, REQUEST_ID):
         Row(request_id, 1, 1, sequence_id=0)
 
 
 @pytest.mark.parametrize("ids", [{}, {"sequence_id": 0, "context_id": "c"}])
-def test_r2_exactly_one_id(ids):
-    with _raises(ValueError, R2):
+def test_exactly_one_of_sequence_id_or_context_id(ids):
+    with _raises(ValueError, ONE_ID):
         Row("r", 1, 1, **ids)
 
 
 @pytest.mark.parametrize("sequence_id", [-1, True, 1.0, "0"])
-def test_r3_sequence_id(sequence_id):
-    with _raises(ValueError, R3):
+def test_sequence_id_must_be_non_negative(sequence_id):
+    with _raises(ValueError, SEQUENCE_ID):
         Row("r", 1, 1, sequence_id=sequence_id)
 
 
 @pytest.mark.parametrize("context_id", ["", 3, b"c"])
-def test_r4_context_id(context_id):
-    with _raises(ValueError, R4):
+def test_context_id_must_be_a_non_empty_string(context_id):
+    with _raises(ValueError, CONTEXT_ID):
         Row("r", 1, 1, context_id=context_id)
 
 
 @pytest.mark.parametrize("query_len", [0, -1, 1.0, True, None])
-def test_r5_query_len(query_len):
-    with _raises(ValueError, R5):
+def test_query_len_must_be_positive(query_len):
+    with _raises(ValueError, QUERY_LEN):
         Row("r", query_len, 4, sequence_id=0)
 
 
 @pytest.mark.parametrize("seq_len", [0, -3, 4.0, True])
-def test_r6_seq_len(seq_len):
-    with _raises(ValueError, R6):
+def test_seq_len_must_be_positive(seq_len):
+    with _raises(ValueError, SEQ_LEN):
         Row("r", 1, seq_len, sequence_id=0)
 
 
 @pytest.mark.parametrize("kv_start_pos", [-1, 0.0, False, None])
-def test_r7_kv_start_pos(kv_start_pos):
-    with _raises(ValueError, R7):
+def test_kv_start_pos_must_be_non_negative(kv_start_pos):
+    with _raises(ValueError, KV_START_POS):
         Row("r", 1, 4, kv_start_pos=kv_start_pos, sequence_id=0)
 
 
-def test_r8_write_span_exceeds_seq_len():
+def test_write_span_must_end_within_seq_len():
     with _raises(ValueError, "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4"):
         Row("r", 2, 4, kv_start_pos=3, sequence_id=0)
 
 
 def test_row_rules_run_in_seed_order():
-    # R1 before R2 before R3/R4 before R5 before R6 before R7 before R8.
-    with _raises(ValueError, R1):
+    # request_id, then exactly one id, then sequence_id/context_id, then query_len, seq_len,
+    # kv_start_pos and the write span, in this order.
+    with _raises(ValueError, REQUEST_ID):
         Row("", 0, 0, kv_start_pos=-1)
-    with _raises(ValueError, R2):
+    with _raises(ValueError, ONE_ID):
         Row("r", 0, 0, kv_start_pos=-1)
-    with _raises(ValueError, R3):
+    with _raises(ValueError, SEQUENCE_ID):
         Row("r", 0, 0, kv_start_pos=-1, sequence_id=-1)
-    with _raises(ValueError, R4):
+    with _raises(ValueError, CONTEXT_ID):
         Row("r", 0, 0, kv_start_pos=-1, context_id="")
-    with _raises(ValueError, R5):
+    with _raises(ValueError, QUERY_LEN):
         Row("r", 0, 0, kv_start_pos=-1, sequence_id=0)
-    with _raises(ValueError, R6):
+    with _raises(ValueError, SEQ_LEN):
         Row("r", 1, 0, kv_start_pos=-1, sequence_id=0)
-    with _raises(ValueError, R7):
+    with _raises(ValueError, KV_START_POS):
         Row("r", 9, 1, kv_start_pos=-1, sequence_id=0)
 
 
@@ -229,25 +231,25 @@ def test_valid_edge_rows():
     assert Row("r", 2, 9, kv_start_pos=3, sequence_id=0).query_len == 2
 
 
-# --- metadata M1..M3 ----------------------------------------------------------------------------
+# --- metadata: both row sets, the same identities, the step index ---------------------------------
 
 
 def _rows(seq_ids=(0, 1), query_len=4, seq_len=4, kv_start_pos=0):
     return tuple(Row("req", query_len, seq_len, kv_start_pos=kv_start_pos, sequence_id=s) for s in seq_ids)
 
 
-M1 = "Paged attention metadata requires both prefill and denoise rows"
+BOTH_ROW_SETS = "Paged attention metadata requires both prefill and denoise rows"
 
 
 @pytest.mark.parametrize("which", ["prefill", "denoise", "both"])
-def test_m1_requires_both_row_sets(which):
+def test_metadata_requires_both_row_sets(which):
     prefill = () if which in ("prefill", "both") else _rows()
     denoise = () if which in ("denoise", "both") else _rows()
-    with _raises(ValueError, M1):
+    with _raises(ValueError, BOTH_ROW_SETS):
         DiffusionPagedAttentionMetadata(prefill, denoise)
 
 
-def test_m2_identities_must_match_in_order():
+def test_row_identities_must_match_in_order():
     prefill = _rows((0, 1))
     denoise = _rows((1, 0), query_len=2, kv_start_pos=2)
     message = (
@@ -258,7 +260,7 @@ def test_m2_identities_must_match_in_order():
         DiffusionPagedAttentionMetadata(prefill, denoise)
 
 
-def test_m2_row_count_differs():
+def test_row_counts_differ():
     message = (
         "Paged attention prefill and denoise rows must use the same ordered identities: "
         "prefill=(('req', 0, None),), denoise=(('req', 0, None), ('req', 1, None))"
@@ -268,7 +270,7 @@ def test_m2_row_count_differs():
 
 
 @pytest.mark.parametrize("step", [None, -1, True, 1.0, "1"])
-def test_m3_step_index(step):
+def test_step_index_must_be_non_negative(step):
     metadata = DiffusionPagedAttentionMetadata(_rows(), _rows(query_len=2, kv_start_pos=2))
     with _raises(ValueError, f"Paged attention requires a non-negative denoise step index, got {step!r}"):
         metadata.rows_for_step(step)

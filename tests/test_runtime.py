@@ -1,6 +1,6 @@
-"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, T1) and the
-per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V stride rules,
-restore_output, device normalisation."""
+"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, the step-index
+errors) and the per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V
+stride rules, restore_output, device normalisation."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def test_strided_projection_views_are_kept(gqa):
     context = gqa.adapter.prepare_layer_context("layer0", q, k, v)
     assert context.key_write.data_ptr() == k.data_ptr() and context.key_write.stride() == (8 * D, D, 1)
     assert context.value_write.data_ptr() == v.data_ptr()
-    # The seed copies a strided query (.contiguous()); diffkv's kernels read Q with its real
+    # vLLM-Omni's adapter copies a strided query (.contiguous()); diffkv's kernels read Q with its real
     # strides, so a QKV-projection view stays a view (issue: "Q is read with its real strides").
     assert context.query.data_ptr() == q.data_ptr() and context.query.stride() == (8 * D, D, 1)
     assert torch.equal(context.query, q)

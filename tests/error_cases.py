@@ -1,0 +1,1892 @@
+"""The error cases of every ``diffkv._C`` entry point, in one table shared by the tests.
+
+``all_cases()`` maps each function ``_C`` exports (``_C.pyi`` plus ``check_layer_qkv``) to its
+cases: valid calls (``ok``) and failing calls (``bad``), one per kind of error path (argument
+count, not a tensor, wrong dtype / rank / shape, each of vLLM-Omni's adapter rules, each error
+the C core returns).  A failing case carries the exception type and the full message: the
+error test (``test_adapter_errors.py``) checks both on every case, the leak test
+(``test_leaks.py``) repeats every case many times and checks the memory around it, and the
+fuzz test (``test_fuzz.py``) runs every case as an explicit example next to its random ones.
+
+A case's arguments (tensors, tuples, lists, ints, rows, bindings, callables) are created once
+by ``all_cases()``, so a caller may call ``case.fn(*case.args)`` as often as it likes; call
+``all_cases()`` again for fresh objects.  Messages raised inside torch itself (a ``meta``
+tensor DLPack cannot export) are torch's text followed by a C++ backtrace: those cases are
+marked ``torch_message`` and their message is the first line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import diffkv
+from _helpers import fake_forward_context, row
+from diffkv import _C
+
+
+@dataclasses.dataclass
+class Case:
+    """One call of an entry point: ``fn(*args)`` succeeds (``raises`` is None) or raises
+    ``raises`` with the text ``message``."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple
+    raises: type[BaseException] | None = None
+    message: str | None = None
+    slow: bool = False  # the failure is raised inside torch and costs ~1 ms per call
+    torch_message: bool = False  # torch's text plus a backtrace: compare the first line
+    calls: int | None = None  # the leak test's call count for this case
+
+
+def ok(name: str, fn: Callable[..., Any], *args: Any) -> Case:
+    return Case(name, fn, args)
+
+
+def bad(
+    name: str,
+    exc: type[BaseException],
+    message: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    slow: bool = False,
+    torch_message: bool = False,
+) -> Case:
+    return Case(name, fn, args, exc, message, slow, torch_message)
+
+
+def message_of(case: Case, exc: BaseException) -> str:
+    """The part of ``str(exc)`` that ``case.message`` spells."""
+    text = str(exc)
+    return text.splitlines()[0] if case.torch_message else text
+
+
+def check(case: Case) -> None:
+    """One call of ``case``: it returns, or raises exactly ``case.raises`` with exactly
+    ``case.message``."""
+    if case.raises is None:
+        case.fn(*case.args)
+        return
+    try:
+        case.fn(*case.args)
+    except BaseException as exc:  # noqa: BLE001 - the type is compared below
+        assert type(exc) is case.raises, f"{case.name}: raised {type(exc).__name__}: {exc}"
+        assert message_of(case, exc) == case.message, f"{case.name}: message {str(exc)!r}"
+        return
+    raise AssertionError(f"{case.name}: did not raise {case.raises.__name__}")
+
+
+def error_cases() -> list[tuple[str, Case]]:
+    """Every failing case as ``(entry point, case)``."""
+    return [(entry, case) for entry, cases in all_cases().items() for case in cases if case.raises]
+
+
+F32 = torch.float32
+I32 = torch.int32
+I64 = torch.int64
+H, HKV, D, BS, NB = 2, 1, 2, 2, 3  # heads, kv heads, head size, block size, blocks: tiny
+HUGE = 2**70
+
+
+class _RaisingNe:
+    """An object whose comparison raises (the comparison-error path of check_head_sizes)."""
+
+    def __ne__(self, other):
+        raise RuntimeError("comparison refused")
+
+    __hash__ = object.__hash__
+
+
+def _rows_and_bindings():
+    Binding = diffkv.DiffusionPagedAttentionRowBinding
+    ra = row("a", 2, 2, sequence_id=0)
+    rb = row("b", 2, 2, sequence_id=1)
+    return SimpleNamespace(
+        ra=ra,
+        rb=rb,
+        rows=(ra, rb),
+        bindings=(Binding(row_index=0, max_seq_len=4), Binding(row_index=1, max_seq_len=4)),
+        Binding=Binding,
+    )
+
+
+def _cases_module() -> dict[str, list[Case]]:
+    x = torch.zeros(4)
+    meta = torch.empty(2, device="meta")
+    to_dlpack = torch.utils.dlpack.to_dlpack
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return {
+        "configure": [
+            ok("configure ok", _C.configure, to_dlpack, getter),
+            bad(
+                "configure nargs", TypeError, "configure() takes 2 arguments, got 1", _C.configure, to_dlpack
+            ),
+        ],
+        "set_bridge_path": [
+            ok("set_bridge_path auto", _C.set_bridge_path, "auto"),
+            bad(
+                "set_bridge_path bogus",
+                ValueError,
+                ("set_bridge_path(): path must be 'auto' or 'capsule', got 'x'"),
+                _C.set_bridge_path,
+                "x",
+            ),
+            bad(
+                "set_bridge_path int",
+                ValueError,
+                ("set_bridge_path(): path must be 'auto' or 'capsule', got 5"),
+                _C.set_bridge_path,
+                5,
+            ),
+            bad(
+                "set_bridge_path nargs",
+                TypeError,
+                "set_bridge_path() takes 1 arguments, got 0",
+                _C.set_bridge_path,
+            ),
+        ],
+        "set_attention_kernel": [
+            ok("set_attention_kernel auto", _C.set_attention_kernel, "auto"),
+            bad(
+                "set_attention_kernel bogus",
+                ValueError,
+                "set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80', got 'x'",
+                _C.set_attention_kernel,
+                "x",
+            ),
+            bad(
+                "set_attention_kernel int",
+                ValueError,
+                "set_attention_kernel(): kernel must be 'auto', 'sm90' or 'sm80', got 5",
+                _C.set_attention_kernel,
+                5,
+            ),
+            bad(
+                "set_attention_kernel nargs",
+                TypeError,
+                ("set_attention_kernel() takes 1 arguments, got 0"),
+                _C.set_attention_kernel,
+            ),
+        ],
+        "bridge_path": [
+            ok("bridge_path ok", _C.bridge_path, x),
+            bad(
+                "bridge_path not tensor",
+                TypeError,
+                ("bridge_path(): tensor must be a torch.Tensor"),
+                _C.bridge_path,
+                5,
+            ),
+        ],
+        "tensor_info": [
+            ok("tensor_info ok", _C.tensor_info, x),
+            bad(
+                "tensor_info str",
+                TypeError,
+                ("tensor_info(): tensor must be a torch.Tensor, got str"),
+                _C.tensor_info,
+                "s",
+            ),
+            bad(
+                "tensor_info meta",
+                RuntimeError,
+                "Cannot pack tensors on meta",
+                _C.tensor_info,
+                meta,
+                slow=True,
+                torch_message=True,
+            ),
+            bad(
+                "tensor_info nargs", TypeError, "tensor_info() takes 1 arguments, got 2", _C.tensor_info, x, x
+            ),
+        ],
+        "bridge_noop4": [
+            ok("bridge_noop4 ok", _C.bridge_noop4, x, x, x, x),
+            bad(
+                "bridge_noop4 not tensor",
+                TypeError,
+                ("bridge_noop4(): d must be a torch.Tensor, got int"),
+                _C.bridge_noop4,
+                x,
+                x,
+                x,
+                1,
+            ),
+            bad(
+                "bridge_noop4 nargs", TypeError, "bridge_noop4() takes 4 arguments, got 1", _C.bridge_noop4, x
+            ),
+        ],
+        "cuda_compiled": [
+            ok("cuda_compiled ok", _C.cuda_compiled),
+            bad(
+                "cuda_compiled nargs",
+                TypeError,
+                "cuda_compiled() takes 0 arguments, got 1",
+                _C.cuda_compiled,
+                1,
+            ),
+        ],
+        "build_info": [
+            ok("build_info ok", _C.build_info),
+            bad("build_info nargs", TypeError, "build_info() takes 0 arguments, got 1", _C.build_info, 1),
+        ],
+        "last_attention_kernel": [
+            ok("last_attention_kernel ok", _C.last_attention_kernel),
+            bad(
+                "last_attention_kernel nargs",
+                TypeError,
+                ("last_attention_kernel() takes 0 arguments, got 1"),
+                _C.last_attention_kernel,
+                1,
+            ),
+        ],
+    }
+
+
+def _cases_rules() -> dict[str, list[Case]]:
+    rb = _rows_and_bindings()
+    pre = rb.rows
+    den = (row("a", 1, 2, 1, sequence_id=0), row("b", 1, 2, 1, sequence_id=1))
+    other = (row("a", 1, 2, 1, sequence_id=0), row("c", 1, 2, 1, sequence_id=1))
+    q = torch.zeros(2, H, D)
+    k = torch.zeros(2, HKV, D)
+    qb = torch.zeros(1, 3, H * D)
+    kb = torch.zeros(1, 3, HKV * D)
+    cpu = torch.device("cpu")
+    code = _C.DTYPE_FLOAT32
+
+    def qkv(query, key, value, *, n=2, lens=(2,), dev_type=1, want_code=code, want=F32, heads=H):
+        return (query, key, value, heads, HKV, D, D, dev_type, 0, cpu, want_code, want, n, lens)
+
+    return {
+        "check_row": [
+            ok("check_row sequence_id", _C.check_row, "r", 4, 8, 4, 0, None),
+            ok("check_row context_id", _C.check_row, "r", 4, 8, 0, None, "ctx"),
+            ok("check_row huge ints", _C.check_row, "r", HUGE, HUGE * 2, HUGE, HUGE, None),
+            bad(
+                "check_row request_id",
+                ValueError,
+                ("Paged attention request_id must be a non-empty string"),
+                _C.check_row,
+                "",
+                4,
+                4,
+                0,
+                0,
+                None,
+            ),
+            bad(
+                "check_row exactly one id",
+                ValueError,
+                ("Paged attention row requires exactly one of sequence_id or context_id"),
+                _C.check_row,
+                "r",
+                4,
+                4,
+                0,
+                0,
+                "c",
+            ),
+            bad(
+                "check_row sequence_id",
+                ValueError,
+                ("Paged attention sequence_id must be a non-negative integer"),
+                _C.check_row,
+                "r",
+                4,
+                4,
+                0,
+                -1,
+                None,
+            ),
+            bad(
+                "check_row context_id",
+                ValueError,
+                ("Paged attention context_id must be a non-empty string"),
+                _C.check_row,
+                "r",
+                4,
+                4,
+                0,
+                None,
+                "",
+            ),
+            bad(
+                "check_row query_len",
+                ValueError,
+                "Paged attention query_len must be a positive integer",
+                _C.check_row,
+                "r",
+                0,
+                4,
+                0,
+                0,
+                None,
+            ),
+            bad(
+                "check_row seq_len",
+                ValueError,
+                "Paged attention seq_len must be a positive integer",
+                _C.check_row,
+                "r",
+                4,
+                True,
+                0,
+                0,
+                None,
+            ),
+            bad(
+                "check_row kv_start_pos",
+                ValueError,
+                ("Paged attention kv_start_pos must be a non-negative integer"),
+                _C.check_row,
+                "r",
+                4,
+                4,
+                -HUGE,
+                0,
+                None,
+            ),
+            bad(
+                "check_row write span past seq_len",
+                ValueError,
+                (
+                    "Paged attention write span exceeds seq_len: start=1180591620717411303424, "
+                    "query_len=4, seq_len=1180591620717411303424"
+                ),
+                _C.check_row,
+                "r",
+                4,
+                HUGE,
+                HUGE,
+                0,
+                None,
+            ),
+            bad("check_row nargs", TypeError, "check_row() takes 6 arguments, got 1", _C.check_row, "r"),
+        ],
+        "check_metadata": [
+            ok("check_metadata ok", _C.check_metadata, pre, den),
+            bad(
+                "check_metadata both row sets",
+                ValueError,
+                ("Paged attention metadata requires both prefill and denoise rows"),
+                _C.check_metadata,
+                (),
+                den,
+            ),
+            bad(
+                "check_metadata same identities",
+                ValueError,
+                (
+                    "Paged attention prefill and denoise rows must use the same ordered identities: "
+                    "prefill=(('a', 0, None), ('b', 1, None)), denoise=(('a', 0, None), ('c', 1, None))"
+                ),
+                _C.check_metadata,
+                pre,
+                other,
+            ),
+            bad(
+                "check_metadata no identity",
+                AttributeError,
+                ("'object' object has no attribute 'identity'"),
+                _C.check_metadata,
+                pre,
+                (object(),),
+            ),
+            bad(
+                "check_metadata not sequence",
+                TypeError,
+                ("diffkv(): rows must be a sequence, got 5"),
+                _C.check_metadata,
+                5,
+                6,
+            ),
+        ],
+        "check_step": [
+            ok("check_step ok", _C.check_step, 7),
+            bad(
+                "check_step negative",
+                ValueError,
+                ("Paged attention requires a non-negative denoise step index, got -1"),
+                _C.check_step,
+                -1,
+            ),
+            bad(
+                "check_step None",
+                ValueError,
+                ("Paged attention requires a non-negative denoise step index, got None"),
+                _C.check_step,
+                None,
+            ),
+            bad(
+                "check_step huge negative",
+                ValueError,
+                ("Paged attention requires a non-negative denoise step index, got -1180591620717411303424"),
+                _C.check_step,
+                -HUGE,
+            ),
+        ],
+        "check_layer_heads": [
+            ok("check_layer_heads ok", _C.check_layer_heads, 2, 4, 2),
+            ok("check_layer_heads huge", _C.check_layer_heads, 2, HUGE * 4, HUGE * 2),
+            bad(
+                "check_layer_heads ulysses degree",
+                ValueError,
+                ("ulysses_degree must be a positive integer, got True"),
+                _C.check_layer_heads,
+                True,
+                4,
+                2,
+            ),
+            bad(
+                "check_layer_heads type",
+                TypeError,
+                ("check_layer_heads(): num_heads and num_kv_heads must be ints"),
+                _C.check_layer_heads,
+                1,
+                "x",
+                2,
+            ),
+            bad(
+                "check_layer_heads head counts",
+                ValueError,
+                (
+                    "Paged attention requires positive Q/KV heads with num_heads divisible by "
+                    "num_kv_heads: num_heads=4, num_kv_heads=3"
+                ),
+                _C.check_layer_heads,
+                1,
+                4,
+                3,
+            ),
+            bad(
+                "check_layer_heads heads divisible by ulysses",
+                ValueError,
+                (
+                    "Paged attention requires Q/KV heads divisible by ulysses_degree: num_heads=4, "
+                    "num_kv_heads=2, ulysses_degree=4"
+                ),
+                _C.check_layer_heads,
+                4,
+                4,
+                2,
+            ),
+        ],
+        "check_head_sizes": [
+            ok("check_head_sizes ok", _C.check_head_sizes, 64, 64),
+            bad(
+                "check_head_sizes key and value head sizes",
+                ValueError,
+                (
+                    "Diffusion native paged attention requires equal key/value head sizes; got "
+                    "head_size=64, head_size_v=32"
+                ),
+                _C.check_head_sizes,
+                64,
+                32,
+            ),
+            bad(
+                "check_head_sizes compare",
+                RuntimeError,
+                "comparison refused",
+                _C.check_head_sizes,
+                64,
+                _RaisingNe(),
+            ),
+        ],
+        "check_layer_qkv": [
+            ok("check_layer_qkv packed", _C.check_layer_qkv, *qkv(q, k, k)),
+            ok("check_layer_qkv batched padded", _C.check_layer_qkv, *qkv(qb, kb, kb, n=2, lens=(2,))),
+            bad(
+                "check_layer_qkv trailing shape",
+                ValueError,
+                ("Paged attention query must end in (2, 2) or (4,); got shape=(2, 2)"),
+                _C.check_layer_qkv,
+                *qkv(q[:, 0], k, k),
+            ),
+            bad(
+                "check_layer_qkv key layout",
+                ValueError,
+                ("Paged attention key token count must match the query layout: query=(2,), key=(1,)"),
+                _C.check_layer_qkv,
+                *qkv(q, k[:1], k),
+            ),
+            bad(
+                "check_layer_qkv value layout",
+                ValueError,
+                (
+                    "Paged attention batched value layout must match prepared rows and the query "
+                    "layout: query=(1, 3), value=(1, 2)"
+                ),
+                _C.check_layer_qkv,
+                *qkv(qb, kb, kb[:, :2]),
+            ),
+            bad(
+                "check_layer_qkv token counts",
+                ValueError,
+                (
+                    "Paged attention Q/K/V token count must match the prepared write batch: tokens=2, "
+                    "prepared=3"
+                ),
+                _C.check_layer_qkv,
+                *qkv(q, k, k, n=3),
+            ),
+            bad(
+                "check_layer_qkv batched layout",
+                ValueError,
+                (
+                    "Paged attention batched Q/K/V layout must match prepared rows for the current "
+                    "write: shape=(1, 3), row_query_lens=(4,)"
+                ),
+                _C.check_layer_qkv,
+                *qkv(qb, kb, kb, lens=(4,)),
+            ),
+            bad(
+                "check_layer_qkv token rank",
+                ValueError,
+                (
+                    "Paged attention Q/K/V supports packed [T, ...] or uniform batched [B, T, ...] "
+                    "token layouts; got token shape=(1, 1, 2)"
+                ),
+                _C.check_layer_qkv,
+                *qkv(q[None, None], k[None, None], k[None, None]),
+            ),
+            bad(
+                "check_layer_qkv device",
+                ValueError,
+                ("Paged attention Q/K/V must be on cpu; got query=cpu, key=cpu, value=cpu"),
+                _C.check_layer_qkv,
+                *qkv(q, k, k, dev_type=2),
+            ),
+            bad(
+                "check_layer_qkv dtypes match",
+                ValueError,
+                ("Paged attention Q/K/V dtypes must match; got torch.float32, torch.float64, torch.float32"),
+                _C.check_layer_qkv,
+                *qkv(q, k.double(), k),
+            ),
+            bad(
+                "check_layer_qkv model dtype",
+                ValueError,
+                (
+                    "Paged attention Q/K/V dtype must match model activation dtype torch.float16; got "
+                    "torch.float32"
+                ),
+                _C.check_layer_qkv,
+                *qkv(q, k, k, want_code=_C.DTYPE_FLOAT16, want=torch.float16),
+            ),
+            bad(
+                "check_layer_qkv not tensor",
+                TypeError,
+                ("prepare_layer_context(): query must be a torch.Tensor, got str"),
+                _C.check_layer_qkv,
+                *qkv("q", k, k),
+            ),
+            bad(
+                "check_layer_qkv meta",
+                ValueError,
+                "Paged attention Q/K/V must be on cpu; got query=meta, key=cpu, value=cpu",
+                _C.check_layer_qkv,
+                *qkv(q.to("meta"), k, k),
+                slow=True,
+            ),
+            bad(
+                "check_layer_qkv int arg",
+                TypeError,
+                "prepare_layer_context(): num_heads must be an int, got 'x'",
+                _C.check_layer_qkv,
+                *qkv(q, k, k, heads="x"),
+            ),
+            bad(
+                "check_layer_qkv lens",
+                TypeError,
+                "prepare_layer_context(): query_lens must be a sequence, got 5",
+                _C.check_layer_qkv,
+                *qkv(qb, kb, kb, lens=5),
+            ),
+            bad(
+                "check_layer_qkv nargs",
+                TypeError,
+                "check_layer_qkv() takes 14 arguments, got 1",
+                _C.check_layer_qkv,
+                q,
+            ),
+        ],
+    }
+
+
+def _cases_batch() -> dict[str, list[Case]]:
+    rb = _rows_and_bindings()
+    B = rb.Binding
+    nb = torch.tensor([[2, 2]], dtype=I32)
+    nb_short = torch.tensor([[2, 0]], dtype=I32)
+
+    def bind(
+        rows=rb.rows, bindings=rb.bindings, threshold=None, max_tokens=8, block_sizes=(2,), cp=1, nbt=nb
+    ):
+        return (rows, bindings, threshold, True, 2, max_tokens, block_sizes, (1,), cp, nbt)
+
+    decode_last = (row("a", 2, 2, sequence_id=0), row("b", 1, 2, 1, sequence_id=1))
+    ri_out = torch.empty(2, dtype=I32)
+    qsl_out = torch.empty(3, dtype=I32)
+    sl_out = torch.empty(2, dtype=I32)
+    pos_out = torch.empty(4, dtype=I64)
+    seq_lens = torch.tensor([5, 3], dtype=I32)
+    local = torch.empty(2, dtype=I32)
+    return {
+        "check_batch_rows": [
+            ok("check_batch_rows ok", _C.check_batch_rows, rb.rows, False, 4),
+            bad(
+                "check_batch_rows no rows",
+                ValueError,
+                ("Paged attention batch must contain at least one row"),
+                _C.check_batch_rows,
+                (),
+                False,
+                4,
+            ),
+            bad(
+                "check_batch_rows active forward",
+                RuntimeError,
+                ("Cannot prepare paged attention metadata during an active forward"),
+                _C.check_batch_rows,
+                rb.rows,
+                True,
+                4,
+            ),
+            bad(
+                "check_batch_rows too many rows",
+                ValueError,
+                "Paged attention batch has 2 rows; Worker capacity is 1",
+                _C.check_batch_rows,
+                rb.rows,
+                False,
+                1,
+            ),
+            bad(
+                "check_batch_rows duplicate identities",
+                ValueError,
+                ("Paged attention batch contains duplicate row identities"),
+                _C.check_batch_rows,
+                (rb.ra, rb.ra),
+                False,
+                4,
+            ),
+            bad(
+                "check_batch_rows no identity",
+                AttributeError,
+                "'object' object has no attribute 'identity'",
+                _C.check_batch_rows,
+                (object(),),
+                0,
+                4,
+            ),
+            bad(
+                "check_batch_rows unsized",
+                TypeError,
+                "object of type 'int' has no len()",
+                _C.check_batch_rows,
+                5,
+                False,
+                4,
+            ),
+        ],
+        "check_batch_bindings": [
+            ok("check_batch_bindings ok", _C.check_batch_bindings, *bind()),
+            bad(
+                "check_batch_bindings count",
+                ValueError,
+                "check_batch_bindings(): bindings must have one entry per row (2), got 1",
+                _C.check_batch_bindings,
+                *bind(bindings=rb.bindings[:1]),
+            ),
+            bad(
+                "check_batch_bindings same worker row",
+                ValueError,
+                "Paged attention batch resolves multiple inputs to the same Worker row",
+                _C.check_batch_bindings,
+                *bind(bindings=(B(0, 4), B(0, 4))),
+            ),
+            bad(
+                "check_batch_bindings invalid capacity",
+                ValueError,
+                "Paged attention row ('b', 1, None) resolved to invalid logical capacity 'x'",
+                _C.check_batch_bindings,
+                *bind(bindings=(B(0, 4), B(1, "x"))),
+            ),
+            bad(
+                "check_batch_bindings over capacity",
+                ValueError,
+                (
+                    "Paged attention row ('b', 1, None) uses seq_len=2, but its installed allocation "
+                    "has logical length 1"
+                ),
+                _C.check_batch_bindings,
+                *bind(bindings=(B(0, 4), B(1, 1))),
+            ),
+            bad(
+                "check_batch_bindings decode rows first",
+                ValueError,
+                (
+                    "Causal paged attention rows must place native decode/short-query rows before "
+                    "prefill/long-query rows (decode threshold=1)"
+                ),
+                _C.check_batch_bindings,
+                *bind(rows=decode_last, threshold=1),
+            ),
+            bad(
+                "check_batch_bindings invalid worker row",
+                ValueError,
+                "Paged attention row ('b', 1, None) resolved to invalid Worker row 7",
+                _C.check_batch_bindings,
+                *bind(bindings=(B(0, 4), B(7, 4))),
+            ),
+            bad(
+                "check_batch_bindings too few blocks",
+                ValueError,
+                (
+                    "Paged attention row ('b', 1, None) requires 1 blocks in cache group 0 for "
+                    "seq_len=2, but its installed Worker row contains only 0 blocks"
+                ),
+                _C.check_batch_bindings,
+                *bind(nbt=nb_short),
+            ),
+            bad(
+                "check_batch_bindings too many tokens",
+                ValueError,
+                "Paged attention batch has 4 tokens; Worker capacity is 3",
+                _C.check_batch_bindings,
+                *bind(max_tokens=3),
+            ),
+            bad(
+                "check_batch_bindings block_sizes",
+                TypeError,
+                "check_batch_bindings(): block_sizes must be a sequence of ints, got 'x'",
+                _C.check_batch_bindings,
+                *bind(block_sizes=("x",)),
+            ),
+            bad(
+                "check_batch_bindings cp",
+                ValueError,
+                "check_batch_bindings(): cp_size must be positive, got 0",
+                _C.check_batch_bindings,
+                *bind(cp=0),
+            ),
+            bad(
+                "check_batch_bindings num_blocks dtype",
+                TypeError,
+                "check_batch_bindings(): num_blocks must be int32 or int64, got float32",
+                _C.check_batch_bindings,
+                *bind(nbt=nb.float()),
+            ),
+            bad(
+                "check_batch_bindings num_blocks shape",
+                ValueError,
+                ("check_batch_bindings(): num_blocks must have shape [>= 1 groups, >= 2 rows], got [1, 1]"),
+                _C.check_batch_bindings,
+                *bind(nbt=nb[:, :1]),
+            ),
+            bad(
+                "check_batch_bindings no row_index",
+                AttributeError,
+                "'object' object has no attribute 'row_index'",
+                _C.check_batch_bindings,
+                *bind(bindings=(B(0, 4), object())),
+            ),
+        ],
+        "build_batch": [
+            ok("build_batch ok", _C.build_batch, rb.rows, [0, 1], ri_out, qsl_out, sl_out, pos_out),
+            bad(
+                "build_batch row_indices count",
+                ValueError,
+                "build_batch(): row_indices must have 2 entries, got 1",
+                _C.build_batch,
+                rb.rows,
+                [0],
+                ri_out,
+                qsl_out,
+                sl_out,
+                pos_out,
+            ),
+            bad(
+                "build_batch dtype",
+                TypeError,
+                "build_batch(): row_indices_out must be int32, got int64",
+                _C.build_batch,
+                rb.rows,
+                [0, 1],
+                pos_out[:2],
+                qsl_out,
+                sl_out,
+                pos_out,
+            ),
+            bad(
+                "build_batch positions short",
+                ValueError,
+                "build_batch(): positions_out must have at least 4 entries, got 3",
+                _C.build_batch,
+                rb.rows,
+                [0, 1],
+                ri_out,
+                qsl_out,
+                sl_out,
+                pos_out[:3],
+            ),
+            bad(
+                "build_batch int32",
+                ValueError,
+                (
+                    "build_batch(): row 1 must fit int32 metadata (seq_len 2, tokens so far 2, row "
+                    "index 1099511627776)"
+                ),
+                _C.build_batch,
+                rb.rows,
+                [0, 2**40],
+                ri_out,
+                qsl_out,
+                sl_out,
+                pos_out,
+            ),
+            bad(
+                "build_batch rows",
+                TypeError,
+                "build_batch(): rows must be a sequence, got 5",
+                _C.build_batch,
+                5,
+                [0],
+                ri_out,
+                qsl_out,
+                sl_out,
+                pos_out,
+            ),
+        ],
+        "dcp_local_seq_lens": [
+            ok("dcp_local_seq_lens ok", _C.dcp_local_seq_lens, seq_lens, local, 2, 1, 1),
+            bad(
+                "dcp_local_seq_lens rank",
+                ValueError,
+                (
+                    "dcp_local_seq_lens(): cp_size must be >= 1, cp_rank in [0, cp_size) and "
+                    "cp_interleave >= 1, got 2, 2, 1"
+                ),
+                _C.dcp_local_seq_lens,
+                seq_lens,
+                local,
+                2,
+                2,
+                1,
+            ),
+            bad(
+                "dcp_local_seq_lens out",
+                ValueError,
+                "dcp_local_seq_lens(): out must have at least 2 entries, got 1",
+                _C.dcp_local_seq_lens,
+                seq_lens,
+                local[:1],
+                2,
+                1,
+                1,
+            ),
+            bad(
+                "dcp_local_seq_lens dtype",
+                TypeError,
+                "dcp_local_seq_lens(): seq_lens must be int32, got int64",
+                _C.dcp_local_seq_lens,
+                seq_lens.long(),
+                local,
+                2,
+                1,
+                1,
+            ),
+            bad(
+                "dcp_local_seq_lens int",
+                TypeError,
+                "dcp_local_seq_lens(): cp_size must be an int, got '2'",
+                _C.dcp_local_seq_lens,
+                seq_lens,
+                local,
+                "2",
+                1,
+                1,
+            ),
+        ],
+    }
+
+
+def _cases_tables() -> dict[str, list[Case]]:
+    table = torch.zeros(2, 4, dtype=I32)
+    counts = torch.zeros(2, dtype=I32)
+    _C.table_append(table, counts, 0, [1, 2], 1, 8, True)
+    ids = [1, 2]
+    ri = torch.tensor([0], dtype=I32)
+    out = torch.zeros(2, 4, dtype=I32)
+    qsl = torch.tensor([0, 2], dtype=I32)
+    pos = torch.tensor([0, 1], dtype=I64)
+    slots = torch.empty(4, dtype=I64)
+
+    def slot_args(t=table, r=ri, q=qsl, p=pos, o=slots, n=2, padded=4, bs=2, cp=1, rank=0):
+        return (t, r, q, p, o, n, padded, bs, cp, rank, 1)
+
+    state = torch.zeros(1, dtype=I64)
+    free_stack = torch.zeros(4, dtype=I32)
+    in_use = torch.zeros(4, dtype=torch.uint8)
+    _C.pool_init(state, free_stack, in_use)
+    pool = (state, free_stack, in_use)
+
+    def allocate_then_free(s, f, u, n):
+        _C.pool_free(s, f, u, _C.pool_allocate(s, f, u, n))
+
+    return {
+        "table_append": [
+            ok("table_append ok", _C.table_append, table, counts, 0, ids, 1, 8, True),
+            bad(
+                "table_append row",
+                ValueError,
+                "BlockTables.append_block_ids(): row must be in [0, 2), got 5",
+                _C.table_append,
+                table,
+                counts,
+                5,
+                ids,
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append id range",
+                ValueError,
+                (
+                    "BlockTables.append_block_ids(): block ids must be < 8 (8 kernel blocks, 1 per "
+                    "block), got 9"
+                ),
+                _C.table_append,
+                table,
+                counts,
+                0,
+                [9],
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append too many",
+                ValueError,
+                (
+                    "BlockTables.append_block_ids(): block ids must fit in the 4 free kernel-block "
+                    "columns of row 0 (1 per block), got 5 ids"
+                ),
+                _C.table_append,
+                table,
+                counts,
+                0,
+                [0, 1, 2, 3, 4],
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append ids type",
+                TypeError,
+                "BlockTables.append_block_ids(): block_ids must be a sequence, got 5",
+                _C.table_append,
+                table,
+                counts,
+                0,
+                5,
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append id type",
+                TypeError,
+                "BlockTables.append_block_ids(): block_ids must be a sequence of ints, got 'a'",
+                _C.table_append,
+                table,
+                counts,
+                0,
+                ["a"],
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append huge id",
+                ValueError,
+                ("BlockTables.append_block_ids(): block_ids must fit in int64, got 1180591620717411303424"),
+                _C.table_append,
+                table,
+                counts,
+                0,
+                [HUGE],
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append counts dtype",
+                TypeError,
+                "BlockTables.append_block_ids(): counts must be int32, got int64",
+                _C.table_append,
+                table,
+                counts.long(),
+                0,
+                ids,
+                1,
+                8,
+                True,
+            ),
+            bad(
+                "table_append nargs",
+                TypeError,
+                ("BlockTables.append_block_ids() takes 7 arguments, got 1"),
+                _C.table_append,
+                table,
+            ),
+        ],
+        "gather_block_tables": [
+            ok("gather_block_tables ok", _C.gather_block_tables, table, counts, ri, out, 2),
+            bad(
+                "gather_block_tables cols",
+                ValueError,
+                "BlockTables.gather_block_tables(): out must have 4 columns, got 3",
+                _C.gather_block_tables,
+                table,
+                counts,
+                ri,
+                out[:, :3],
+                2,
+            ),
+            bad(
+                "gather_block_tables row",
+                ValueError,
+                "gather_block_tables(): row_indices[0] must be in [0, 2), got 5",
+                _C.gather_block_tables,
+                table,
+                counts,
+                torch.tensor([5], dtype=I32),
+                out,
+                2,
+            ),
+            bad(
+                "gather_block_tables padded",
+                ValueError,
+                (
+                    "gather_block_tables(): num_reqs_padded must be in [1, 2] (batch rows to output "
+                    "rows), got 9"
+                ),
+                _C.gather_block_tables,
+                table,
+                counts,
+                ri,
+                out,
+                9,
+            ),
+            bad(
+                "gather_block_tables dtype",
+                TypeError,
+                "BlockTables.gather_block_tables(): row_indices must be int32, got int64",
+                _C.gather_block_tables,
+                table,
+                counts,
+                ri.long(),
+                out,
+                2,
+            ),
+        ],
+        "compute_slot_mappings": [
+            ok("compute_slot_mappings ok", _C.compute_slot_mappings, *slot_args()),
+            bad(
+                "compute_slot_mappings bs",
+                ValueError,
+                (
+                    "BlockTables.compute_slot_mappings(): block_size >= 1, cp_size >= 1, cp_rank in "
+                    "[0, cp_size) and cp_interleave >= 1 required, got 0, 1, 0, 1"
+                ),
+                _C.compute_slot_mappings,
+                *slot_args(bs=0),
+            ),
+            bad(
+                "compute_slot_mappings out",
+                ValueError,
+                (
+                    "BlockTables.compute_slot_mappings(): need 0 <= num_tokens (2) <= "
+                    "num_tokens_padded (9), positions with >= num_tokens entries (2) and out with >= "
+                    "num_tokens_padded entries (4)"
+                ),
+                _C.compute_slot_mappings,
+                *slot_args(padded=9),
+            ),
+            bad(
+                "compute_slot_mappings block index",
+                ValueError,
+                (
+                    "compute_slot_mappings(): block index 50 of batch row 0 (table row 0) must be < 4 "
+                    "table columns, got position 100"
+                ),
+                _C.compute_slot_mappings,
+                *slot_args(p=torch.tensor([0, 100], dtype=I64)),
+            ),
+            bad(
+                "compute_slot_mappings end",
+                ValueError,
+                ("BlockTables.compute_slot_mappings(): query_start_loc must end at num_tokens (2), got 1"),
+                _C.compute_slot_mappings,
+                *slot_args(q=torch.tensor([0, 1], dtype=I32)),
+            ),
+            bad(
+                "compute_slot_mappings rank",
+                ValueError,
+                (
+                    "BlockTables.compute_slot_mappings(): block_size >= 1, cp_size >= 1, cp_rank in "
+                    "[0, cp_size) and cp_interleave >= 1 required, got 2, 1, 1, 1"
+                ),
+                _C.compute_slot_mappings,
+                *slot_args(rank=1),
+            ),
+            bad(
+                "compute_slot_mappings dtype",
+                TypeError,
+                "BlockTables.compute_slot_mappings(): table must be int32, got int64",
+                _C.compute_slot_mappings,
+                *slot_args(t=table.long()),
+            ),
+        ],
+        "pool_init": [
+            ok("pool_init ok", _C.pool_init, *pool),
+            bad(
+                "pool_init dtype",
+                TypeError,
+                "BlockPool(): state must be int64, got int32",
+                _C.pool_init,
+                free_stack,
+                free_stack,
+                in_use,
+            ),
+            bad(
+                "pool_init size",
+                ValueError,
+                "BlockPool(): in_use must have 4 entries, got 2",
+                _C.pool_init,
+                state,
+                free_stack,
+                in_use[:2],
+            ),
+        ],
+        "pool_allocate": [
+            ok("pool_allocate zero", _C.pool_allocate, *pool, 0),
+            ok("pool_allocate then free", allocate_then_free, *pool, 3),
+            bad(
+                "pool_allocate exhausted",
+                RuntimeError,
+                "BlockPool.allocate(): n must be at most the number of free blocks (4), got 5",
+                _C.pool_allocate,
+                *pool,
+                5,
+            ),
+            bad(
+                "pool_allocate huge",
+                RuntimeError,
+                (
+                    "BlockPool.allocate(): n must be at most the number of free blocks (4), got "
+                    "9223372036854775807"
+                ),
+                _C.pool_allocate,
+                *pool,
+                HUGE,
+            ),
+            bad(
+                "pool_allocate negative",
+                ValueError,
+                ("BlockPool.allocate(): n must be non-negative, got -1"),
+                _C.pool_allocate,
+                *pool,
+                -1,
+            ),
+            bad(
+                "pool_allocate bool",
+                TypeError,
+                ("BlockPool.allocate(): n must be an int, got True"),
+                _C.pool_allocate,
+                *pool,
+                True,
+            ),
+        ],
+        "pool_free": [
+            bad(
+                "pool_free range",
+                ValueError,
+                ("BlockPool.free(): block id must be in [0, 4), got 9"),
+                _C.pool_free,
+                *pool,
+                [9],
+            ),
+            bad(
+                "pool_free double",
+                ValueError,
+                ("BlockPool.free(): block id 0 is not allocated (double free?)"),
+                _C.pool_free,
+                *pool,
+                [0],
+            ),
+            bad(
+                "pool_free type",
+                TypeError,
+                ("BlockPool.free(): block_ids must be a sequence of ints, got 'x'"),
+                _C.pool_free,
+                *pool,
+                ["x"],
+            ),
+            bad(
+                "pool_free not sequence",
+                TypeError,
+                ("BlockPool.free(): block_ids must be a sequence, got 5"),
+                _C.pool_free,
+                *pool,
+                5,
+            ),
+            bad(
+                "pool_free state",
+                ValueError,
+                "BlockPool.free(): in_use must have 4 entries, got 1",
+                _C.pool_free,
+                state,
+                free_stack,
+                in_use[:1],
+                [0],
+            ),
+        ],
+    }
+
+
+def _cases_plan() -> dict[str, list[Case]]:
+    spans = ([(2, 4)],)
+    limits = torch.empty(4, dtype=I32)
+    indices = torch.empty(4, dtype=I64)
+
+    def plan(sp=spans, offsets=(0,), lens=(4,), seqs=(4,), kl=limits, qi=indices):
+        return (sp, offsets, lens, seqs, kl, qi)
+
+    return {
+        "build_plan": [
+            ok("build_plan ok", _C.build_plan, *plan()),
+            ok(
+                "build_plan two rows",
+                _C.build_plan,
+                *plan(([(1, 3)], [(1, 3)]), (0, 0), (3, 3), (3, 3), None, None),
+            ),
+            bad(
+                "build_plan rows",
+                ValueError,
+                ("Paged piecewise inputs must have one entry per row"),
+                _C.build_plan,
+                *plan(offsets=()),
+            ),
+            bad(
+                "build_plan spans",
+                ValueError,
+                "Paged piecewise spans must be sorted, non-overlapping, and within the sequence",
+                _C.build_plan,
+                *plan(sp=([(3, 4), (1, 2)],)),
+            ),
+            bad(
+                "build_plan pair",
+                ValueError,
+                ("build_paged_piecewise_plan(): each span must be a (start, end) pair, got (1, 2, 3)"),
+                _C.build_plan,
+                *plan(sp=([(1, 2, 3)],)),
+            ),
+            bad(
+                "build_plan element",
+                ValueError,
+                "invalid literal for int() with base 10: 'x'",
+                _C.build_plan,
+                *plan(sp=([("x", 2)],)),
+            ),
+            bad(
+                "build_plan row type",
+                TypeError,
+                ("build_paged_piecewise_plan(): full_attn_spans row must be a sequence, got 5"),
+                _C.build_plan,
+                *plan(sp=(5,)),
+            ),
+            bad(
+                "build_plan query range",
+                ValueError,
+                "Paged piecewise query range must be within the sequence",
+                _C.build_plan,
+                *plan(lens=(5,), kl=None, qi=None),
+            ),
+            bad(
+                "build_plan limits short",
+                ValueError,
+                ("build_paged_piecewise_plan(): key_limits_out must have at least 4 entries, got 2"),
+                _C.build_plan,
+                *plan(kl=limits[:2]),
+            ),
+            bad(
+                "build_plan limits dtype",
+                TypeError,
+                "build_paged_piecewise_plan(): key_limits_out must be int32, got int64",
+                _C.build_plan,
+                *plan(kl=indices),
+            ),
+        ],
+    }
+
+
+def _cases_tensor_ops() -> dict[str, list[Case]]:
+    torch.manual_seed(0)
+    q = torch.randn(2, H, D)
+    key = torch.randn(2, HKV, D)
+    value = torch.randn(2, HKV, D)
+    cache = torch.zeros(2, NB, BS, HKV, D)
+    slots = torch.tensor([4, 5], dtype=I64)
+    bt = torch.tensor([[2, 0]], dtype=I32)
+    bt_bad = torch.tensor([[5, 0]], dtype=I32)
+    qsl = torch.tensor([0, 2], dtype=I32)
+    sl = torch.tensor([2], dtype=I32)
+    sl_bad = torch.tensor([5], dtype=I32)
+    limits = torch.tensor([2, 2], dtype=I32)
+    out = torch.empty(2, H, D)
+
+    def attn(query=q, b=bt, s=sl, kl=None, mask=_C.MASK_NONE, scale=0.5, o=out, c=cache):
+        return (query, c, b, qsl, s, kl, mask, scale, o, b, qsl, s)
+
+    lse = torch.empty(2, H)
+
+    def attn_lse(b=bt, s=sl, kl=None, mask=_C.MASK_NONE, o=out, lo=lse):
+        return (q, cache, b, qsl, s, kl, mask, 0.5, o, lo, b, qsl, s)
+
+    dense_k = torch.randn(3, HKV, D)
+    dense_v = torch.randn(3, HKV, D)
+    key_index = torch.tensor([[2, 0, 1]], dtype=I32)
+
+    def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
+        return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1, 0)
+
+    def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
+        return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
+
+    src = torch.randn(3, H, D)
+    gather_index = torch.tensor([2, 0], dtype=I64)
+    gathered = torch.empty(2, H, D)
+    scatter_src = torch.randn(2, H, D)
+    scatter_index = torch.tensor([0, 2], dtype=I64)
+    scattered = torch.empty(3, H, D)
+    bad_index = torch.tensor([5, 0], dtype=I64)
+    return {
+        "kv_write": [
+            ok("kv_write ok", _C.kv_write, key, value, cache, slots),
+            ok("kv_write skip", _C.kv_write, key, value, cache, torch.tensor([-1, 4], dtype=I64)),
+            bad(
+                "kv_write slot",
+                ValueError,
+                (
+                    "kv_write(): slot_mapping[1] must be < num_blocks * block_size = 6 (or < 0 to "
+                    "skip), got 99"
+                ),
+                _C.kv_write,
+                key,
+                value,
+                cache,
+                torch.tensor([4, 99], dtype=I64),
+            ),
+            bad(
+                "kv_write value shape",
+                ValueError,
+                ("kv_write(): value must have the shape of key [2, 1, 2], got [1, 1, 2]"),
+                _C.kv_write,
+                key,
+                value[:1],
+                cache,
+                slots,
+            ),
+            bad(
+                "kv_write cache shape",
+                ValueError,
+                (
+                    "kv_write(): kv_cache must have shape [2, num_blocks, block_size, 1, 2], got [1, "
+                    "3, 2, 1, 2]"
+                ),
+                _C.kv_write,
+                key,
+                value,
+                cache[:1],
+                slots,
+            ),
+            bad(
+                "kv_write slot dtype",
+                TypeError,
+                "kv_write(): slot_mapping must be int64, got int32",
+                _C.kv_write,
+                key,
+                value,
+                cache,
+                slots.int(),
+            ),
+            bad(
+                "kv_write slot short",
+                ValueError,
+                ("kv_write(): slot_mapping must have at least 2 entries, got 1"),
+                _C.kv_write,
+                key,
+                value,
+                cache,
+                slots[:1],
+            ),
+            bad(
+                "kv_write key dtype",
+                TypeError,
+                "kv_write(): key must be float32, float16 or bfloat16, got int64",
+                _C.kv_write,
+                slots.view(2, 1, 1),
+                value,
+                cache,
+                slots,
+            ),
+            bad(
+                "kv_write not tensor",
+                TypeError,
+                ("kv_write(): kv_cache must be a torch.Tensor, got NoneType"),
+                _C.kv_write,
+                key,
+                value,
+                None,
+                slots,
+            ),
+        ],
+        "paged_attention": [
+            ok("paged_attention none", _C.paged_attention, *attn()),
+            ok("paged_attention causal", _C.paged_attention, *attn(mask=_C.MASK_CAUSAL)),
+            ok("paged_attention limits", _C.paged_attention, *attn(kl=limits, mask=_C.MASK_LIMITS)),
+            bad(
+                "paged_attention mask",
+                ValueError,
+                ("paged_attention(): mask must be 0 (none), 1 (causal) or 2 (limits), got 7"),
+                _C.paged_attention,
+                *attn(mask=7),
+            ),
+            bad(
+                "paged_attention scale",
+                ValueError,
+                ("paged_attention(): scale must be a positive finite float, got -1.0"),
+                _C.paged_attention,
+                *attn(scale=-1.0),
+            ),
+            bad(
+                "paged_attention scale type",
+                TypeError,
+                "must be real number, not str",
+                _C.paged_attention,
+                *attn(scale="x"),
+            ),
+            bad(
+                "paged_attention block id",
+                ValueError,
+                ("paged_attention(): block_table[0][0] must be in [0, num_blocks=3), got 5"),
+                _C.paged_attention,
+                *attn(b=bt_bad),
+            ),
+            bad(
+                "paged_attention seq_len",
+                ValueError,
+                (
+                    "paged_attention(): seq_lens[0] must be in [0, 4] (block_table columns * "
+                    "block_size), got 5"
+                ),
+                _C.paged_attention,
+                *attn(s=sl_bad),
+            ),
+            bad(
+                "paged_attention out",
+                ValueError,
+                ("paged_attention(): out must have shape [2, 2, 2], got [1, 2, 2]"),
+                _C.paged_attention,
+                *attn(o=out[:1]),
+            ),
+            bad(
+                "paged_attention limits missing",
+                ValueError,
+                "paged_attention(): key_limits must be a tensor when mask is 2 (limits)",
+                _C.paged_attention,
+                *attn(mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "paged_attention dtype",
+                TypeError,
+                "paged_attention(): kv_cache must be float32, got float16",
+                _C.paged_attention,
+                *attn(c=cache.half()),
+            ),
+            bad(
+                "paged_attention not tensor",
+                TypeError,
+                ("paged_attention(): query must be a torch.Tensor, got list"),
+                _C.paged_attention,
+                *attn(query=[1]),
+            ),
+            bad(
+                "paged_attention nargs",
+                TypeError,
+                "paged_attention() takes 12 arguments, got 1",
+                _C.paged_attention,
+                q,
+            ),
+        ],
+        "paged_attention_lse": [
+            ok("paged_attention_lse none", _C.paged_attention_lse, *attn_lse()),
+            ok("paged_attention_lse causal", _C.paged_attention_lse, *attn_lse(mask=_C.MASK_CAUSAL)),
+            ok(
+                "paged_attention_lse limits",
+                _C.paged_attention_lse,
+                *attn_lse(kl=limits, mask=_C.MASK_LIMITS),
+            ),
+            ok(
+                "paged_attention_lse short row",
+                _C.paged_attention_lse,
+                *attn_lse(s=torch.tensor([1], dtype=I32), mask=_C.MASK_CAUSAL),
+            ),
+            bad(
+                "paged_attention_lse mask",
+                ValueError,
+                "paged_attention_lse(): mask must be 0 (none), 1 (causal) or 2 (limits), got 7",
+                _C.paged_attention_lse,
+                *attn_lse(mask=7),
+            ),
+            bad(
+                "paged_attention_lse limits missing",
+                ValueError,
+                ("paged_attention_lse(): key_limits must be a tensor when mask is 2 (limits), got None"),
+                _C.paged_attention_lse,
+                *attn_lse(mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "paged_attention_lse limits dtype",
+                TypeError,
+                "paged_attention_lse(): key_limits must be int32, got int64",
+                _C.paged_attention_lse,
+                *attn_lse(kl=slots, mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "paged_attention_lse block id",
+                ValueError,
+                "paged_attention(): block_table[0][0] must be in [0, num_blocks=3), got 5",
+                _C.paged_attention_lse,
+                *attn_lse(b=bt_bad),
+            ),
+            bad(
+                "paged_attention_lse lse dtype",
+                TypeError,
+                "paged_attention_lse(): lse_out must be float32, got float64",
+                _C.paged_attention_lse,
+                *attn_lse(lo=lse.double()),
+            ),
+            bad(
+                "paged_attention_lse lse shape",
+                ValueError,
+                "paged_attention_lse(): lse_out must have shape [2, 2], got [1, 2]",
+                _C.paged_attention_lse,
+                *attn_lse(lo=lse[:1]),
+            ),
+            bad(
+                "paged_attention_lse lse overlap",
+                ValueError,
+                ("paged_attention_lse(): lse_out must not overlap out in memory, got views sharing bytes"),
+                _C.paged_attention_lse,
+                *attn_lse(lo=out.view(-1)[: 2 * H].view(2, H)),
+            ),
+            bad(
+                "paged_attention_lse not tensor",
+                TypeError,
+                "paged_attention_lse(): lse_out must be a torch.Tensor, got list",
+                _C.paged_attention_lse,
+                *attn_lse(lo=[1.0]),
+            ),
+            bad(
+                "paged_attention_lse nargs",
+                TypeError,
+                ("paged_attention_lse() takes 13 arguments, got 1"),
+                _C.paged_attention_lse,
+                q,
+            ),
+        ],
+        "dense_attention": [
+            ok("dense_attention none", _C.dense_attention, *dense()),
+            ok("dense_attention causal", _C.dense_attention, *dense(mask=_C.MASK_CAUSAL)),
+            ok(
+                "dense_attention limits, fewer keys than queries",
+                _C.dense_attention,
+                *dense(s=torch.tensor([1], dtype=I32), kl=limits, mask=_C.MASK_LIMITS),
+            ),
+            bad(
+                "dense_attention key index",
+                ValueError,
+                "dense_attention(): key_index[0][0] must be in [0, num_keys=3), got 7",
+                _C.dense_attention,
+                *dense(ki=torch.tensor([[7, 0, 1]], dtype=I32)),
+            ),
+            bad(
+                "dense_attention value strides",
+                ValueError,
+                (
+                    "dense_attention(): value must have the key's shape and strides, got shape [3, 1, "
+                    "2] strides [4, 4, 1] for key shape [3, 1, 2] strides [2, 2, 1]"
+                ),
+                _C.dense_attention,
+                *dense(v=torch.randn(3, HKV, 2 * D)[:, :, :D]),
+            ),
+            ok(
+                "dense_attention joint",
+                _C.dense_attention,
+                *dense(ki=key_index.clamp(max=1) + 2, jk=dense_k[:2].clone(), jv=dense_v[:2].clone()),
+            ),
+            bad(
+                "dense_attention joint strides",
+                ValueError,
+                (
+                    "dense_attention(): joint_key must have shape [num_joint, 1, 2] (joint_value: "
+                    "joint_key's) and the key's strides [2, 2, 1], got shape [2, 1, 2] strides [4, 4, "
+                    "1]"
+                ),
+                _C.dense_attention,
+                *dense(jk=torch.randn(2, HKV, 2 * D)[:, :, :D], jv=dense_v[:2].clone()),
+            ),
+            bad(
+                "dense_attention joint half",
+                TypeError,
+                ("dense_attention(): joint_key and joint_value must both be tensors or both be None"),
+                _C.dense_attention,
+                *dense(jk=dense_k[:2].clone()),
+            ),
+            bad(
+                "dense_attention nargs",
+                TypeError,
+                "dense_attention() takes 18 arguments, got 1",
+                _C.dense_attention,
+                q,
+            ),
+        ],
+        "forward_paged": [
+            ok("forward_paged causal", _C.forward_paged, *fwd()),
+            ok("forward_paged limits", _C.forward_paged, *fwd(mask=_C.MASK_LIMITS, kl=limits)),
+            bad(
+                "forward_paged tokens",
+                ValueError,
+                "forward_paged(): key must have one token per query token (2), got 1",
+                _C.forward_paged,
+                *fwd(k=key[:1], v=value[:1]),
+            ),
+            bad(
+                "forward_paged slot",
+                ValueError,
+                (
+                    "kv_write(): slot_mapping[1] must be < num_blocks * block_size = 6 (or < 0 to "
+                    "skip), got 99"
+                ),
+                _C.forward_paged,
+                *fwd(sm=torch.tensor([4, 99], dtype=I64)),
+            ),
+            bad(
+                "forward_paged block id",
+                ValueError,
+                ("paged_attention(): block_table[0][0] must be in [0, num_blocks=3), got 5"),
+                _C.forward_paged,
+                *fwd(b=bt_bad),
+            ),
+            bad(
+                "forward_paged nargs",
+                TypeError,
+                "forward_paged() takes 15 arguments, got 1",
+                _C.forward_paged,
+                q,
+            ),
+        ],
+        "forward_context": [
+            ok("forward_context causal", _C.forward_context, fake_forward_context(fwd())),
+            ok(
+                "forward_context limits",
+                _C.forward_context,
+                fake_forward_context(fwd(mask=_C.MASK_LIMITS, kl=limits)),
+            ),
+            ok("forward_context no layer", _C.forward_context, fake_forward_context(fwd(), drop=("layer",))),
+            bad(
+                "forward_context no query",
+                AttributeError,
+                "'types.SimpleNamespace' object has no attribute 'query'",
+                _C.forward_context,
+                fake_forward_context(fwd(), drop=("query",)),
+            ),
+            bad(
+                "forward_context slot",
+                ValueError,
+                (
+                    "kv_write(): slot_mapping[1] must be < num_blocks * block_size = 6 (or < 0 to "
+                    "skip), got 99"
+                ),
+                _C.forward_context,
+                fake_forward_context(fwd(sm=torch.tensor([4, 99], dtype=I64))),
+            ),
+            bad(
+                "forward_context nargs",
+                TypeError,
+                "forward_context() takes 1 arguments, got 0",
+                _C.forward_context,
+            ),
+        ],
+        "rows_gather": [
+            ok("rows_gather ok", _C.rows_gather, src, gather_index, gathered),
+            bad(
+                "rows_gather index",
+                ValueError,
+                ("rows_gather(): index[0] must be in [0, src tokens=3), got 5"),
+                _C.rows_gather,
+                src,
+                bad_index,
+                gathered,
+            ),
+            bad(
+                "rows_gather count",
+                ValueError,
+                "rows_gather(): index must have 2 entries, got 1",
+                _C.rows_gather,
+                src,
+                gather_index[:1],
+                gathered,
+            ),
+            bad(
+                "rows_gather dims",
+                ValueError,
+                "rows_gather(): dst must have [2, 2] trailing dims, got [1, 2]",
+                _C.rows_gather,
+                src,
+                gather_index,
+                gathered[:, :1],
+            ),
+            bad(
+                "rows_gather dtype",
+                TypeError,
+                "rows_gather(): index must be int64, got int32",
+                _C.rows_gather,
+                src,
+                gather_index.int(),
+                gathered,
+            ),
+        ],
+        "rows_scatter": [
+            ok("rows_scatter ok", _C.rows_scatter, scatter_src, scatter_index, scattered),
+            bad(
+                "rows_scatter index",
+                ValueError,
+                ("rows_scatter(): index[0] must be in [0, dst tokens=3), got 5"),
+                _C.rows_scatter,
+                scatter_src,
+                bad_index,
+                scattered,
+            ),
+            bad(
+                "rows_scatter count",
+                ValueError,
+                "rows_scatter(): index must have 2 entries, got 1",
+                _C.rows_scatter,
+                scatter_src,
+                scatter_index[:1],
+                scattered,
+            ),
+            bad(
+                "rows_scatter dtype",
+                TypeError,
+                "rows_scatter(): dst must be float32, got float16",
+                _C.rows_scatter,
+                scatter_src,
+                scatter_index,
+                scattered.half(),
+            ),
+        ],
+    }
+
+
+def _cases_objects() -> dict[str, list[Case]]:
+    context = diffkv.DiffusionPagedAttentionContext
+    fields = tuple(getattr(context, f.name) for f in dataclasses.fields(context))
+    t = torch.zeros(2, 1, 4)
+    values = (object(), t, t, t, torch.zeros(2, dtype=torch.int64), object(), None, (), (2,), True, None)
+    read_only = (property(lambda self: None),)
+    return {
+        "new_with_slots": [
+            ok("new_with_slots context", _C.new_with_slots, context, fields, *values),
+            ok("new_with_slots none", _C.new_with_slots, context, ()),
+            bad(
+                "new_with_slots nargs",
+                TypeError,
+                (
+                    "new_with_slots(): arguments must be a class, a tuple of n descriptors and n "
+                    "values, got 3 arguments"
+                ),
+                _C.new_with_slots,
+                context,
+                fields,
+                t,
+            ),
+            bad(
+                "new_with_slots not a class",
+                TypeError,
+                ("new_with_slots(): cls must be a Python class that object.__new__ creates, got 3"),
+                _C.new_with_slots,
+                3,
+                (),
+            ),
+            bad(
+                "new_with_slots C class",
+                TypeError,
+                (
+                    "new_with_slots(): cls must be a Python class that object.__new__ creates, got "
+                    "<class 'torch.Tensor'>"
+                ),
+                _C.new_with_slots,
+                torch.Tensor,
+                (),
+            ),
+            bad(
+                "new_with_slots not a descriptor",
+                TypeError,
+                "new_with_slots(): descriptors[1] must be a data descriptor, got 3",
+                _C.new_with_slots,
+                context,
+                (fields[0], 3),
+                t,
+                t,
+            ),
+            bad(
+                "new_with_slots __set__ raises",
+                AttributeError,
+                "property of 'DiffusionPagedAttentionContext' object has no setter",
+                _C.new_with_slots,
+                context,
+                (fields[0], *read_only),
+                t,
+                t,
+            ),
+        ],
+    }
+
+
+def all_cases() -> dict[str, list[Case]]:
+    cases: dict[str, list[Case]] = {}
+    parts = (
+        _cases_module,
+        _cases_rules,
+        _cases_batch,
+        _cases_tables,
+        _cases_plan,
+        _cases_tensor_ops,
+        _cases_objects,
+    )
+    for part in parts:
+        cases.update(part())
+    return cases
