@@ -1,12 +1,15 @@
 /*
- * attention_common.cuh -- device helpers shared by the attention kernels (attention_sm80.cu,
- * attention_sm90.cu): the key limits of the masks, fp16/bf16 packing, exp2, cp.async, the
- * clamped row spans and block ids, the per-key cache offsets and the CTA schedule.  Everything
- * is static (each translation unit gets its own copy).
+ * attention_common.cuh -- device helpers shared by the attention kernels (attention_f32.cu,
+ * attention_sm80.cu, attention_sm90.cu, attention_sm90_ws.cu and the sm90_*.cuh headers): the key
+ * limits of the masks, fp16/bf16 packing and mma.sync, exp2, ldmatrix, cp.async, the clamped
+ * row spans and block ids, the per-key cache offsets, the CTA schedule, the row-wise output
+ * store, and the launchers' shared-memory attribute.  Everything is static (each translation
+ * unit gets its own copy).
  */
 #ifndef DIFFKV_ATTENTION_COMMON_CUH
 #define DIFFKV_ATTENTION_COMMON_CUH
 
+#include "attention_internal.cuh"
 #include "diffkv.h"
 
 #include <cuda_bf16.h>
@@ -15,12 +18,6 @@
 
 #include <math.h>
 #include <stdint.h>
-
-#define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
-#define ATTN_MAX_DEVICES 64 /* devices whose kernel attributes are cached */
-#define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
-
-#define LOG2E 1.4426950408889634f
 
 /* ------------------------------------------------------------------------------------------ */
 /* Masks                                                                                       */
@@ -421,17 +418,5 @@ attn_allow_smem(const void *kernel, size_t smem, volatile bool *done)
     }
     return cudaSuccess;
 }
-
-/* The Hopper kernels (attention_sm90.cu): whether they can run on the current device (the
- * TMA one: also a driver that encodes tensor maps, unless DIFFKV_ATTENTION_KERNEL=sm90), and
- * their launcher (arguments as computed by dk_cuda_attention). */
-extern "C" int dk_cuda_attention_sm90_ready(void);
-extern "C" int dk_cuda_attention_sm90_tma_ready(void);
-/* Records the kernel a call launched (dk_cuda_last_attention_kernel). */
-extern "C" void dk_cuda_attention_note(const char *kernel);
-extern "C" dk_status dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row,
-                                            int64_t head_group, float scale_log2, bool neg_q,
-                                            bool q_vec, bool kv_vec, bool o_vec, void *stream,
-                                            dk_error *err);
 
 #endif /* DIFFKV_ATTENTION_COMMON_CUH */
