@@ -186,6 +186,7 @@ aligned4(int64_t bytes)
     return bytes % 4 == 0;
 }
 
+/* diffkv.h's contract: the kernel family fp16/bf16 calls take on the current device. */
 extern "C" const char *
 dk_cuda_attention_kernel(void)
 {
@@ -200,12 +201,15 @@ dk_cuda_attention_kernel(void)
     return h90_ws_allowed() && h90_tma_encoder_ready() ? "sm90-tma" : "sm90";
 }
 
+/* diffkv.h's contract: the kernel the last call launched. */
 extern "C" const char *
 dk_cuda_last_attention_kernel(void)
 {
     return attn_last_kernel;
 }
 
+/* diffkv.h's contract: checks the call (dtype, head size, mask, shapes the kernels take),
+ * chooses the kernel and launches it on `stream` after the pending KV write. */
 extern "C" dk_status
 dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
 {

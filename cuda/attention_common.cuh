@@ -23,7 +23,8 @@
 /* Masks                                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Exclusive key limit of query token i of a row (packed token t), see the file comment. */
+/* Exclusive key limit of query token i of a row (packed token t): key j is visible iff j is
+ * below it (the masks of dk_mask, attention.cu's file comment).  Cannot fail. */
 static __device__ int32_t
 key_limit(const dk_attention_args &a, int64_t t, int64_t i, int64_t query_len, int64_t seq_len)
 {
@@ -95,6 +96,7 @@ fast_exp2(float x)
     return y;
 }
 
+/* The shared-memory address of generic pointer p into shared memory. */
 static __device__ uint32_t
 smem_addr(const void *p)
 {
@@ -116,6 +118,7 @@ ldsm_x4(uint32_t r[4], uint32_t addr)
                  : "memory");
 }
 
+/* ldsm_x4 with .trans (see there). */
 static __device__ __forceinline__ void
 ldsm_x4_trans(uint32_t r[4], uint32_t addr)
 {
@@ -134,6 +137,7 @@ cp_async16(uint32_t dst, const void *src, uint32_t src_bytes)
                  : "memory");
 }
 
+/* Closes the group of cp.async issued by this thread since the last commit. */
 static __device__ __forceinline__ void
 cp_async_commit(void)
 {
@@ -176,6 +180,7 @@ st_shared16(uint32_t addr, uint4 v)
                  : "memory");
 }
 
+/* 16 zero bytes to shared memory at generic address dst. */
 static __device__ void
 zero_chunk(uint16_t *dst)
 {

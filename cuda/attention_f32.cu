@@ -108,6 +108,7 @@ attention_f32_kernel(const dk_attention_args a, float scale_log2)
     }
 }
 
+/* attention_internal.cuh's contract. */
 cudaError_t
 attn_f32_launch(const dk_attention_args *a, int64_t blocks, float scale_log2, cudaStream_t s)
 {

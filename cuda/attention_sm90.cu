@@ -342,6 +342,7 @@ h90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
                            dim3(H90_THREADS), smem, s, args);
 }
 
+/* attention_internal.cuh's contract: the instantiation for the call's dtype and head size. */
 cudaError_t
 attn_sm90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                  float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)

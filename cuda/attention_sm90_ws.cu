@@ -559,6 +559,7 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
                                                                       neg_q, q_vec, o_vec, s);
 }
 
+/* attention_internal.cuh's contract: h90_launch_ws for the call's dtype. */
 cudaError_t
 attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
                     float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)

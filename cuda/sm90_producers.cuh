@@ -25,14 +25,6 @@
 #define H90_TMA16_WARPS 4
 
 #ifdef H90_DEVICE_CODE
-/*
- * The producer warpgroup of attention_sm90_tma_kernel when the cache does not suit TMA boxes
- * (blocks under H90T_MIN_BOX keys or not a power of two, dense key indices): per key tile, thread t
- * resolves key t's K and V row addresses (either source) into a shared ring of two, then every
- * thread copies 16-byte chunk t % 16 of rows t / 16 + 8 i -- a warp moves two whole 256-byte key
- * rows per instruction -- with cp.async, zero-filling rows past kv_end, and arrives on the slot's
- * full barrier when its copies land (count 128).
- */
 /* What each of a cp.async producer's 128 threads needs about its CTA's row: the kv head, the
  * row's block table, its 16-byte chunk c of a key row and first row rr of a pass, the caches
  * (the second source's too). */
@@ -43,6 +35,8 @@ struct h90_cp_thread {
     const char *kc, *vc, *kc2, *vc2;
 };
 
+/* The h90_cp_thread of this thread (0 .. 127 of the producer warpgroup) for head h of batch
+ * row `row`, head size D.  Cannot fail. */
 template <int D>
 static __device__ __forceinline__ h90_cp_thread
 h90_cp_setup(const dk_attention_args &a, int64_t h, int64_t row)
@@ -59,6 +53,17 @@ h90_cp_setup(const dk_attention_args &a, int64_t h, int64_t row)
             (const char *)a.value_cache2};
 }
 
+/*
+ * The producer warpgroup of attention_sm90_ws_kernel when the cache does not suit TMA boxes
+ * (blocks under the TMA's smallest box or not a power of two, dense key indices) nor the group
+ * form below: per key tile, thread t resolves key t's K and V row addresses (either source) into
+ * a shared ring of two tiles, then every thread copies 16-byte chunk t % 16 of rows t / 16 + 8 i
+ * -- a warp moves two whole 256-byte key rows per instruction -- with cp.async, zero-filling rows
+ * past kv_end, and arrives on the slot's full barrier when its copies land (count 128).  K slot
+ * i of ST at sk0 + i * BN * D * 2 with barriers full_k + 8 i / empty_k + 8 i, V likewise with
+ * SV slots; n_tiles tiles of BN keys, keys past kv_end zeros.  Called by the producer
+ * warpgroup's 128 threads (it has a 128-thread named barrier).
+ */
 template <int D, int BN, int ST, int SV>
 static __device__ __forceinline__ void
 h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
@@ -129,12 +134,13 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * lanes add the token offsets of their rows.  The four warps split a tile's groups (warp w
  * takes groups w, w + 4, ..): each copies whole 16-row groups, so a group's address arithmetic
  * (64-bit, on the uniform datapath) runs once per tile and not once per warp -- those
- * instructions share the SM's issue slots with the consumers' softmax (Nsight Compute: 50 %
- * more instructions issued than the TMA producer's run on the same rows, every warp resolving
- * every group).  No shared-memory traffic besides the copies, which keeps the memory pipe free
- * for the consumers' wgmma issue (the ring's loads and stores competed with it there).  K and V
- * of a tile are copied together, row by row, once both slots are free (V has one slot more than
- * K so that K is not held back), and every thread then arrives on both full barriers.
+ * instructions share the SM's issue slots with the consumers' softmax.  No shared-memory traffic
+ * besides the copies, which keeps the memory pipe free for the consumers' wgmma issue (the ring's
+ * loads and stores competed with it there).  K and V of a tile are copied together, row by row,
+ * once both slots are free (V has one slot more than K so that K is not held back), and every
+ * thread then arrives on both full barriers.  Slots, barriers and tiles as h90_produce_cp_async;
+ * TWO: the cache has a second source (dense joint tokens), else the head's and the lane's offsets
+ * are folded into the base pointers.
  */
 template <int D, int BN, int ST, int SV, bool TWO>
 static __device__ __forceinline__ void
@@ -230,21 +236,20 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
  * halves), so both tiles land in the K_GROUPS layout.  The producer warpgroup's
  * H90_TMA16_WARPS warps share a tile's chunks (chunk warp + 4 lane): a TMA takes its
  * coordinates in uniform registers, so a warp issues its lanes' boxes one after another, and
- * four warps issue a tile's 11 in three rounds instead of eleven (H200,
- * interleaved A/B against one warp, two rounds: denoise 626-627 -> 638 TFLOP/s, the layer call
- * 1,333 -> 1,307 us, 24x16k and 40x32760 non-causal within +-0.5 %; the producer's issue
- * latency is on the consumers' path with two K stages: a runtime switch to the FLAT form in
- * this function cost the paged calls ~5 %, hence its own instantiation).  Chunk 0's thread
+ * four warps issue a tile's 11 in three rounds instead of eleven.  The producer's issue latency
+ * is on the consumers' path with two K stages, so the FLAT form is an instantiation of its own
+ * rather than a runtime switch.  Chunk 0's thread
  * expects the tile's bytes: the full barrier's one arrival, so boxes that land before it
  * leave the phase open.  KA (the kernel's K_AHEAD): K of tile kt before V of tile kt - 1.
  * FLAT (the kernel's VG 2, dims.k_groups 3): dense_attention's vouched chunks -- every 16 keys
  * of a row are 16 consecutive token rows of one source from a multiple of 8 -- with each
  * source one map of a single block (kmap / vmap, kmap2 / vmap2 past blocks2), so a chunk's
- * coordinates are its first row / 8 in its source.
- * Against K by these boxes with V by the block-group cp.async producer (the earlier "mixed"
- * producer, 24x16384x128 random order on the H200): 566 -> 613-655 TFLOP/s non-causal, 590-601
- * -> 664 causal -- the 32 cp.async a thread and tile had shared the memory pipe with the
- * consumers' wgmma issue, and a 176-key tile, which that producer could not cut, is now one. */
+ * coordinates are its first row / 8 in its source.  hnd: the maps fold the kv head into the
+ * block (HND), else into the halves (NHD).  first_ok: first_blk is this thread's block-table
+ * entry of tile 0, loaded at the kernel's start.  Slots, barriers and tiles as
+ * h90_produce_cp_async; called by the H90_TMA16_WARPS producer warps.
+ * No cp.async at all: the copies of a cp.async producer share the memory pipe with the
+ * consumers' wgmma issue. */
 template <int D, int BN, int ST, int SV, bool KA, bool FLAT>
 static __device__ __forceinline__ void
 h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,

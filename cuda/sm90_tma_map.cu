@@ -13,20 +13,20 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
-/* Smallest block (keys) brought in by TMA boxes in any order: a box of 16 rows costs more
- * than the cp.async producer's rows (H200, 1x24x16384x128, blocks in random order: 475 vs 488
- * TFLOP/s), 32+ rows less.  A tile of consecutive 16-key blocks of a flat cache, one box per
- * half, runs at 587-615, so TMA pays for 16-key blocks once ~15 % of the tiles are such runs;
- * it is taken from 25 %. */
+/* Smallest block (keys) brought in by per-block TMA boxes in any order: a box of 16 rows costs
+ * more than the cp.async producer's rows, 32+ rows less.  Smaller blocks of a flat cache take
+ * TMA only as flat boxes over runs of consecutive blocks (the dispatcher counts the runs). */
 #define H90T_MIN_BOX 32
 
-/* cuTensorMapEncodeTiled, fetched from the driver once (the extension links no libcuda);
- * NULL when the driver has none. */
+/* cuTensorMapEncodeTiled's type: the extension links no libcuda, the driver gives the entry
+ * point at run time. */
 typedef CUresult (*h90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
                                   const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
                                   const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
+/* The driver's encoder, fetched at the first call (a race fetches the same pointer twice);
+ * NULL when the driver has none.  Cannot fail otherwise. */
 static h90_encode_fn
 h90_encoder(void)
 {
@@ -47,7 +47,7 @@ h90_encoder(void)
 
 /* Encodes a map of `rank` dims of the cache's dtype over `base` (byte strides of dims 1..), in
  * the one form every map here takes: 128-byte swizzle (the wgmma layout), 256-byte L2
- * promotion, no interleave, zeros out of bounds. */
+ * promotion, no interleave, zeros out of bounds.  Returns whether the driver encoded it. */
 static bool
 h90_encode_tiled(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a,
                  const void *base, int rank, const cuuint64_t *gdim, const cuuint64_t *gstride,
@@ -64,7 +64,8 @@ h90_encode_tiled(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args
 
 /* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
  * the given extents and element strides (dims[0] fastest in memory), box 64 x box_rows on the
- * token dim (tok, 1-based) x 1. */
+ * token dim (tok, 1-based) x 1.  Returns false, leaving *map unspecified, when a stride or
+ * extent is out of the map's range or the driver refuses it. */
 static bool
 h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, const void *base,
            int rank, const int64_t *extent, const int64_t *stride, int tok, int32_t box_rows)
@@ -92,12 +93,8 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
  * block_size / 8, num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded
  * for, 0 for none.  One 64 x 8 x 2 x 2 box brings a 16-key chunk, both halves, as two 8-row
  * groups of both panels (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random 16-key
- * tables then take 8 boxes per K or V tile instead of 16 per-half ones.  H200,
- * benchmarks/probe_gather.cu (one CTA per SM streaming random 16-key blocks, no math): 24.4
- * B/clk/SM with these boxes, 25.9 with cp.async, 20.0 with two boxes per block, 28.7 with flat
- * boxes over consecutive blocks, and 29.8 with K by these boxes and V by cp.async at once --
- * yet inside the kernel these boxes for both win (h90_produce_tma_groups): about 22 B/clk is
- * what 660 TFLOP/s needs, and cp.async takes issue slots from the consumers. */
+ * tables then take 8 boxes per K or V tile instead of 16 per-half ones.  Cannot fail: a cache
+ * the maps cannot fold, or a driver that refuses the map, gives 0. */
 static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
@@ -172,7 +169,7 @@ h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
  * smaller power-of-two blocks of a flat cache (at most 32 boxes per tile: one per lane) only
  * with enough runs (H90_TMA_RUNS), yet smaller ones flat boxes only and only when every tile is
  * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
- * cannot encode maps). */
+ * cannot encode maps).  The per-chunk maps are h90_tma_maps's business. */
 static h90_producer
 h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
@@ -268,8 +265,9 @@ struct h90_maps_key {
 
 #define H90_MAPS_CACHE 64 /* caches (layers) remembered per host thread */
 
-/* h90_tma_maps_encode through a per-thread cache of the last H90_MAPS_CACHE caches' maps
- * (hashed by the K pointer).  A cache the maps cannot serve is remembered too. */
+/* attention_internal.cuh's contract: h90_tma_maps_encode and the per-chunk maps through a
+ * per-thread cache of the last H90_MAPS_CACHE caches' maps (hashed by the K pointer and the
+ * tile).  A cache the maps cannot serve is remembered too. */
 h90_producer
 h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
 {
@@ -324,6 +322,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     return e.producer;
 }
 
+/* attention_internal.cuh's contract. */
 bool
 h90_tma_encoder_ready(void)
 {

@@ -33,24 +33,28 @@ wgmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo)
            ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
+/* Orders this warpgroup's register and shared-memory accesses before the wgmma issued next. */
 static __device__ __forceinline__ void
 wgmma_fence(void)
 {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
+/* Closes the group of wgmma issued since the last commit. */
 static __device__ __forceinline__ void
 wgmma_commit(void)
 {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
+/* Waits until every committed wgmma group of this warpgroup has completed. */
 static __device__ __forceinline__ void
 wgmma_wait_all(void)
 {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
+/* Waits until at most the last committed wgmma group is still running. */
 static __device__ __forceinline__ void
 wgmma_wait_1(void)
 {
