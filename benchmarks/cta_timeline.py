@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TL_MAX, TL_E = 16384, 12  # CTAs stamped, words per CTA
 EVENTS = ("entry", "limits", "q_ready", "first_s", "loop_end", "stores_wg0", "stores_wg1", "producer")
 
-HEADER = r"""#include <string.h>
-#define TL_MAX 16384
+KERNEL_FILE = Path("cuda") / "attention_sm90_ws.cu"
+# the stamps' buffer and its exporters go in after this line of the kernel's file
+HEADER_ANCHOR = "#include <cuda.h> /* CUtensorMap */\n"
+HEADER = r"""#define TL_MAX 16384
 #define TL_E 12
 __device__ unsigned long long tl_buf[TL_MAX][TL_E];
 extern "C" __attribute__((visibility("default"))) int dk_tl_dump(void *dst)
@@ -46,7 +48,7 @@ static __device__ __forceinline__ unsigned tl_smid(void)
 #define TL(e) do { if (blockIdx.x < TL_MAX) tl_buf[blockIdx.x][e] = tl_clk(); } while (0)
 """
 
-# (anchor in attention_sm90_tma_kernel, text inserted before it or after it)
+# (anchor in attention_sm90_ws_kernel, text inserted before it or after it)
 STAMPS = (
     (
         "    attn_cta cta;\n    if (!attn_cta_begin(",
@@ -95,16 +97,16 @@ def patch(dest: Path) -> None:
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
-    path = dest / "cuda" / "attention_sm90.cu"
+    path = dest / KERNEL_FILE
     src = path.read_text()
-    if "#include <string.h>\n" not in src:
-        sys.exit("cuda/attention_sm90.cu: '#include <string.h>' not found")
-    src = src.replace("#include <string.h>\n", HEADER, 1)
-    start = src.index("attention_sm90_tma_kernel(const __grid_constant__")
+    if HEADER_ANCHOR not in src:
+        sys.exit(f"{KERNEL_FILE}: {HEADER_ANCHOR.strip()!r} not found")
+    src = src.replace(HEADER_ANCHOR, HEADER_ANCHOR + HEADER, 1)
+    start = src.index("attention_sm90_ws_kernel(const __grid_constant__")
     for anchor, where, text in STAMPS:
         at = src.find(anchor, start)
         if at < 0:
-            sys.exit(f"cuda/attention_sm90.cu: anchor not found (the kernel changed):\n{anchor}")
+            sys.exit(f"{KERNEL_FILE}: anchor not found (the kernel changed):\n{anchor}")
         if where == "before":
             pos = at
         elif where == "after":

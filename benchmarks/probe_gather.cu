@@ -1,7 +1,7 @@
 /*
  * probe_gather.cu -- how fast one CTA per SM can stream a paged K/V cache into shared memory
  * on the current GPU, per producer form, with no attention math: the ceiling each producer of
- * cuda/attention_sm90.cu works under.  Standalone (not part of the package):
+ * cuda/attention_sm90_ws.cu works under.  Standalone (not part of the package):
  *
  *     nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/probe_gather \
  *         benchmarks/probe_gather.cu -lcuda && /tmp/probe_gather [num_blocks]

@@ -1,12 +1,15 @@
 /*
- * attention_common.cuh -- device helpers shared by the attention kernels (attention_sm80.cu,
- * attention_sm90.cu): the key limits of the masks, fp16/bf16 packing, exp2, cp.async, the
- * clamped row spans and block ids, the per-key cache offsets and the CTA schedule.  Everything
- * is static (each translation unit gets its own copy).
+ * attention_common.cuh -- device helpers shared by the attention kernels (attention_f32.cu,
+ * attention_sm80.cu, attention_sm90.cu, attention_sm90_ws.cu and the sm90_*.cuh headers): the key
+ * limits of the masks, fp16/bf16 packing and mma.sync, exp2, ldmatrix, cp.async, the clamped
+ * row spans and block ids, the per-key cache offsets, the CTA schedule, the row-wise output
+ * store, and the launchers' shared-memory attribute.  Everything is static (each translation
+ * unit gets its own copy).
  */
 #ifndef DIFFKV_ATTENTION_COMMON_CUH
 #define DIFFKV_ATTENTION_COMMON_CUH
 
+#include "attention_internal.cuh"
 #include "diffkv.h"
 
 #include <cuda_bf16.h>
@@ -16,17 +19,12 @@
 #include <math.h>
 #include <stdint.h>
 
-#define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
-#define ATTN_MAX_DEVICES 64 /* devices whose kernel attributes are cached */
-#define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
-
-#define LOG2E 1.4426950408889634f
-
 /* ------------------------------------------------------------------------------------------ */
 /* Masks                                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Exclusive key limit of query token i of a row (packed token t), see the file comment. */
+/* Exclusive key limit of query token i of a row (packed token t): key j is visible iff j is
+ * below it (the masks of dk_mask, attention.cu's file comment).  Cannot fail. */
 static __device__ int32_t
 key_limit(const dk_attention_args &a, int64_t t, int64_t i, int64_t query_len, int64_t seq_len)
 {
@@ -98,6 +96,7 @@ fast_exp2(float x)
     return y;
 }
 
+/* The shared-memory address of generic pointer p into shared memory. */
 static __device__ uint32_t
 smem_addr(const void *p)
 {
@@ -119,6 +118,7 @@ ldsm_x4(uint32_t r[4], uint32_t addr)
                  : "memory");
 }
 
+/* ldsm_x4 with .trans (see there). */
 static __device__ __forceinline__ void
 ldsm_x4_trans(uint32_t r[4], uint32_t addr)
 {
@@ -137,6 +137,7 @@ cp_async16(uint32_t dst, const void *src, uint32_t src_bytes)
                  : "memory");
 }
 
+/* Closes the group of cp.async issued by this thread since the last commit. */
 static __device__ __forceinline__ void
 cp_async_commit(void)
 {
@@ -179,6 +180,7 @@ st_shared16(uint32_t addr, uint4 v)
                  : "memory");
 }
 
+/* 16 zero bytes to shared memory at generic address dst. */
 static __device__ void
 zero_chunk(uint16_t *dst)
 {
@@ -421,17 +423,5 @@ attn_allow_smem(const void *kernel, size_t smem, volatile bool *done)
     }
     return cudaSuccess;
 }
-
-/* The Hopper kernels (attention_sm90.cu): whether they can run on the current device (the
- * TMA one: also a driver that encodes tensor maps, unless DIFFKV_ATTENTION_KERNEL=sm90), and
- * their launcher (arguments as computed by dk_cuda_attention). */
-extern "C" int dk_cuda_attention_sm90_ready(void);
-extern "C" int dk_cuda_attention_sm90_tma_ready(void);
-/* Records the kernel a call launched (dk_cuda_last_attention_kernel). */
-extern "C" void dk_cuda_attention_note(const char *kernel);
-extern "C" dk_status dk_cuda_attention_sm90(const dk_attention_args *a, int64_t tiles_per_row,
-                                            int64_t head_group, float scale_log2, bool neg_q,
-                                            bool q_vec, bool kv_vec, bool o_vec, void *stream,
-                                            dk_error *err);
 
 #endif /* DIFFKV_ATTENTION_COMMON_CUH */

@@ -1,6 +1,6 @@
 /*
- * attention_sm80.cu -- paged attention on the GPU for the masks of dk_mask (diffkv.h), for
- * Ampere and later.
+ * attention_sm80.cu -- the mma.sync paged attention kernel for the masks of dk_mask (diffkv.h),
+ * for Ampere and later (Hopper runs the sm90 kernels unless the kernel choice says sm80).
  *
  * fp16/bf16, head_size 64 or 128: FlashAttention-2 style on mma.sync.m16n8k16 (fp32
  * accumulation).  One CTA of 4 warps per (query tile of 128 tokens of one batch row, head);
@@ -31,9 +31,6 @@
  *     in order of decreasing seq_len (ranked in the kernel from the device seq_lens).
  *   - A negative scale negates the Q tile in shared memory (the kernel works with |scale|).
  *
- * fp32: one warp per (token, head), plain fp32 math over the visible keys, any head_size up to
- * 256 -- so every dtype the CPU reference takes also runs on CUDA.
- *
  * Masks: every mask is a per-token exclusive key limit L (key j visible iff j < L):
  *   NONE   L = seq_len
  *   CAUSAL L = clamp(i + seq_len - query_len + 1, 0, seq_len)  (i: index of the token in its row)
@@ -45,12 +42,13 @@
  * scores, written by the thread that writes the row's first output pair; -inf for a token that
  * sees no key (context parallelism merges ranks' partial outputs with it).
  *
- * Entry point: dk_cuda_attention.
+ * Entry point (attention_internal.cuh): attn_mma_launch, called by dk_cuda_attention
+ * (attention.cu).
  */
-#include "diffkv.h"
-
 #include "attention_common.cuh"
+#include "attention_internal.cuh"
 #include "cuda_common.cuh"
+#include "diffkv.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,17 +57,13 @@
 #include <math.h>
 #include <stdint.h>
 
-#define ATTN_BM 128  /* query rows per CTA */
-#define ATTN_WARPS 4 /* warps per CTA */
+#define ATTN_WARPS 4 /* warps per CTA (ATTN_BM query rows: attention_internal.cuh) */
 #define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_CTAS_PER_SM 2
 
-#define F32_WARPS 4 /* warps per CTA of the fp32 kernel */
-#define F32_MAX_HEAD 256
-
 /* Keys per K/V tile: 64 for head 128 (S, P and O of two m-tiles per warp fit the register
- * file), 128 for head 64 (measured on H200: 14 % faster than 64). */
+ * file), 128 for head 64 (faster than 64 there: docs/hopper-kernels.md). */
 template <int D> struct attn_tile {
     static constexpr int BN = D == 128 ? 64 : 128;
     /* bytes of dynamic shared memory: the Q tile, 2 stages of K and V tiles, then 2 x BN key
@@ -475,127 +469,6 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     }
 }
 
-/* ------------------------------------------------------------------------------------------ */
-/* fp32 kernel                                                                                 */
-/* ------------------------------------------------------------------------------------------ */
-
-/*
- * One warp per (token, head): w = t * num_heads + h.  Lane l owns dims l + 32k (k < 8).  For
- * each visible key in order: the dot product is reduced over the warp, then the online
- * softmax update runs on every lane with the same numbers.
- */
-/* clang-format off */
-static __global__ void __launch_bounds__(F32_WARPS * 32)
-attention_f32_kernel(const dk_attention_args a, float scale_log2)
-/* clang-format on */
-{
-    constexpr int PER_LANE = F32_MAX_HEAD / 32;
-    const int64_t w = (int64_t)blockIdx.x * F32_WARPS + threadIdx.x / 32;
-    const int lane = (int)threadIdx.x % 32;
-    if (w >= a.num_tokens * a.num_heads) {
-        return;
-    }
-    const int64_t t = w / a.num_heads;
-    const int64_t h = w % a.num_heads;
-    const int64_t row = dk_row_of_token(a.query_start_loc, a.num_rows, t);
-    const int64_t q_start = a.query_start_loc[row];
-    const int64_t query_len = a.query_start_loc[row + 1] - q_start;
-    /* The table's reach bounds the keys read, whatever the device seq_lens says. */
-    const int64_t seq_len = min((int64_t)a.seq_lens[row], a.bt_cols * a.block_size);
-    /* A token outside every row (before query_start_loc[0] or past query_start_loc[num_rows])
-     * sees no key: zeros and lse -inf, what the callers of the tiled kernels (which leave such
-     * tokens alone) have zeroed there beforehand. */
-    const int64_t i = t - q_start;
-    const int32_t lim = i >= 0 && i < query_len ? key_limit(a, t, i, query_len, seq_len) : 0;
-    const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
-    const int32_t *bt = a.block_table + row * a.bt_stride_row;
-    const float *q = (const float *)a.query + t * a.q_stride_token + h * a.q_stride_head;
-    const float *kc = (const float *)a.key_cache;
-    const float *vc = (const float *)a.value_cache;
-    const float *kc2 = (const float *)a.key_cache2;
-    const float *vc2 = (const float *)a.value_cache2;
-
-    float qv[PER_LANE];
-    float o[PER_LANE];
-#pragma unroll
-    for (int k = 0; k < PER_LANE; k++) {
-        int64_t d = lane + 32 * k;
-        qv[k] = d < a.head_size ? q[d * a.q_stride_dim] * scale_log2 : 0.0f;
-        o[k] = 0.0f;
-    }
-    float m = -INFINITY;
-    float l = 0.0f;
-    for (int32_t j = 0; j < lim; j++) {
-        const int32_t blk = dk_safe_block(a, bt[j / a.block_size]);
-        const bool second = kc2 != NULL && blk >= a.blocks2; /* dense joint tokens */
-        const float *kr = second ? kc2 : kc;
-        const float *vr = second ? vc2 : vc;
-        const int64_t kv_off = (int64_t)(second ? blk - a.blocks2 : blk) * a.cache_stride_block +
-                               (j % a.block_size) * a.cache_stride_token +
-                               kv_head * a.cache_stride_head;
-        float dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < PER_LANE; k++) {
-            int64_t d = lane + 32 * k;
-            if (d < a.head_size) {
-                dot += qv[k] * kr[kv_off + d * a.cache_stride_dim];
-            }
-        }
-#pragma unroll
-        for (int sh = 16; sh > 0; sh >>= 1) {
-            dot += __shfl_xor_sync(0xffffffffu, dot, sh);
-        }
-        const float mn = fmaxf(m, dot);
-        const float alpha = exp2f(m - mn); /* m = -inf on the first key: alpha = 0 */
-        const float p = exp2f(dot - mn);
-        l = l * alpha + p;
-#pragma unroll
-        for (int k = 0; k < PER_LANE; k++) {
-            int64_t d = lane + 32 * k;
-            if (d < a.head_size) {
-                o[k] = o[k] * alpha + p * vr[kv_off + d * a.cache_stride_dim];
-            }
-        }
-        m = mn;
-    }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    if (a.lse != NULL && lane == 0) {
-        /* m and the scores are already in log2 units of the scaled scores */
-        a.lse[t * a.lse_stride_token + h * a.lse_stride_head] =
-            l > 0.0f ? (m + log2f(l)) / LOG2E : -INFINITY;
-    }
-    float *orow = (float *)a.out + t * a.o_stride_token + h * a.o_stride_head;
-#pragma unroll
-    for (int k = 0; k < PER_LANE; k++) {
-        int64_t d = lane + 32 * k;
-        if (d < a.head_size) {
-            orow[d * a.o_stride_dim] = o[k] * inv;
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* Launcher                                                                                    */
-/* ------------------------------------------------------------------------------------------ */
-
-static bool
-aligned16(int64_t bytes)
-{
-    return bytes % 16 == 0;
-}
-
-static bool
-ptr_aligned16(const void *p)
-{
-    return (uintptr_t)p % 16 == 0;
-}
-
-static bool
-aligned4(int64_t bytes)
-{
-    return bytes % 4 == 0;
-}
-
 /* Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute error (the
  * launch's own is read by dk_cuda_after_launch).  The shared-memory attribute is set once per
  * (instantiation, device): a race sets the same value twice, which is harmless. */
@@ -619,170 +492,21 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
                            dim3(ATTN_THREADS), smem, s, args);
 }
 
-extern "C" const char *
-dk_cuda_attention_kernel(void)
+/* attention_internal.cuh's contract: the instantiation for the call's dtype and head size. */
+cudaError_t
+attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+                float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
 {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-        (void)cudaGetLastError();
-        return "none";
-    }
-    if (!dk_cuda_attention_sm90_ready()) {
-        return "sm80";
-    }
-    return dk_cuda_attention_sm90_tma_ready() ? "sm90-tma" : "sm90";
-}
-
-static const char *volatile attn_last_kernel = "none";
-
-extern "C" void
-dk_cuda_attention_note(const char *kernel)
-{
-    attn_last_kernel = kernel;
-}
-
-extern "C" const char *
-dk_cuda_last_attention_kernel(void)
-{
-    return attn_last_kernel;
-}
-
-extern "C" dk_status
-dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
-{
-    const char *op = "paged_attention()";
-    if (a->dtype != DK_F32 && a->dtype != DK_F16 && a->dtype != DK_BF16) {
-        return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): dtype must be one of float32, float16, bfloat16, "
-                       "got %s",
-                       dk_dtype_name(a->dtype));
-    }
-    if (a->dtype == DK_F32) {
-        if (a->head_size < 1 || a->head_size > F32_MAX_HEAD) {
-            return dk_fail(err, DK_ERR_UNSUPPORTED,
-                           "paged_attention(): head_size must be between 1 and %d for float32 "
-                           "on CUDA, got %lld",
-                           F32_MAX_HEAD, (long long)a->head_size);
-        }
-    }
-    else if (a->head_size != 64 && a->head_size != 128) {
-        return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): head_size must be one of 64, 128 for "
-                       "float16/bfloat16 on CUDA, got %lld",
-                       (long long)a->head_size);
-    }
-    if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
-        return dk_fail(err, DK_ERR_VALUE, "paged_attention(): mask must be 0, 1 or 2, got %d",
-                       (int)a->mask);
-    }
-    if (a->mask == DK_MASK_LIMITS && a->key_limits == NULL && a->num_tokens > 0) {
-        return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): key_limits must be given for the limits mask, "
-                       "got None");
-    }
-    if (a->num_tokens <= 0 || a->num_heads <= 0 || a->num_rows <= 0) {
-        return DK_OK;
-    }
-    if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) {
-        return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): num_heads must be a multiple of num_kv_heads, got "
-                       "%lld and %lld",
-                       (long long)a->num_heads, (long long)a->num_kv_heads);
-    }
-    if (a->block_size <= 0 || a->block_size > INT32_MAX) {
-        return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): block_size must be in [1, %d], got %lld", INT32_MAX,
-                       (long long)a->block_size);
-    }
-    if (a->max_query_len <= 0) {
-        return dk_fail(err, DK_ERR_VALUE,
-                       "paged_attention(): max_query_len must be positive when num_tokens > 0, "
-                       "got %lld",
-                       (long long)a->max_query_len);
-    }
-    const float scale_log2 = a->scale * LOG2E;
-    /* The tensor-core kernel wants a positive scale: a negative one negates q instead, and 0
-     * becomes a scale so small that every score rounds to the same probability. */
-    const bool neg_q = a->scale < 0.0f;
-    float mma_scale_log2 = fabsf(scale_log2);
-    if (mma_scale_log2 < 1e-30f) {
-        mma_scale_log2 = 1e-30f;
-    }
-    cudaStream_t s = (cudaStream_t)stream;
-
-    if (a->dtype == DK_F32) {
-        int64_t blocks = dk_cdiv(a->num_tokens * a->num_heads, F32_WARPS);
-        if (blocks > DK_MAX_GRID_X) {
-            return dk_fail(err, DK_ERR_UNSUPPORTED,
-                           "paged_attention(): num_tokens * num_heads must be at most %lld, got "
-                           "%lld",
-                           (long long)(DK_MAX_GRID_X * F32_WARPS),
-                           (long long)(a->num_tokens * a->num_heads));
-        }
-        float f32_scale_log2 = scale_log2;
-        void *args[] = {(void *)a, &f32_scale_log2};
-        (void)dk_launch_after(a->pending, (const void *)attention_f32_kernel,
-                              dim3((unsigned)blocks), dim3(F32_WARPS * 32), 0, s, args);
-        dk_cuda_attention_note("f32");
-        return dk_cuda_after_launch(op, stream, err);
-    }
-
-    const int64_t tiles_per_row = dk_cdiv(a->max_query_len, ATTN_BM);
-    if (tiles_per_row * a->num_rows > DK_MAX_GRID_X / a->num_heads) {
-        return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): num_heads * num_rows * cdiv(max_query_len, %d) must "
-                       "be at most %lld, got %lld * %lld * %lld",
-                       ATTN_BM, (long long)DK_MAX_GRID_X, (long long)a->num_heads,
-                       (long long)a->num_rows, (long long)tiles_per_row);
-    }
-    const int64_t es = 2;
-    const bool q_vec = a->q_stride_dim == 1 && ptr_aligned16(a->query) &&
-                       aligned16(a->q_stride_token * es) && aligned16(a->q_stride_head * es);
-    const bool kv_vec = a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
-                        ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
-                        ptr_aligned16(a->value_cache2) && aligned16(a->cache_stride_block * es) &&
-                        aligned16(a->cache_stride_token * es) &&
-                        aligned16(a->cache_stride_head * es);
-    const bool o_vec = a->o_stride_dim == 1 && (uintptr_t)a->out % 4 == 0 &&
-                       aligned4(a->o_stride_token * es) && aligned4(a->o_stride_head * es);
-    /* Heads per scheduling group (attn_cta_place): the GQA group without a mask (every tile
-     * costs the same, so a group's K/V is all that needs to stay in L2); with a mask the
-     * smallest multiple of it dividing num_heads that is >= ATTN_HEAD_GROUP, so that tiles
-     * of very different cost are spread over enough CTAs to run longest first. */
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    int64_t hg = group;
-    if (a->mask != DK_MASK_NONE) {
-        while (hg < ATTN_HEAD_GROUP || a->num_heads % hg != 0) {
-            hg += group; /* ends at num_heads at the latest */
-            if (hg >= a->num_heads) {
-                hg = a->num_heads;
-                break;
-            }
-        }
-    }
-    if (dk_cuda_attention_sm90_ready()) {
-        return dk_cuda_attention_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec,
-                                      o_vec, stream, err);
-    }
     const bool bf16 = a->dtype == DK_BF16;
-    const float sl = mma_scale_log2;
-    cudaError_t e;
+    const int64_t hg = head_group;
+    const float sl = scale_log2;
     if (a->head_size == 64) {
-        e = bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
-                                                 o_vec, s)
-                 : launch_mma<__half, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
+        return bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
+                                                    o_vec, s)
+                    : launch_mma<__half, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec,
+                                             s);
     }
-    else {
-        e = bf16
-                ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
+    return bf16 ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
                                                  o_vec, s)
                 : launch_mma<__half, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
-    }
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError(); /* reported here: not the next call's error */
-        return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
-                       (int)e);
-    }
-    dk_cuda_attention_note("sm80");
-    return dk_cuda_after_launch(op, stream, err);
 }

@@ -1,10 +1,11 @@
 /*
- * sm90_async.cuh -- the asynchronous-copy primitives of the Hopper kernel (attention_sm90.cu),
- * as inline PTX: 64-bit mbarriers in shared memory (init, arrive, arrive with expected
- * transaction bytes, parity wait), TMA tensor-map loads of 3 to 5 dims completing on an
- * mbarrier, and the cp.async arrival on one.  Also included by benchmarks/probe_gather.cu, so
- * that the probe issues exactly the instructions the kernel does.  Everything is static
- * (each translation unit gets its own copy); only sm_90a code may call the TMA loads.
+ * sm90_async.cuh -- the asynchronous-copy primitives of the warp-specialized Hopper kernel
+ * (attention_sm90_ws.cu, sm90_producers.cuh), as inline PTX: 64-bit mbarriers in shared memory
+ * (init, arrive, arrive with expected transaction bytes, parity wait), TMA tensor-map loads of 3 to
+ * 5 dims completing on an mbarrier, and the cp.async arrival on one.  Also included by
+ * benchmarks/probe_gather.cu, so that the probe issues exactly the instructions the kernel does.
+ * Everything is static (each translation unit gets its own copy); only sm_90a code may call the TMA
+ * loads.
  */
 #ifndef DIFFKV_SM90_ASYNC_CUH
 #define DIFFKV_SM90_ASYNC_CUH
@@ -26,6 +27,7 @@ mbar_init_fence(void)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+/* Arrives on the barrier (one of its count). */
 static __device__ __forceinline__ void
 mbar_arrive(uint32_t bar)
 {

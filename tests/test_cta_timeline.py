@@ -16,10 +16,10 @@ def test_patch_places_every_stamp(tmp_path):
         check=True,
         capture_output=True,
     )
-    src = (dest / "cuda" / "attention_sm90.cu").read_text()
+    src = (dest / "cuda" / "attention_sm90_ws.cu").read_text()
     assert sorted(int(e) for e in re.findall(r"\bTL\((\d)\);", src)) == [0, 1, 2, 3, 4, 5, 6, 7]
     assert "dk_tl_dump" in src and "dk_tl_clear" in src
-    original = (ROOT / "cuda" / "attention_sm90.cu").read_text()
+    original = (ROOT / "cuda" / "attention_sm90_ws.cu").read_text()
     assert "TL(" not in original
     # only lines were added: the stamped kernel is the original one plus the stamps
     added = [line for line in src.splitlines() if line not in set(original.splitlines())]

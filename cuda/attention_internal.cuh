@@ -1,0 +1,78 @@
+/*
+ * attention_internal.cuh -- the private interface between the attention files of cuda/: the
+ * dispatcher (attention.cu, which chooses the kernel for a call) and the files of the kernels
+ * it launches.  Host-side constants the dispatcher and the kernels must agree on, and one
+ * launcher per kernel family.  No device code.
+ *
+ * Every launcher takes the arguments dk_cuda_attention checked and computed (a call with
+ * tokens, heads and rows, fp16/bf16 unless it says fp32, a grid that fits), launches on `s`
+ * after the pending KV write a->pending (dk_launch_after) and returns the cudaGetDevice /
+ * cudaFuncSetAttribute error of its set-up, or the launch's own; the caller reports it.
+ */
+#ifndef DIFFKV_ATTENTION_INTERNAL_CUH
+#define DIFFKV_ATTENTION_INTERNAL_CUH
+
+#include "diffkv.h"
+#include "sm90_tma_map.cuh"
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+
+#define ATTN_BM 128         /* query rows per CTA of the mma.sync and the sm90 kernel */
+#define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
+#define ATTN_MAX_DEVICES 64 /* devices whose kernel attributes are cached */
+#define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
+#define ATTN_F32_WARPS 4    /* warps per CTA of the fp32 kernel: one per (token, head) */
+#define ATTN_F32_MAX_HEAD 256
+
+#define LOG2E 1.4426950408889634f
+
+/*
+ * The arguments every tensor-core kernel takes besides dk_attention_args: tiles_per_row query
+ * tiles of ATTN_BM rows per batch row, head_group heads per scheduling group (attn_cta_place),
+ * scale_log2 = |scale| * log2(e) > 0 (neg_q: the scale is negative, so q is negated instead),
+ * and whether the query, the K/V cache and the output take 16-byte (q_vec, kv_vec) and 4-byte
+ * (o_vec) vector accesses.
+ */
+
+/* attention_f32.cu: the fp32 kernel over cdiv(num_tokens * num_heads, ATTN_F32_WARPS) CTAs
+ * (`blocks`); scale_log2 = scale * log2(e), any sign. */
+cudaError_t attn_f32_launch(const dk_attention_args *a, int64_t blocks, float scale_log2,
+                            cudaStream_t s);
+
+/* attention_sm80.cu: the mma.sync kernel, head 64 or 128. */
+cudaError_t attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+                            float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
+                            cudaStream_t s);
+
+/* attention_sm90.cu: whether the current device is compute capability 9.x and this binary
+ * carries the sm90 kernels' sm_90a code (a build without that target has only trapping stubs),
+ * cached per device.  Cannot fail (a CUDA error reads as no). */
+bool attn_sm90_ready(void);
+
+/* attention_sm90.cu: the wgmma kernel whose warpgroups load their own K/V ("sm90"), head 64 or
+ * 128, any cache strides. */
+cudaError_t attn_sm90_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+                             float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
+                             cudaStream_t s);
+
+/* attention_sm90_ws.cu: the warp-specialized wgmma kernel, head 64 or 128, K/V rows in 16-byte
+ * chunks, fed as the maps m say (m.dims.k_groups: per-chunk TMA boxes; else m.dims.box: per-block
+ * or flat TMA boxes; 0: cp.async rows), in tiles of m.tile keys (176 only with TMA boxes at head
+ * 128).  It cuts its own query tiles. */
+cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
+                                float scale_log2, bool neg_q, bool q_vec, bool o_vec,
+                                cudaStream_t s);
+
+/* sm90_tma_map.cu: encodes (or finds in this host thread's cache of the last 64 caches) the
+ * tensor maps that suit the cache of `a` for key tiles of `tile` keys (128 or 176) into *m, with
+ * m->k_groups_ok saying whether the per-chunk maps exist, and returns the producer the other
+ * maps allow (H90_CP_ASYNC with dims.box 0 when none; the caller has checked 16-byte K/V
+ * chunks).  Cannot fail: a map the driver refuses only narrows the choice. */
+h90_producer h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m);
+
+/* sm90_tma_map.cu: whether the driver has a tensor-map encoder (fetched once).  Cannot fail. */
+bool h90_tma_encoder_ready(void);
+
+#endif /* DIFFKV_ATTENTION_INTERNAL_CUH */

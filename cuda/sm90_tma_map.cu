@@ -1,0 +1,330 @@
+/*
+ * sm90_tma_map.cu -- host side of the warp-specialized Hopper kernel's TMA: fetches the driver's
+ * tensor-map encoder, encodes the maps a cache suits (per block, flat over token rows, per
+ * 16-key chunk) and keeps them in a per-thread cache keyed by the cache's pointers, shape and
+ * strides.
+ *
+ * Entry points (attention_internal.cuh): h90_tma_maps, h90_tma_encoder_ready.
+ */
+#include "attention_internal.cuh"
+#include "sm90_tma_map.cuh"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <string.h>
+
+/* Smallest block (keys) brought in by per-block TMA boxes in any order: a box of 16 rows costs
+ * more than the cp.async producer's rows, 32+ rows less.  Smaller blocks of a flat cache take
+ * TMA only as flat boxes over runs of consecutive blocks (the dispatcher counts the runs). */
+#define H90T_MIN_BOX 32
+
+/* cuTensorMapEncodeTiled's type: the extension links no libcuda, the driver gives the entry
+ * point at run time. */
+typedef CUresult (*h90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* The driver's encoder, fetched at the first call (a race fetches the same pointer twice);
+ * NULL when the driver has none.  Cannot fail otherwise. */
+static h90_encode_fn
+h90_encoder(void)
+{
+    static h90_encode_fn volatile fn;
+    static volatile int tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess) {
+            fn = (h90_encode_fn)p;
+        }
+        tried = 1; /* a race fetches the same pointer twice */
+    }
+    return fn;
+}
+
+/* Encodes a map of `rank` dims of the cache's dtype over `base` (byte strides of dims 1..), in
+ * the one form every map here takes: 128-byte swizzle (the wgmma layout), 256-byte L2
+ * promotion, no interleave, zeros out of bounds.  Returns whether the driver encoded it. */
+static bool
+h90_encode_tiled(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a,
+                 const void *base, int rank, const cuuint64_t *gdim, const cuuint64_t *gstride,
+                 const cuuint32_t *box)
+{
+    const cuuint32_t estride[5] = {1, 1, 1, 1, 1};
+    const CUtensorMapDataType ty =
+        a->dtype == DK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, ty, (cuuint32_t)rank, (void *)base, gdim, gstride, box, estride,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Encodes one 4-d (per block) or 3-d (flat) map of `base`: dim 0 the head_size elements, then
+ * the given extents and element strides (dims[0] fastest in memory), box 64 x box_rows on the
+ * token dim (tok, 1-based) x 1.  Returns false, leaving *map unspecified, when a stride or
+ * extent is out of the map's range or the driver refuses it. */
+static bool
+h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, const void *base,
+           int rank, const int64_t *extent, const int64_t *stride, int tok, int32_t box_rows)
+{
+    cuuint64_t gdim[4] = {(cuuint64_t)a->head_size, 0, 0, 0};
+    cuuint64_t gstride[3] = {0, 0, 0};
+    cuuint32_t box[4] = {64, 1, 1, 1};
+    for (int k = 0; k + 1 < rank; k++) {
+        if (stride[k] <= 0 || stride[k] * 2 >= ((int64_t)1 << 40) ||
+            extent[k] > (int64_t)INT32_MAX) {
+            return false;
+        }
+        gdim[k + 1] = (cuuint64_t)extent[k];
+        gstride[k] = (cuuint64_t)(stride[k] * 2);
+    }
+    box[tok] = (cuuint32_t)box_rows;
+    return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
+}
+
+/* The K (or V) map of the per-chunk producer ("sm90-tma16"): a head-128 cache whose kv heads
+ * are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one), as 5
+ * dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head folded
+ * into the half: 128 bytes apart either way), block_size / 8 groups of 8 tokens, block -- or a
+ * contiguous HND cache with the kv head folded into the block instead (dims 64, 8, 2,
+ * block_size / 8, num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded
+ * for, 0 for none.  One 64 x 8 x 2 x 2 box brings a 16-key chunk, both halves, as two 8-row
+ * groups of both panels (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random 16-key
+ * tables then take 8 boxes per K or V tile instead of 16 per-half ones.  Cannot fail: a cache
+ * the maps cannot fold, or a driver that refuses the map, gives 0. */
+static int32_t
+h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
+{
+    /* NHD: the kv head folded into the halves; HND: into the blocks */
+    const int32_t layout = dk_attention_chunk_layout(a);
+    if (layout == 0) {
+        return 0;
+    }
+    const bool nhd = layout == 1;
+    const int64_t bs = a->block_size;
+    const h90_encode_fn encode = h90_encoder();
+    if (encode == NULL) {
+        return 0;
+    }
+    const cuuint64_t tok = (cuuint64_t)a->cache_stride_token * 2; /* bytes */
+    const cuuint64_t gdim[5] = {
+        64, 8, (cuuint64_t)(nhd ? 2 * a->num_kv_heads : 2), (cuuint64_t)(bs / 8),
+        (cuuint64_t)(nhd ? a->num_blocks : a->num_blocks * a->num_kv_heads)};
+    const cuuint64_t gstride[4] = {
+        tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
+    const cuuint32_t box[5] = {64, 8, 2, 2, 1};
+    if (!h90_encode_tiled(encode, map, a, base, 5, gdim, gstride, box)) {
+        return 0;
+    }
+    return nhd ? 1 : 2;
+}
+
+/* The per-chunk maps of dense_attention's vouched chunks (keys_consecutive & 2): each source
+ * ([rows, num_kv_heads, 128] token rows, NHD) as one block of all its rows, so a chunk's
+ * coordinates are its first row / 8 (h90_produce_tma_groups, FLAT); rows a multiple of 8
+ * (the map then ends where the source does: a chunk half past it reads zeros) and under 2^31.
+ * Returns 3 when all four maps are encoded, else 0. */
+static int32_t
+h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
+{
+    const bool two = a->key_cache2 != NULL;
+    const int64_t bs = a->block_size;
+    if (bs < 1 || a->num_blocks > (int64_t)INT32_MAX / bs) {
+        return 0;
+    }
+    const int64_t rows1 = (two ? a->blocks2 : a->num_blocks) * bs;
+    const int64_t rows2 = two ? (a->num_blocks - a->blocks2) * bs : 0;
+    dk_attention_args one = *a;
+    one.key_cache2 = NULL;
+    one.value_cache2 = NULL;
+    one.num_blocks = 1;
+    one.bt_cols = 1;
+    one.cache_stride_token = h90_row_stride(a); /* a one-token block's is the block stride */
+    one.cache_stride_block = one.cache_stride_token * 8; /* never stepped: one block */
+    const struct {
+        const void *k, *v;
+        int64_t rows;
+        CUtensorMap *km, *vm;
+    } src[2] = {{a->key_cache, a->value_cache, rows1, &m->k_groups, &m->v_groups},
+                {two ? a->key_cache2 : a->key_cache, two ? a->value_cache2 : a->value_cache,
+                 two ? rows2 : rows1, &m->k_groups2, &m->v_groups2}};
+    for (int i = 0; i < 2; i++) {
+        one.block_size = src[i].rows;
+        if (src[i].rows < 8 || src[i].rows % 8 != 0 ||
+            h90_kgroups_encode(&one, src[i].km, src[i].k) != 1 ||
+            h90_kgroups_encode(&one, src[i].vm, src[i].v) != 1) {
+            return 0;
+        }
+    }
+    return 3;
+}
+
+/* Encodes the tensor maps that suit this cache (the caller checked 16-byte chunks) into *m and
+ * returns the producer they allow: per-block boxes for a power-of-two block_size of at least
+ * H90T_MIN_BOX or one block of 128+ keys per row (dims 1..3 of those maps ordered by stride,
+ * as m->dims records), plus the flat map of a flat cache of blocks under 128 keys (m->dims.flat);
+ * smaller power-of-two blocks of a flat cache (at most 32 boxes per tile: one per lane) only
+ * with enough runs (H90_TMA_RUNS), yet smaller ones flat boxes only and only when every tile is
+ * a run (H90_TMA_ALL_RUNS; the launch checks the runs); cp.async otherwise (or when the driver
+ * cannot encode maps).  The per-chunk maps are h90_tma_maps's business. */
+static h90_producer
+h90_tma_maps_encode(const dk_attention_args *a, int32_t tile, h90_maps *m)
+{
+    const int64_t bs = a->block_size;
+    /* power-of-two blocks: a tile never straddles two; one block per row (dense K/V): a tile
+     * never leaves it, and the part of its last box past the block is TMA's zero fill */
+    const bool pow2 = (bs & (bs - 1)) == 0;
+    const bool one_block = a->bt_cols == 1 && bs >= 128;
+    /* flat: consecutive blocks' rows are consecutive token rows (a tile of BN keys spans
+     * several blocks only when bs < BN) */
+    const int64_t row_stride = h90_row_stride(a);
+    const bool flat = pow2 && bs < 128 && a->cache_stride_block == bs * row_stride &&
+                      a->num_blocks <= (int64_t)INT32_MAX / bs;
+    const bool small = flat && bs < H90T_MIN_BOX && (tile / bs) * (a->head_size / 64) <= 32;
+    /* blocks too small for a box each (dense one-token blocks): flat boxes or nothing */
+    const bool all_runs = flat && bs < H90T_MIN_BOX && !small;
+    /* a second source (blocks blocks2 .. of key_cache2): flat boxes only, a tile from one */
+    const bool two = a->key_cache2 != NULL;
+    if (!((pow2 && bs >= H90T_MIN_BOX) || one_block || small || all_runs) || a->num_blocks < 1 ||
+        (two && !(all_runs && a->blocks2 > 0 && a->blocks2 < a->num_blocks))) {
+        return H90_CP_ASYNC;
+    }
+    const h90_encode_fn encode = h90_encoder();
+    if (encode == NULL) {
+        return H90_CP_ASYNC;
+    }
+    m->dims.flat = 0;
+    m->dims.flat_only = 0;
+    if (flat) {
+        /* token rows and kv heads, by stride */
+        const bool tok_first = row_stride <= a->cache_stride_head;
+        const int64_t rows1 = (two ? a->blocks2 : a->num_blocks) * bs;
+        const int64_t rows2 = (a->num_blocks - a->blocks2) * bs;
+        const int64_t fx[2] = {tok_first ? rows1 : a->num_kv_heads,
+                               tok_first ? a->num_kv_heads : rows1};
+        const int64_t fx2[2] = {tok_first ? rows2 : a->num_kv_heads,
+                                tok_first ? a->num_kv_heads : rows2};
+        const int64_t fs[2] = {tok_first ? row_stride : a->cache_stride_head,
+                               tok_first ? a->cache_stride_head : row_stride};
+        const int tok = tok_first ? 1 : 2;
+        if (h90_encode(encode, &m->flat_k, a, a->key_cache, 3, fx, fs, tok, tile) &&
+            h90_encode(encode, &m->flat_v, a, a->value_cache, 3, fx, fs, tok, tile) &&
+            (!two ||
+             (h90_encode(encode, &m->flat_k2, a, a->key_cache2, 3, fx2, fs, tok, tile) &&
+              h90_encode(encode, &m->flat_v2, a, a->value_cache2, 3, fx2, fs, tok, tile)))) {
+            m->dims.flat = tok;
+        }
+        else if (small || all_runs) {
+            return H90_CP_ASYNC; /* small boxes only pay with the flat map */
+        }
+    }
+    if (all_runs) {
+        m->dims.box = (int32_t)bs; /* the TMA producer, every tile one flat box per half */
+        m->dims.flat_only = 1;
+        return H90_TMA_ALL_RUNS;
+    }
+    /* 0: token within the block, 1: kv head, 2: block -- sorted by element stride */
+    const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
+    const int64_t extent[3] = {bs, a->num_kv_heads, a->num_blocks};
+    int order[3] = {0, 1, 2};
+    for (int i = 1; i < 3; i++) {
+        for (int k = i; k > 0 && stride[order[k]] < stride[order[k - 1]]; k--) {
+            const int t = order[k];
+            order[k] = order[k - 1];
+            order[k - 1] = t;
+        }
+    }
+    int64_t sx[3], sst[3];
+    for (int k = 0; k < 3; k++) {
+        sx[k] = extent[order[k]];
+        sst[k] = stride[order[k]];
+        int32_t *slot = order[k] == 0   ? &m->dims.token
+                        : order[k] == 1 ? &m->dims.head
+                                        : &m->dims.block;
+        *slot = k + 1;
+    }
+    m->dims.box = (int32_t)(bs < tile ? bs : tile);
+    if (!h90_encode(encode, &m->k, a, a->key_cache, 4, sx, sst, m->dims.token, m->dims.box) ||
+        !h90_encode(encode, &m->v, a, a->value_cache, 4, sx, sst, m->dims.token, m->dims.box)) {
+        return H90_CP_ASYNC;
+    }
+    return small ? H90_TMA_RUNS : H90_TMA;
+}
+
+/* What the maps of a cache depend on: encoding costs microseconds of host time per map, and a
+ * model's layers call with the same few caches again and again. */
+struct h90_maps_key {
+    const void *k, *v, *k2, *v2;
+    int64_t block_size, num_blocks, blocks2, num_kv_heads, head_size, bt_cols_one;
+    int64_t stride_token, stride_head, stride_block;
+    int32_t dtype, tile, chunks;
+};
+
+#define H90_MAPS_CACHE 64 /* caches (layers) remembered per host thread */
+
+/* attention_internal.cuh's contract: h90_tma_maps_encode and the per-chunk maps through a
+ * per-thread cache of the last H90_MAPS_CACHE caches' maps (hashed by the K pointer and the
+ * tile).  A cache the maps cannot serve is remembered too. */
+h90_producer
+h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
+{
+    struct entry {
+        h90_maps_key key;
+        h90_maps maps;
+        bool used;
+        h90_producer producer;
+    };
+    static thread_local entry cache[H90_MAPS_CACHE];
+    h90_maps_key key;
+    memset(&key, 0, sizeof(key)); /* padding compares equal */
+    key.k = a->key_cache;
+    key.v = a->value_cache;
+    key.block_size = a->block_size;
+    key.num_blocks = a->num_blocks;
+    key.num_kv_heads = a->num_kv_heads;
+    key.head_size = a->head_size;
+    key.bt_cols_one = a->bt_cols == 1;
+    key.stride_token = a->cache_stride_token;
+    key.stride_head = a->cache_stride_head;
+    key.stride_block = a->cache_stride_block;
+    key.dtype = (int32_t)a->dtype;
+    key.tile = tile;
+    key.chunks = (a->keys_consecutive & 2) != 0;
+    key.k2 = a->key_cache2;
+    key.v2 = a->value_cache2;
+    key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
+    const uintptr_t p = (uintptr_t)a->key_cache;
+    /* the tile in the hash: a cache's maps for 128- and 176-key tiles take different entries */
+    entry &e = cache[(p >> 8 ^ p >> 20 ^ (uintptr_t)tile) % H90_MAPS_CACHE];
+    if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
+        memset(&e.maps, 0, sizeof(e.maps));
+        e.producer = h90_tma_maps_encode(a, tile, &e.maps);
+        if (e.producer == H90_CP_ASYNC) {
+            memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
+        }
+        if ((a->keys_consecutive & 2) != 0) {
+            e.maps.k_groups_ok = h90_kgroups_flat(a, &e.maps);
+        }
+        else {
+            e.maps.k_groups_ok = h90_kgroups_encode(a, &e.maps.k_groups, a->key_cache);
+            if (e.maps.k_groups_ok != 0 &&
+                h90_kgroups_encode(a, &e.maps.v_groups, a->value_cache) != e.maps.k_groups_ok) {
+                e.maps.k_groups_ok = 0;
+            }
+        }
+        e.key = key;
+        e.used = true;
+    }
+    *m = e.maps;
+    return e.producer;
+}
+
+/* attention_internal.cuh's contract. */
+bool
+h90_tma_encoder_ready(void)
+{
+    return h90_encoder() != NULL;
+}

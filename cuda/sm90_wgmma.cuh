@@ -1,0 +1,263 @@
+/*
+ * sm90_wgmma.cuh -- the Hopper (sm_90a) primitives of the wgmma kernels, as inline PTX: the
+ * warpgroup MMAs (wgmma.mma_async, one function per shape and type, and h90_mma<T> choosing
+ * among them), their shared-memory matrix descriptors, fences and waits, named barriers,
+ * shared-memory loads and stores by address, and setmaxnreg's register hand-over between a
+ * producer and its consumers.  The companion sm90_async.cuh holds the asynchronous copies
+ * (mbarriers, TMA).
+ *
+ * H90_DEVICE_CODE is defined where these instructions exist (the sm_90a pass of nvcc); every
+ * device function here and in the sm90_*.cuh headers is compiled only there, and the kernels
+ * built from them are trapping stubs elsewhere.  Everything is static (each translation unit
+ * gets its own copy).
+ */
+#ifndef DIFFKV_SM90_WGMMA_CUH
+#define DIFFKV_SM90_WGMMA_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdint.h>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define H90_DEVICE_CODE 1
+#endif
+
+#ifdef H90_DEVICE_CODE
+/* wgmma shared-memory matrix descriptor: start address, leading and stride byte offsets (all
+ * in 16-byte units), 128-byte swizzle. */
+static __device__ __forceinline__ uint64_t
+wgmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((saddr >> 4) & 0x3FFFu) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+/* Orders this warpgroup's register and shared-memory accesses before the wgmma issued next. */
+static __device__ __forceinline__ void
+wgmma_fence(void)
+{
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+/* Closes the group of wgmma issued since the last commit. */
+static __device__ __forceinline__ void
+wgmma_commit(void)
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Waits until every committed wgmma group of this warpgroup has completed. */
+static __device__ __forceinline__ void
+wgmma_wait_all(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* Waits until at most the last committed wgmma group is still running. */
+static __device__ __forceinline__ void
+wgmma_wait_1(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+
+/* Generic-proxy shared-memory writes (stores, cp.async) made visible to wgmma's async proxy. */
+static __device__ __forceinline__ void
+fence_proxy_async(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Barrier `id` (1..15) over `n` threads. */
+static __device__ __forceinline__ void
+named_barrier(uint32_t id, uint32_t n)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+/* Arrives on barrier `id` (1..15) of `n` threads without waiting. */
+static __device__ __forceinline__ void
+named_arrive(uint32_t id, uint32_t n)
+{
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+/* One 32-bit shared store. */
+static __device__ __forceinline__ void
+st_shared_f32(uint32_t addr, float v)
+{
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across a wgmma issue or wait. */
+template <int N>
+static __device__ __forceinline__ void
+fence_regs(float (&r)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+f"(r[i])::"memory");
+    }
+}
+
+/* 16 bytes from shared address `addr`. */
+static __device__ __forceinline__ uint4
+ld_shared16(uint32_t addr)
+{
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+/* One 32-bit shared store. */
+static __device__ __forceinline__ void
+st_shared_u32(uint32_t addr, uint32_t v)
+{
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+/* ---- wgmma instructions: one asm per shape and type, from the macros below ---- */
+/* The accumulator operands d[0 .. N/2) ("+f") and their register list "{%0, ..., %N/2-1}". */
+#define H90_D8(i)                                                                                  \
+    "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),          \
+        "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define H90_D32 H90_D8(0), H90_D8(8), H90_D8(16), H90_D8(24)
+#define H90_D64 H90_D32, H90_D8(32), H90_D8(40), H90_D8(48), H90_D8(56)
+#define H90_D88 H90_D64, H90_D8(64), H90_D8(72), H90_D8(80)
+#define H90_R32_BODY                                                                               \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define H90_R32 "{" H90_R32_BODY "}"
+#define H90_R64                                                                                    \
+    "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define H90_R88                                                                                    \
+    "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "   \
+    "%82, %83, %84, %85, %86, %87}"
+
+/* d (m64 x N) = A B + (scale_d ? d : 0), A and B from shared memory (both K-major). IA, IB, IP:
+ * the operand numbers of desc_a, desc_b and scale_d (after the N/2 accumulators). */
+#define H90_WGMMA_SS(NAME, N, TY, REGS, OUTS, IA, IB, IP)                                          \
+    static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], uint64_t desc_a,               \
+                                                uint64_t desc_b, int scale_d)                      \
+    {                                                                                              \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " IA  \
+                     ", " IB ", p, 1, 1, 0, 0;\n}\n"                                               \
+                     : OUTS                                                                        \
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                    \
+    }
+
+/* d (m64 x N) += A B, A (m64 x k16) from registers, B from shared memory transposed (MN-major).
+ * IA0: the operand number of a[0] (a[1..3] follow), IB of desc_b, IP of scale_d. */
+#define H90_WGMMA_RS(NAME, N, TY, REGS, OUTS, IA0, IA1, IA2, IA3, IB, IP)                          \
+    static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], const uint32_t(&a)[4],         \
+                                                uint64_t desc_b, int scale_d)                      \
+    {                                                                                              \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS          \
+                     ", {" IA0 ", " IA1 ", " IA2 ", " IA3 "}, " IB ", p, 1, 1, 1;\n}\n"            \
+                     : OUTS                                                                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));     \
+    }
+
+H90_WGMMA_SS(wgmma_ss_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66")
+H90_WGMMA_SS(wgmma_ss_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66")
+H90_WGMMA_SS(wgmma_ss_m64n176_bf16, 176, "bf16", H90_R88, H90_D88, "%88", "%89", "%90")
+H90_WGMMA_SS(wgmma_ss_m64n176_f16, 176, "f16", H90_R88, H90_D88, "%88", "%89", "%90")
+H90_WGMMA_SS(wgmma_ss_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34")
+H90_WGMMA_SS(wgmma_ss_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34")
+H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
+             "%68", "%69")
+H90_WGMMA_RS(wgmma_rs_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
+             "%69")
+H90_WGMMA_RS(wgmma_rs_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
+             "%37")
+H90_WGMMA_RS(wgmma_rs_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
+             "%37")
+
+/* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T. */
+template <typename T> struct h90_mma;
+
+template <> struct h90_mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n64_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n176_bf16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n128_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n64_bf16(o, p, b, 1);
+    }
+};
+template <> struct h90_mma<__half> {
+    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n128_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n64_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
+    {
+        wgmma_ss_m64n176_f16(s, a, b, acc);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n128_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n64_f16(o, p, b, 1);
+    }
+};
+
+#undef H90_D8
+#undef H90_D32
+#undef H90_D64
+#undef H90_D88
+#undef H90_R32_BODY
+#undef H90_R32
+#undef H90_R64
+#undef H90_R88
+#undef H90_WGMMA_SS
+#undef H90_WGMMA_RS
+
+/* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
+ * take the rest of what the CTA was launched with -- 168 per thread at 384 threads, 64,512; a
+ * consumer asking for more than is free waits in setmaxnreg forever (multiples of 8 each):
+ * 56 / 224 with two consumers and 128-key tiles, 24 / 240 with 176-key tiles (S, P and O of a
+ * warpgroup: 88 + 44 + 64 registers per thread; only the TMA producer, one warp, runs with 24),
+ * 32 / 160 with three (128 per thread at 512 threads). */
+template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
+    static_assert(PRODUCER % 8 == 0 && CONSUMER % 8 == 0, "setmaxnreg takes multiples of 8");
+    static __device__ __forceinline__ void producer()
+    {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER) : "memory");
+    }
+    static __device__ __forceinline__ void consumer()
+    {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER) : "memory");
+    }
+};
+
+#endif /* H90_DEVICE_CODE */
+
+#endif /* DIFFKV_SM90_WGMMA_CUH */
