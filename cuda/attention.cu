@@ -45,8 +45,6 @@
  * smaller blocks of a flat cache take TMA boxes (H90_TMA_RUNS); below, boxes this small cost
  * more than cp.async rows. */
 #define H90T_MIN_RUNS 250
-/* dk_attention_args.table_runs when every tile is a run (it counts per mille). */
-#define H90T_ALL_RUNS 1000
 /* Longest row (keys) from which head-128 calls take 176-key tiles: over shorter rows the
  * larger tile's savings do not cover its coarser masking and tail. */
 #define H90_WIDE_MIN_KEYS 16384
@@ -143,7 +141,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
              * when their tiles are runs: it beats the 128-row flat boxes there. */
             const bool cp_d64 = pr == H90_TMA_RUNS && a->head_size == 64 && a->block_size >= 16;
             if (cp_d64 || (pr == H90_TMA_RUNS && a->table_runs < H90T_MIN_RUNS) ||
-                (pr == H90_TMA_ALL_RUNS && a->table_runs < H90T_ALL_RUNS)) {
+                (pr == H90_TMA_ALL_RUNS && a->table_runs < DK_TABLE_RUNS_ALL)) {
                 memset(&m.dims, 0, sizeof(m.dims)); /* box 0, 128-key tiles, no flat map */
                 m.tile = 0;
                 pr = H90_CP_ASYNC;
