@@ -7,9 +7,9 @@ the GPU work per call is a few microseconds and the host path is what is measure
 * layer call: ``adapter.prepare_layer_context(...)`` + ``layer.impl.forward_paged(ctx)``,
   without spans (causal mask) and with ``full_attn_spans`` (piecewise plan, LIMITS mask), with
   q/k/v as ``[N, H*D]`` and as ``[N, H, D]`` (no reshapes in or out: ~0.6 us each on CPU);
-* prepare_layer_context alone; forward_paged alone (one prepared context reused), and the
-  same steps on the Python path (``run_forward_paged``, taken while compiling) that
-  ``_C.forward_context`` replaces;
+* prepare_layer_context alone (it also describes the call that forward_paged then runs);
+  forward_paged of a context prepared earlier and reused (the call is described again from
+  the context: ``run_forward_paged``, also taken while compiling and for foreign contexts);
 * _C.forward_paged alone (the binding: validation + KV-write and attention launches);
 * prepare_batch (+ activate/deactivate): once per phase, not per layer.
 
@@ -35,7 +35,6 @@ import torch
 import diffkv as dk
 from diffkv import _C
 from diffkv._bench import environment, fmt, median, print_table, write_json
-from diffkv.backends.diffkv import run_forward_paged
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, PREFIX = 2, 1, 64, 16, 63
 
@@ -148,14 +147,11 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
         def prepare_only():
             adapter.prepare_layer_context("attn", q, k, v)
 
-        def forward_only():
+        def forward_reused():
             impl.forward_paged(ctx)
 
-        def forward_only_spans():
+        def forward_reused_spans():
             impl.forward_paged(ctx_spans)
-
-        def forward_python_path():
-            run_forward_paged(ctx)
 
         def binding_only():
             _C.forward_paged(
@@ -181,9 +177,8 @@ def run(device: torch.device, calls: int, samples: int) -> dict[str, Any]:
             ("layer call with full_attn_spans", layer_call_spans),
             ("layer call, q/k/v given as [N, H, D]", layer_call_3d),
             ("  prepare_layer_context", prepare_only),
-            ("  forward_paged", forward_only),
-            ("  forward_paged with spans", forward_only_spans),
-            ("  forward_paged, Python path (run_forward_paged)", forward_python_path),
+            ("  forward_paged of a reused context (run_forward_paged)", forward_reused),
+            ("  the same with spans", forward_reused_spans),
             ("  _C.forward_paged (binding + launches)", binding_only),
         )
         timings.update(_per_call_us(dict(parts), device, calls, samples))

@@ -190,37 +190,6 @@ def row(request_id: str = "req", query_len: int = 4, seq_len: int = 4, kv_start_
     )
 
 
-def fake_forward_context(forward_args: Sequence[Any], *, drop: Sequence[str] = ()) -> SimpleNamespace:
-    """A per-call context shaped like DiffusionPagedAttentionContext for _C.forward_context, made
-    from the 15 arguments of the _C.forward_paged call it should come down to (its ``out`` is not
-    used: forward_context allocates its own): a piecewise plan carrying key_limits for the limits
-    mask, else native_metadata.causal per the mask.  ``drop`` leaves fields out."""
-    (q, key, value, cache, slots, bt, qsl, sl, key_limits, mask, scale, _out, host_bt, host_qsl, host_sl) = (
-        forward_args
-    )
-    limits = mask == diffkv._C.MASK_LIMITS
-    meta = SimpleNamespace(
-        causal=mask == diffkv._C.MASK_CAUSAL,
-        block_table=bt,
-        query_start_loc=qsl,
-        seq_lens=sl,
-        block_table_cpu=host_bt,
-        query_start_loc_cpu=host_qsl,
-        seq_lens_cpu=host_sl,
-    )
-    fields = {
-        "layer": SimpleNamespace(kv_cache=cache, impl=True, softmax_scale=scale),
-        "native_metadata": meta,
-        "piecewise_plan": SimpleNamespace(key_limits=key_limits) if limits else None,
-        "query": q,
-        "key_write": key,
-        "value_write": value,
-        "slot_mapping": slots,
-        "restore_output": lambda out: out,
-    }
-    return SimpleNamespace(**{f: v for f, v in fields.items() if f not in drop})
-
-
 class RecordingBlockTables:
     """Wraps a BlockTables and records every call of gather_block_tables /
     compute_slot_mappings (attribute reads pass through)."""

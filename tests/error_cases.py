@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import diffkv
-from _helpers import fake_forward_context, row
+from _helpers import row
 from diffkv import _C
 
 
@@ -1370,8 +1370,8 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
         return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1, 0)
 
-    def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None):
-        return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, out, b, qsl, sl)
+    def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None, o=out):
+        return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, o, b, qsl, sl)
 
     src = torch.randn(3, H, D)
     gather_index = torch.tensor([2, 0], dtype=I64)
@@ -1675,6 +1675,14 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),
             ok("forward_paged limits", _C.forward_paged, *fwd(mask=_C.MASK_LIMITS, kl=limits)),
+            ok("forward_paged flat out", _C.forward_paged, *fwd(o=out.reshape(out.shape[0], -1))),
+            bad(
+                "forward_paged flat out width",
+                ValueError,
+                "forward_paged(): out must have 3 dimensions, got 2",
+                _C.forward_paged,
+                *fwd(o=torch.empty(out.shape[0], out.shape[1] * out.shape[2] + 1)),
+            ),
             bad(
                 "forward_paged tokens",
                 ValueError,
@@ -1705,38 +1713,6 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 "forward_paged() takes 15 arguments, got 1",
                 _C.forward_paged,
                 q,
-            ),
-        ],
-        "forward_context": [
-            ok("forward_context causal", _C.forward_context, fake_forward_context(fwd())),
-            ok(
-                "forward_context limits",
-                _C.forward_context,
-                fake_forward_context(fwd(mask=_C.MASK_LIMITS, kl=limits)),
-            ),
-            ok("forward_context no layer", _C.forward_context, fake_forward_context(fwd(), drop=("layer",))),
-            bad(
-                "forward_context no query",
-                AttributeError,
-                "'types.SimpleNamespace' object has no attribute 'query'",
-                _C.forward_context,
-                fake_forward_context(fwd(), drop=("query",)),
-            ),
-            bad(
-                "forward_context slot",
-                ValueError,
-                (
-                    "kv_write(): slot_mapping[1] must be < num_blocks * block_size = 6 (or < 0 to "
-                    "skip), got 99"
-                ),
-                _C.forward_context,
-                fake_forward_context(fwd(sm=torch.tensor([4, 99], dtype=I64))),
-            ),
-            bad(
-                "forward_context nargs",
-                TypeError,
-                "forward_context() takes 1 arguments, got 0",
-                _C.forward_context,
             ),
         ],
         "rows_gather": [

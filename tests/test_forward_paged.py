@@ -428,14 +428,15 @@ def test_forward_paged_binding_errors(device):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_paged_one_c_call(device, layout, monkeypatch):
-    # The whole layer (write + attention) is one C call, _C.forward_context, which reads the
-    # context and runs forward_paged's binding itself (no _C function reached through Python).
-    # Its Python twin (run_forward_paged: while compiling, or for a context without its layer,
-    # cache or impl) is one _C.forward_paged call with the right mask, and both give
-    # bit-identical outputs and caches, in every Q/K/V layout (an [N, H, D] query's output is
-    # returned as is by both; an [N, H*D] one's the C path allocates [N, H*D] and has the
-    # kernels write its [N, H, D] view, where the Python path restores a view of its [N, H, D]
-    # output -- same shape, strides and values; the padded ones go through restore_output).
+    # The whole layer (write + attention) is one C call, _C.forward_paged, whose arguments
+    # prepare_layer_context described (forward_paged reads nothing back from the context and
+    # never reaches run_forward_paged).  The fallback that describes a context from its
+    # attributes (run_forward_paged: a context diffkv did not just prepare, or while compiling)
+    # makes the same call, and both give bit-identical outputs and caches in every Q/K/V layout
+    # (an [N, H*D] query's output is allocated [N, H*D] on the prepared path, the kernels writing
+    # its [N, H, D] view, where the fallback restores a view of its [N, H, D] output -- same
+    # shape, strides and values; the padded layouts go through restore_output on both).
+    backend = diffkv.backends.diffkv
     h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
     rows = h.rows([(0, 8)])
     spans = diffkv.AttentionMetadata(full_attn_spans=[[(2, 6)]])
@@ -443,31 +444,15 @@ def test_forward_paged_one_c_call(device, layout, monkeypatch):
     with h.adapter.activate(batch):
         q, k, v, _ = h.make_inputs(rows, layout)
 
-    def run_layers():
+    def run_layers(prepared):
+        outs = []
         with h.adapter.activate(batch):
-            return [
-                h.layers[LAYERS[0]].impl.forward_paged(h.adapter.prepare_layer_context(LAYERS[0], q, k, v)),
-                h.layers[LAYERS[1]].impl.forward_paged(
-                    h.adapter.prepare_layer_context(LAYERS[1], q, k, v, omni_attn_metadata=spans)
-                ),
-            ]
-
-    contexts = []
-    real_context = _C.forward_context
-
-    def context_spy(ctx):
-        contexts.append(ctx)
-        return real_context(ctx)
-
-    with monkeypatch.context() as m:
-        m.setattr(_C, "forward_context", context_spy)
-        for name in ("forward_paged", "kv_write", "paged_attention"):
-            m.setattr(_C, name, None)
-        out_c = run_layers()
-    assert len(contexts) == 2
-    caches_c = [h.caches[name].clone() for name in LAYERS]
-    for name in LAYERS:
-        h.caches[name].zero_()
+            for name, metadata in ((LAYERS[0], None), (LAYERS[1], spans)):
+                context = h.adapter.prepare_layer_context(name, q, k, v, omni_attn_metadata=metadata)
+                if not prepared:
+                    context = dataclasses.replace(context)  # not the object prepare described
+                outs.append(h.layers[name].impl.forward_paged(context))
+        return outs
 
     calls = []
     real = _C.forward_paged
@@ -476,28 +461,89 @@ def test_forward_paged_one_c_call(device, layout, monkeypatch):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(_C, "forward_context", lambda ctx: None)
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("run_forward_paged reached on the prepared path")
+
+    with monkeypatch.context() as m:
+        m.setattr(_C, "forward_paged", spy)
+        m.setattr(backend, "run_forward_paged", no_fallback)
+        for name in ("kv_write", "paged_attention"):
+            m.setattr(_C, name, None)
+        out_prepared = run_layers(prepared=True)
+    prepared_calls, calls[:] = list(calls), []
+    caches_prepared = [h.caches[name].clone() for name in LAYERS]
+    for name in LAYERS:
+        h.caches[name].zero_()
+
+    fallbacks = []
+    real_fallback = backend.run_forward_paged
+
+    def fallback_spy(context, **kwargs):
+        fallbacks.append(context)
+        return real_fallback(context, **kwargs)
+
     monkeypatch.setattr(_C, "forward_paged", spy)
+    monkeypatch.setattr(backend, "run_forward_paged", fallback_spy)
     monkeypatch.setattr(_C, "kv_write", None)
     monkeypatch.setattr(_C, "paged_attention", None)
-    out_py = run_layers()
-    assert len(calls) == 2
-    assert calls[0][9] == _C.MASK_CAUSAL and calls[0][8] is None
-    assert calls[1][9] == _C.MASK_LIMITS
+    out_fallback = run_layers(prepared=False)
+    assert len(fallbacks) == 2 and len(calls) == 2 and len(prepared_calls) == 2
+    for described, fallback in zip(prepared_calls, calls, strict=True):
+        # the same arguments but out (allocated by each path)
+        for i, (a, b) in enumerate(zip(described, fallback, strict=True)):
+            if i not in (10, 11):
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, i
+        assert described[10] == fallback[10] == SCALE
+    assert prepared_calls[0][9] == _C.MASK_CAUSAL and prepared_calls[0][8] is None
+    assert prepared_calls[1][9] == _C.MASK_LIMITS
     if layout.startswith("packed"):
-        assert calls[1][8].tolist() == [1, 2, 6, 6, 6, 6, 7, 8]
-    assert calls[0][10] == SCALE
-    for a, b in zip(out_c, out_py, strict=True):
+        assert prepared_calls[1][8].tolist() == [1, 2, 6, 6, 6, 6, 7, 8]
+    flat_query = layout == "packed_flat"
+    assert prepared_calls[0][11].dim() == (2 if flat_query else 3)
+    for a, b in zip(out_prepared, out_fallback, strict=True):
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
-    for name, cache in zip(LAYERS, caches_c, strict=True):
+    for name, cache in zip(LAYERS, caches_prepared, strict=True):
         assert torch.equal(h.caches[name], cache)
-    assert not torch.equal(caches_c[0], torch.zeros_like(caches_c[0]))
+    assert not torch.equal(caches_prepared[0], torch.zeros_like(caches_prepared[0]))
 
 
-def test_forward_context_mirrors_the_python_path(device):
-    # _C.forward_context returns None (having done nothing) exactly when run_forward_paged's
-    # binding checks would raise, and raises what the Python path raises for a context missing
-    # any other field.
+def test_prepared_call_belongs_to_its_context(device, monkeypatch):
+    # prepare_layer_context describes the call of the context it returns, once: another
+    # context (prepared later, or the same one a second time), a layer whose cache was rebound,
+    # all go through run_forward_paged, with the same results.
+    backend = diffkv.backends.diffkv
+    fallbacks = []
+    real_fallback = backend.run_forward_paged
+
+    def fallback_spy(context, **kwargs):
+        fallbacks.append(context)
+        return real_fallback(context, **kwargs)
+
+    monkeypatch.setattr(backend, "run_forward_paged", fallback_spy)
+    h = Harness(device, torch.float32, 4, non_causal=True, seq_lens=(8,))
+    rows = h.rows([(0, 8)])
+    first, second = LAYERS
+    with h.adapter.activate(h.adapter.prepare_batch(rows)):
+        q, k, v, _ = h.make_inputs(rows, "packed_heads")
+        context_a = h.adapter.prepare_layer_context(first, q, k, v)
+        context_b = h.adapter.prepare_layer_context(second, q, k, v)
+        out_a = h.layers[first].impl.forward_paged(context_a)  # B's call is the prepared one
+        assert fallbacks == [context_a]
+        out_b = h.layers[second].impl.forward_paged(context_b)
+        assert fallbacks == [context_a]
+        again = h.layers[second].impl.forward_paged(context_b)  # taken once
+        assert fallbacks == [context_a, context_b]
+        assert torch.equal(out_a, out_b) and torch.equal(out_b, again)
+        cache = h.layers[first].kv_cache
+        context_a = h.adapter.prepare_layer_context(first, q, k, v)
+        h.layers[first].kv_cache = cache.clone()  # rebound: the described cache is stale
+        assert torch.equal(h.layers[first].impl.forward_paged(context_a), out_a)
+        assert fallbacks[-1] is context_a
+
+
+def test_forward_paged_fallback_reads_the_context(device):
+    # run_forward_paged describes a context from its attributes: a missing one raises what
+    # Python raises for it, a bad tensor the binding's error, and nothing is written either way.
     h = Harness(device, torch.float32, 4, non_causal=False, seq_lens=(8,))
     rows = h.rows([(0, 8)])
     name = LAYERS[0]
@@ -506,53 +552,32 @@ def test_forward_context_mirrors_the_python_path(device):
         q, k, v, _ = h.make_inputs(rows, "packed_heads")
         context = h.adapter.prepare_layer_context(name, q, k, v)
         before = h.caches[name].clone()
-        assert _C.forward_context(SimpleNamespace(query=q)) is None
-        assert _C.forward_context(SimpleNamespace(layer=None)) is None
-        impl, cache = layer.impl, layer.kv_cache
-        layer.kv_cache = None
-        assert _C.forward_context(context) is None
-        layer.kv_cache = cache
-        layer.impl = None
-        assert _C.forward_context(context) is None
-        layer.impl = impl
-        assert torch.equal(h.caches[name], before)
         names = ("native_metadata", "piecewise_plan", "query", "key_write", "value_write", "slot_mapping")
-        fields = {f: getattr(context, f) for f in (*names, "restore_output")}
+        fields = {f: getattr(context, f) for f in (*names, "query_token_shape", "output_scatter_indices")}
         for missing in names:
             partial = SimpleNamespace(layer=layer, **{f: val for f, val in fields.items() if f != missing})
             with pytest.raises(AttributeError, match=missing):
-                _C.forward_context(partial)
-            with pytest.raises(AttributeError, match=missing):
-                diffkv.backends.diffkv.run_forward_paged(partial)
+                layer.impl.forward_paged(partial)
         assert torch.equal(h.caches[name], before)
-        bad = SimpleNamespace(
-            **{f: getattr(context, f) for f in ("layer", "native_metadata", "piecewise_plan")}
+        bad = SimpleNamespace(**fields, layer=layer, restore_output=context.restore_output)
+        bad.query = q[:, :1]
+        message = (
+            "forward_paged(): kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, 64] "
+            "with num_heads (1) divisible by num_kv_heads, got [2, 6, 4, 2, 64]"
         )
-        bad.query, bad.key_write, bad.value_write = q[:, :1], context.key_write, context.value_write
-        bad.slot_mapping, bad.restore_output = context.slot_mapping, context.restore_output
-        with pytest.raises(ValueError) as from_c:
-            _C.forward_context(bad)
-        with pytest.raises(ValueError) as from_py:
-            diffkv.backends.diffkv.run_forward_paged(bad)
-        assert str(from_c.value) == str(from_py.value)
+        with pytest.raises(ValueError) as raised:
+            layer.impl.forward_paged(bad)
+        assert str(raised.value) == message
         assert torch.equal(h.caches[name], before)
-        out = _C.forward_context(context)
+        out = layer.impl.forward_paged(context)
         assert out.shape == (8, NUM_HEADS, HEAD_SIZE)
         assert not torch.equal(h.caches[name], before)
 
-        # a context class of its own keeps its restore_output (the identity shortcut is for
-        # diffkv's own context only)
+        # a context class of its own keeps its restore_output
         class Restoring(diffkv.DiffusionPagedAttentionContext):
             def restore_output(self, output):
                 return ("restored", output)
 
         sub = Restoring(**{f.name: getattr(context, f.name) for f in dataclasses.fields(context)})
-        tag, out_sub = _C.forward_context(sub)
+        tag, out_sub = layer.impl.forward_paged(sub)
         assert tag == "restored" and torch.equal(out_sub, out)
-
-
-def test_forward_context_argument_count():
-    with pytest.raises(TypeError, match=r"^forward_context\(\) takes 1 arguments, got 0$"):
-        _C.forward_context()
-    with pytest.raises(TypeError, match=r"^forward_context\(\) takes 1 arguments, got 2$"):
-        _C.forward_context(None, None)

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import diffkv
-from _helpers import HEAD_SIZE, fake_forward_context, make_adapter
+from _helpers import HEAD_SIZE, make_adapter
 from diffkv import _C
 from error_cases import check, error_cases
 from fuzz_strategies import (
@@ -405,7 +405,6 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "paged_attention_lse": (_lse_args(p), ()),
         "dense_attention": (_dense_args(), ()),
         "forward_paged": (p.forward_args(), ()),
-        "forward_context": ([fake_forward_context(_small_problem().forward_args())], ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],
             (),
@@ -429,9 +428,8 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
 
 
 # Entry points that read attributes of row / binding objects (row.identity, row.query_len,
-# binding.row_index), as vLLM-Omni's adapter does, or of a per-call context (forward_context): a foreign
-# object there raises AttributeError.
-_DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch", "forward_context")
+# binding.row_index), as vLLM-Omni's adapter does: a foreign object there raises AttributeError.
+_DUCK_TYPED = ("check_metadata", "check_batch_rows", "check_batch_bindings", "build_batch")
 # Entry points that keep vLLM-Omni's adapter's Python arithmetic on the objects they are given (comparisons,
 # `%`, int()): a foreign object or float there may raise OverflowError (int(inf), a huge int
 # compared with a tensor), as in vLLM-Omni's adapter.

@@ -364,7 +364,6 @@ _CAPSULE_ENTRY_POINTS = [
     "paged_attention",
     "paged_attention_lse",
     "forward_paged",
-    "forward_context",
     "rows_gather",
 ]
 

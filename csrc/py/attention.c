@@ -46,7 +46,7 @@ heads_of_flat(dk_tensor *o, const dk_tensor *q)
  * inputs: none of them may share bytes with it.  *q_out and *o_out receive the query and out
  * views.  dense_kv (dense_attention, else NULL): key, value, joint_key, joint_value (the last
  * two ndim -1 when absent; checked by the caller); key_block: keys per block of key_index
- * (dividing num_keys, 1 with joint keys; checked by the caller).  out_flat (forward_context
+ * (dividing num_keys, 1 with joint keys; checked by the caller).  out_flat (forward_paged
  * only): out may also be [num_tokens, num_heads * head_size], read as the [N, H, D] view of it.
  */
 int

@@ -17,7 +17,7 @@
  *   copies.c     KV cache write and row gather/scatter
  *   attention.c  paged attention (with the log-sum-exp variant)
  *   dense.c      attention over key/value tensors (dense forward)
- *   layer.c      the layer call: forward_paged and forward_context
+ *   layer.c      the layer call (forward_paged) and the per-call context's constructor
  *
  * Conventions: every function that can fail returns NULL or -1 with a Python exception set;
  * messages read "<op>(): <arg> must <expectation>, got <actual>" except where vLLM-Omni's adapter
@@ -33,36 +33,6 @@
 #define DIFFKV_CUDA_ARCHS ""
 #endif
 
-/* The per-call context's attribute names forward_context reads (interned once). */
-enum {
-    CTX_LAYER,
-    CTX_KV_CACHE,
-    CTX_IMPL,
-    CTX_NATIVE_METADATA,
-    CTX_PIECEWISE_PLAN,
-    CTX_KEY_LIMITS,
-    CTX_CAUSAL,
-    CTX_QUERY,
-    CTX_KEY_WRITE,
-    CTX_VALUE_WRITE,
-    CTX_SLOT_MAPPING,
-    CTX_BLOCK_TABLE,
-    CTX_QUERY_START_LOC,
-    CTX_SEQ_LENS,
-    CTX_SOFTMAX_SCALE,
-    CTX_BLOCK_TABLE_CPU,
-    CTX_QUERY_START_LOC_CPU,
-    CTX_SEQ_LENS_CPU,
-    CTX_RESTORE_OUTPUT,
-    CTX_OUTPUT_SCATTER_INDICES,
-    CTX_QUERY_HAS_HEAD_DIMS,
-    CTX_QUERY_TOKEN_SHAPE,
-    CTX_NUM_HEADS,
-    CTX_HEAD_SIZE_V,
-    CTX_NEW_EMPTY,
-    CTX_NAMES
-};
-
 /* check_layer_qkv's layout facts, one bit each (exported as _C.LAYOUT_*): what the caller would
  * otherwise read back from torch to build the [N, heads, size] views. */
 enum {
@@ -74,15 +44,9 @@ enum {
     LAYOUT_VALUE_CONTIGUOUS = 32, /* dims densely, tokens at any stride); the value likewise */
 };
 
-/* The text of each CTX_* name, indexed by it (layer.c). */
-extern const char *const dkpy_ctx_name_text[CTX_NAMES];
-
 typedef struct {
     dk_bridge bridge;
-    PyObject *cuda_error;           /* diffkv.CudaError */
-    PyObject *empty_like;           /* torch.empty_like (forward_context's first call), or NULL */
-    PyObject *context_type;         /* diffkv.DiffusionPagedAttentionContext (ditto), or NULL */
-    PyObject *ctx_names[CTX_NAMES]; /* interned attribute names */
+    PyObject *cuda_error; /* diffkv.CudaError */
 } module_state;
 
 /* The module's state.  Cannot fail for diffkv._C's own module object. */

@@ -1,42 +1,15 @@
 /*
  * layer.c -- the layer call: KV write + attention in one call.
  *
- * Entry points: forward_paged (the explicit arguments; on CUDA one submission for both kernels,
- * cuda/launch.cu), forward_context (DiffKVAttentionImpl.forward_paged of a per-call context, in
- * one call) and new_with_slots (the per-call context's fast constructor).
+ * Entry points: forward_paged (on CUDA one submission for both kernels, cuda/launch.cu) and
+ * new_with_slots (the per-call context's fast constructor).  The Python side describes a layer
+ * call once (ops.paged_layer_inputs) and hands this file its arguments: nothing here reads the
+ * per-call context or calls back into Python.
  */
 #include "binding.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-const char *const dkpy_ctx_name_text[CTX_NAMES] = {
-    "layer",
-    "kv_cache",
-    "impl",
-    "native_metadata",
-    "piecewise_plan",
-    "key_limits",
-    "causal",
-    "query",
-    "key_write",
-    "value_write",
-    "slot_mapping",
-    "block_table",
-    "query_start_loc",
-    "seq_lens",
-    "softmax_scale",
-    "block_table_cpu",
-    "query_start_loc_cpu",
-    "seq_lens_cpu",
-    "restore_output",
-    "output_scatter_indices",
-    "query_has_head_dims",
-    "query_token_shape",
-    "num_heads",
-    "head_size_v",
-    "new_empty",
-};
 
 /* forward_paged's two steps on the GPU: the KV write, then the attention over it. */
 typedef struct layer_launch {
@@ -51,7 +24,8 @@ launch_layer(const void *l, void *stream, dk_error *err)
     return dk_cuda_layer(x->w, x->a, stream, err);
 }
 
-/* forward_paged's work (args as there); out_flat: out may be [N, H * D] (dkpy_parse_attention). */
+/* forward_paged's work (args as there); out_flat: out may also be [N, H * Dv], written
+ * through its [N, H, Dv] view (dkpy_parse_attention). */
 static PyObject *
 forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
 {
@@ -125,295 +99,7 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dkpy_check_nargs("forward_paged", nargs, 15) != 0) {
         return NULL;
     }
-    return forward_paged_impl(module, args, 0);
-}
-
-/* *slot = module.name, looked up on the first call and kept (a new reference owned by the
- * module state): 0, or -1 with the import's or getattr's error.  The import may release the
- * GIL, so another thread may have set *slot meanwhile: the first one stays. */
-static int
-cached_attr(PyObject **slot, const char *module, const char *name)
-{
-    if (*slot != NULL) {
-        return 0;
-    }
-    PyObject *m = PyImport_ImportModule(module);
-    if (m == NULL) {
-        return -1;
-    }
-    PyObject *v = PyObject_GetAttrString(m, name);
-    Py_DECREF(m);
-    if (v == NULL) {
-        return -1;
-    }
-    if (*slot == NULL) {
-        *slot = v;
-    }
-    else {
-        Py_DECREF(v);
-    }
-    return 0;
-}
-
-/* ctx's attribute `name` as a new reference; *plain = 0 (and no error) when it is missing
- * (AttributeError) or None -- getattr(ctx, name, None) is None in Python; NULL with the error set
- * for anything else getattr raised. */
-static PyObject *
-ctx_required(PyObject *obj, PyObject *name, int *plain)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            *plain = 0;
-        }
-        return NULL;
-    }
-    if (v == Py_None) {
-        Py_DECREF(v);
-        *plain = 0;
-        return NULL;
-    }
-    return v;
-}
-
-/* An int attribute of obj into *v: 1, or 0 when it is not an int (no error), -1 on error. */
-static int
-ctx_int(PyObject *obj, PyObject *name, long long *v)
-{
-    PyObject *x = PyObject_GetAttr(obj, name);
-    if (x == NULL) {
-        return -1;
-    }
-    int ok = PyLong_Check(x);
-    if (ok) {
-        *v = PyLong_AsLongLong(x);
-        if (*v == -1 && PyErr_Occurred()) {
-            PyErr_Clear(); /* beyond int64: not the identity case */
-            ok = 0;
-        }
-    }
-    Py_DECREF(x);
-    return ok;
-}
-
-/* What DiffusionPagedAttentionContext.restore_output does to the attention output. */
-enum {
-    OUT_RESTORE = 0,  /* something else: call the method */
-    OUT_IDENTITY = 1, /* out [N, H, Dv] itself (the caller's query was [N, H, D]) */
-    OUT_FLAT = 2      /* out.reshape(N, H * Dv) (the caller's query was [N, H * D]): allocated
-                         that way, the kernels write its [N, H, Dv] view, nothing to restore */
-};
-
-/*
- * Which OUT_* restore_output(out) amounts to for this context, from the context (no scatter,
- * query_token_shape a 1-tuple (N,), query_has_head_dims) and the query q the output will be
- * like ([N, H, Dv] with H = num_heads, Dv = head_size_v) -- decided before the output is
- * allocated; *flat_shape receives (N, H * Dv).  -1 with an error set where reading an
- * attribute raised.
- */
-static int
-output_kind(PyObject *module, PyObject *ctx, PyObject *layer, PyObject *q_obj,
-            long long flat_shape[2])
-{
-    PyObject *const *nm = state_of(module)->ctx_names;
-    PyObject *x = PyObject_GetAttr(ctx, nm[CTX_OUTPUT_SCATTER_INDICES]);
-    if (x == NULL) {
-        return -1;
-    }
-    int none = x == Py_None;
-    Py_DECREF(x);
-    if (!none) {
-        return OUT_RESTORE;
-    }
-    if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_HAS_HEAD_DIMS])) == NULL) {
-        return -1;
-    }
-    int heads = PyObject_IsTrue(x);
-    Py_DECREF(x);
-    if (heads < 0) {
-        return -1;
-    }
-    if ((x = PyObject_GetAttr(ctx, nm[CTX_QUERY_TOKEN_SHAPE])) == NULL) {
-        return -1;
-    }
-    long long n = -1;
-    if (PyTuple_Check(x) && PyTuple_Size(x) == 1 && PyLong_Check(PyTuple_GetItem(x, 0))) {
-        n = PyLong_AsLongLong(PyTuple_GetItem(x, 0));
-        if (n == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-        }
-    }
-    Py_DECREF(x);
-    if (n < 0) {
-        return OUT_RESTORE;
-    }
-    long long h = -1, dv = -1;
-    int rc = ctx_int(layer, nm[CTX_NUM_HEADS], &h);
-    if (rc > 0) {
-        rc = ctx_int(layer, nm[CTX_HEAD_SIZE_V], &dv);
-    }
-    if (rc <= 0) {
-        return rc < 0 ? -1 : OUT_RESTORE;
-    }
-    dk_tensor q;
-    if (dk_bridge_tensor_layout(&state_of(module)->bridge, q_obj, "forward_context", "query", &q) !=
-        0) {
-        PyErr_Clear(); /* not a tensor: forward_paged reports it in its own words */
-        return OUT_RESTORE;
-    }
-    if (q.ndim != 3 || q.shape[0] != n || q.shape[1] != h || q.shape[2] != dv) {
-        return OUT_RESTORE;
-    }
-    flat_shape[0] = n;
-    flat_shape[1] = h * dv;
-    return heads ? OUT_IDENTITY : OUT_FLAT;
-}
-
-/*
- * forward_context(ctx): DiffKVAttentionImpl.forward_paged of a per-call context
- * (adapter.prepare_layer_context) in one call, for eager execution -- what
- * backends.diffkv.run_forward_paged does in Python (the context's mask, the output from
- * torch.empty_like(query), forward_paged with the batch's host tables, ctx.restore_output), with
- * the same attribute reads in the same order and the same errors, minus the interpreter's ~1 us
- * (~3 us on the H200 hosts) per layer call.  Returns None, having read only ctx.layer and its
- * kv_cache and impl and done nothing, when one of those is missing or None: the Python path then
- * raises the contract's errors.
- */
-static PyObject *
-py_forward_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    static const char *op = "forward_context";
-    if (dkpy_check_nargs(op, nargs, 1) != 0) {
-        return NULL;
-    }
-    module_state *st = state_of(module);
-    PyObject *const *nm = st->ctx_names;
-    if (cached_attr(&st->empty_like, "torch", "empty_like") != 0) { /* no libtorch link */
-        return NULL;
-    }
-    PyObject *ctx = args[0];
-    /* owned references, released at the end */
-    PyObject *layer = NULL, *kv_cache = NULL, *impl = NULL, *meta = NULL, *plan = NULL;
-    PyObject *key_limits = NULL, *mask = NULL, *scale = NULL, *out = NULL, *result = NULL;
-    PyObject *t[7] = {NULL}; /* query, key_write, value_write, slot_mapping, block_table,
-                                query_start_loc, seq_lens */
-    PyObject *host[3] = {NULL, NULL, NULL};
-    int plain = 1;
-    layer = ctx_required(ctx, nm[CTX_LAYER], &plain);
-    if (layer != NULL) {
-        kv_cache = ctx_required(layer, nm[CTX_KV_CACHE], &plain);
-    }
-    if (kv_cache != NULL) {
-        impl = ctx_required(layer, nm[CTX_IMPL], &plain);
-    }
-    if (impl == NULL) {
-        if (!plain) {
-            result = Py_NewRef(Py_None); /* not the plain kind: the Python path decides */
-        }
-        goto done;
-    }
-    if ((meta = PyObject_GetAttr(ctx, nm[CTX_NATIVE_METADATA])) == NULL ||
-        (plan = PyObject_GetAttr(ctx, nm[CTX_PIECEWISE_PLAN])) == NULL) {
-        goto done;
-    }
-    if (plan != Py_None) { /* ops.context_mask */
-        mask = PyLong_FromLong(DK_MASK_LIMITS);
-        key_limits = PyObject_GetAttr(plan, nm[CTX_KEY_LIMITS]);
-    }
-    else {
-        PyObject *causal = PyObject_GetAttr(meta, nm[CTX_CAUSAL]);
-        int c = causal == NULL ? -1 : PyObject_IsTrue(causal);
-        Py_XDECREF(causal);
-        if (c >= 0) {
-            mask = PyLong_FromLong(c ? DK_MASK_CAUSAL : DK_MASK_NONE);
-            key_limits = Py_NewRef(Py_None);
-        }
-    }
-    if (mask == NULL || key_limits == NULL) {
-        goto done;
-    }
-    static const int ctx_field[4] = {CTX_QUERY, CTX_KEY_WRITE, CTX_VALUE_WRITE, CTX_SLOT_MAPPING};
-    static const int meta_field[3] = {CTX_BLOCK_TABLE, CTX_QUERY_START_LOC, CTX_SEQ_LENS};
-    for (int i = 0; i < 4; i++) {
-        if ((t[i] = PyObject_GetAttr(ctx, nm[ctx_field[i]])) == NULL) {
-            goto done;
-        }
-    }
-    for (int i = 0; i < 3; i++) {
-        if ((t[4 + i] = PyObject_GetAttr(meta, nm[meta_field[i]])) == NULL) {
-            goto done;
-        }
-    }
-    PyObject *raw_scale = PyObject_GetAttr(layer, nm[CTX_SOFTMAX_SCALE]);
-    if (raw_scale == NULL) {
-        goto done;
-    }
-    scale = PyNumber_Float(raw_scale);
-    Py_DECREF(raw_scale);
-    if (scale == NULL ||
-        cached_attr(&st->context_type, "diffkv.adapter", "DiffusionPagedAttentionContext") != 0) {
-        goto done;
-    }
-    /* ctx.restore_output(out): for diffkv's own context without scattered rows, out itself
-     * ([N, H, D] queries) or out.reshape(N, H * Dv) ([N, H * D] queries) -- then out is
-     * allocated [N, H * Dv] and the kernels write its [N, H, Dv] view: a Python method call and
-     * a view less (~2.5 us on the H200 hosts) */
-    long long flat_shape[2] = {0, 0};
-    const int kind = (PyObject *)Py_TYPE(ctx) == st->context_type
-                         ? output_kind(module, ctx, layer, t[0], flat_shape)
-                         : OUT_RESTORE;
-    if (kind < 0) {
-        goto done;
-    }
-    if (kind == OUT_FLAT) {
-        PyObject *size = Py_BuildValue("(LL)", flat_shape[0], flat_shape[1]);
-        if (size == NULL) {
-            goto done;
-        }
-        out = PyObject_CallMethodObjArgs(t[0], nm[CTX_NEW_EMPTY], size, NULL);
-        Py_DECREF(size);
-    }
-    else {
-        out = PyObject_CallFunctionObjArgs(st->empty_like, t[0], NULL);
-    }
-    if (out == NULL) {
-        goto done;
-    }
-    static const int host_field[3] = {CTX_BLOCK_TABLE_CPU, CTX_QUERY_START_LOC_CPU,
-                                      CTX_SEQ_LENS_CPU};
-    for (int i = 0; i < 3; i++) {
-        if ((host[i] = PyObject_GetAttr(meta, nm[host_field[i]])) == NULL) {
-            goto done;
-        }
-    }
-    PyObject *fp_args[15] = {t[0],       t[1], t[2],  kv_cache, t[3],    t[4],    t[5],   t[6],
-                             key_limits, mask, scale, out,      host[0], host[1], host[2]};
-    PyObject *r = forward_paged_impl(module, fp_args, kind == OUT_FLAT);
-    if (r == NULL) {
-        goto done;
-    }
-    Py_DECREF(r);
-    result = kind != OUT_RESTORE
-                 ? Py_NewRef(out)
-                 : PyObject_CallMethodObjArgs(ctx, nm[CTX_RESTORE_OUTPUT], out, NULL);
-done:
-    Py_XDECREF(layer);
-    Py_XDECREF(kv_cache);
-    Py_XDECREF(impl);
-    Py_XDECREF(meta);
-    Py_XDECREF(plan);
-    Py_XDECREF(key_limits);
-    Py_XDECREF(mask);
-    Py_XDECREF(scale);
-    Py_XDECREF(out);
-    for (int i = 0; i < 7; i++) {
-        Py_XDECREF(t[i]);
-    }
-    for (int i = 0; i < 3; i++) {
-        Py_XDECREF(host[i]);
-    }
-    return result;
+    return forward_paged_impl(module, args, 1);
 }
 
 /*
@@ -473,14 +159,8 @@ py_new_with_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return obj;
 }
 
-/* ------------------------------------------------------------------------------------------ */
-/* Module definition                                                                           */
-/* ------------------------------------------------------------------------------------------ */
-
 PyMethodDef dkpy_layer_methods[] = {
     FAST(forward_paged, "KV write + paged attention in one call."),
     FAST(new_with_slots, "new_with_slots(cls, descriptors, *values): cls's instance, no __init__."),
-    FAST(forward_context, "forward_context(ctx): a per-call context's forward_paged in one call "
-                          "(None when ctx is not the plain kind)."),
     {NULL, NULL, 0, NULL},
 };

@@ -28,11 +28,6 @@ module_exec(PyObject *module)
     if (st->cuda_error == NULL || PyModule_AddObjectRef(module, "CudaError", st->cuda_error) < 0) {
         return -1;
     }
-    for (int i = 0; i < CTX_NAMES; i++) {
-        if ((st->ctx_names[i] = PyUnicode_InternFromString(dkpy_ctx_name_text[i])) == NULL) {
-            return -1;
-        }
-    }
     for (size_t i = 0; i < sizeof(method_tables) / sizeof(method_tables[0]); i++) {
         if (PyModule_AddFunctions(module, method_tables[i]) < 0) {
             return -1;
@@ -64,8 +59,6 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
         return 0;
     }
     Py_VISIT(st->cuda_error);
-    Py_VISIT(st->empty_like);
-    Py_VISIT(st->context_type);
     Py_VISIT(st->bridge.to_dlpack);
     Py_VISIT(st->bridge.stream_getter);
     for (int i = 0; i < st->bridge.num_types; i++) {
@@ -82,11 +75,6 @@ module_clear(PyObject *module)
         return 0;
     }
     Py_CLEAR(st->cuda_error);
-    Py_CLEAR(st->empty_like);
-    Py_CLEAR(st->context_type);
-    for (int i = 0; i < CTX_NAMES; i++) {
-        Py_CLEAR(st->ctx_names[i]);
-    }
     dk_bridge_clear(&st->bridge);
     return 0;
 }

@@ -308,7 +308,9 @@ def forward_paged(
     host_query_start_loc: torch.Tensor,
     host_seq_lens: torch.Tensor,
 ) -> None:
-    """kv_write then paged_attention in one call; every check runs before the write."""
+    """kv_write then paged_attention in one call; every check runs before the write.  out is
+    [N, H, Dv], or [N, H * Dv] written through its [N, H, Dv] view (the layer call of an
+    [N, H * D] query needs no reshape afterwards)."""
 
 def rows_gather(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
     """CPU or CUDA.  src [S, H, D], index int64 [N], dst [N, H, D]: dst[n] = src[index[n]]."""

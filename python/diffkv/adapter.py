@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from . import _C
+from . import _C, ops
+from .backends.diffkv import DiffKVAttentionImpl, prepared_call
 from .native import build_slot_mappings_by_layer, get_dcp_local_seq_lens
 from .piecewise import PagedPiecewisePlan, build_paged_piecewise_plan
 from .platform import (
@@ -464,6 +465,9 @@ class DiffusionPagedAttentionAdapter:
         # tensor) and the per-segment metadata tuple (keyed by the segment dicts).
         self._active_slot_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._active_segment_metadata: dict[str, tuple[Any, tuple]] = {}
+        # per layer: what its last described call was made from, and _C.forward_paged's
+        # arguments (ops.forward_paged_arguments) made from it
+        self._active_calls: dict[str, tuple] = {}
         self._causal_by_group = self._resolve_group_causality()
         self._reorder_batch_threshold = self._resolve_reorder_batch_threshold()
 
@@ -630,6 +634,7 @@ class DiffusionPagedAttentionAdapter:
         self._active_device_key = (0, -1)
         self._active_slot_views = {}
         self._active_segment_metadata = {}
+        self._active_calls = {}
 
     def _device_key(self) -> tuple[int, int]:
         """(DLPack device type, index) of the adapter's device, "cuda" meaning the current one."""
@@ -944,7 +949,7 @@ class DiffusionPagedAttentionAdapter:
                     native_metadata_by_segment,
                     piecewise_native_metadata,
                 )
-        return _C.new_with_slots(
+        context = _C.new_with_slots(
             DiffusionPagedAttentionContext,
             _CONTEXT_FIELDS,
             layer,
@@ -959,6 +964,76 @@ class DiffusionPagedAttentionAdapter:
             query_has_head_dims,
             output_scatter_indices,
         )
+        kv_cache = getattr(layer, "kv_cache", None)  # a foreign layer object may have neither
+        if kv_cache is not None and type(getattr(layer, "impl", None)) is DiffKVAttentionImpl:
+            # Describe the call now, from what is at hand, so that diffkv's forward_paged runs
+            # it without reading the context back (one way: nothing here is read twice).
+            scale = layer.softmax_scale
+            described = self._active_calls.get(layer_name)
+            if (
+                described is None
+                or described[0] is not piecewise_plan
+                or described[1] is not kv_cache
+                or described[2] is not native_metadata
+                or described[3] is not slot_mapping
+                or described[4] != scale
+            ):
+                described = self._describe_call(
+                    layer_name, layer, kv_cache, scale, slot_mapping, native_metadata, piecewise_plan
+                )
+                if described is None:
+                    return context
+            if output_scatter_indices is None and len(query_token_shape) == 1:
+                # out is the caller's layout: [N, H, Dv] like the query, or [N, H*Dv] (the
+                # kernels write its [N, H, Dv] view)
+                out_shape, restored = (None if query_has_head_dims else described[7]), True
+            else:
+                out_shape, restored = None, False
+            prepared_call[0] = (
+                context,
+                layer,
+                kv_cache,
+                query_flat,
+                (query_flat, key_flat, value_flat, *described[5]),
+                described[6],
+                out_shape,
+                restored,
+            )
+        return context
+
+    def _describe_call(
+        self,
+        layer_name: str,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        scale: Any,
+        slot_mapping: torch.Tensor,
+        native_metadata: Any,
+        piecewise_plan: PagedPiecewisePlan | None,
+    ) -> tuple | None:
+        """What prepare_layer_context keeps per layer and activation to describe its calls:
+        (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale -- what it was made
+        from --, then _C.forward_paged's arguments from the cache to the scale, the host copies,
+        and the [N, H*Dv] output shape), or None when the metadata or layer cannot be read
+        this way (forward_paged then reads the context itself and raises what it raises)."""
+        try:
+            inputs = ops.paged_layer_inputs(
+                layer,
+                kv_cache,
+                slot_mapping,
+                native_metadata,
+                piecewise_plan,
+                (),
+                None,
+                ops.eager_host_copies(native_metadata),
+            )
+            flat_shape = (self._active_batch.num_tokens, layer.num_heads * layer.head_size_v)
+        except Exception:
+            return None
+        head, tail = ops.forward_paged_arguments(inputs)
+        described = (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale, head, tail, flat_shape)
+        self._active_calls[layer_name] = described
+        return described
 
     @staticmethod
     def _validate_omni_attn_metadata(

@@ -208,15 +208,6 @@ class PagedLayerInputs(NamedTuple):
     num_positions: int
 
 
-def context_mask(context: Any) -> tuple[int, torch.Tensor | None]:
-    """(mask mode, key_limits) of a context: the plan's per-token key limits when piecewise,
-    else causal or not per the native metadata (key_limits None)."""
-    plan = context.piecewise_plan
-    if plan is not None:
-        return _C.MASK_LIMITS, plan.key_limits
-    return (_C.MASK_CAUSAL if context.native_metadata.causal else _C.MASK_NONE), None
-
-
 def graph_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
     """The host copies of the block tables a traced call passes: none on CUDA (CUDA-graph trees
     cannot hold CPU tensors; the batch's tables were checked when prepared, and the kernels
@@ -226,20 +217,33 @@ def graph_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
     return metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
 
 
-def layer_inputs(context: Any) -> PagedLayerInputs:
-    """The tensors and numbers of a ``DiffusionPagedAttentionContext`` (from
-    ``adapter.prepare_layer_context``) that ``forward_paged_layer`` needs; run it outside the
-    compiled region, once per step and layer (layers of one cache group share all but kv_cache)."""
-    layer = context.layer
-    metadata = context.native_metadata
-    mask, key_limits = context_mask(context)
-    host_block_table, host_query_start_loc, host_seq_lens = graph_host_copies(metadata)
+def paged_layer_inputs(
+    layer: Any,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    metadata: Any,
+    piecewise_plan: Any | None,
+    query_token_shape: tuple[int, ...],
+    output_scatter_indices: torch.Tensor | None,
+    host_copies: tuple[torch.Tensor | None, ...],
+) -> PagedLayerInputs:
+    """One layer call's description, the one place it is assembled: the layer's cache and
+    softmax scale, the batch's device metadata, the mask (the plan's per-token key limits when
+    piecewise, else causal or not per the native metadata) and ``host_copies`` (the block
+    tables' CPU copies for an eager call, ``graph_host_copies`` for a traced one).  The eager
+    layer call (``DiffKVAttentionImpl.forward_paged``), its fallback for foreign contexts
+    (``run_forward_paged``) and the compiled one (``forward_paged_layer``) all run from it."""
+    if piecewise_plan is not None:
+        mask, key_limits = _C.MASK_LIMITS, piecewise_plan.key_limits
+    else:
+        mask, key_limits = (_C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE), None
     num_positions = 1
-    for size in context.query_token_shape:
+    for size in query_token_shape:
         num_positions *= size
+    host_block_table, host_query_start_loc, host_seq_lens = host_copies
     return PagedLayerInputs(
-        kv_cache=layer.kv_cache,
-        slot_mapping=context.slot_mapping,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
         block_table=metadata.block_table,
         query_start_loc=metadata.query_start_loc,
         seq_lens=metadata.seq_lens,
@@ -249,8 +253,50 @@ def layer_inputs(context: Any) -> PagedLayerInputs:
         host_block_table=host_block_table,
         host_query_start_loc=host_query_start_loc,
         host_seq_lens=host_seq_lens,
-        output_scatter_indices=context.output_scatter_indices,
+        output_scatter_indices=output_scatter_indices,
         num_positions=num_positions,
+    )
+
+
+def eager_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
+    """The host copies an eager call passes: the batch's CPU tables, whichever the device."""
+    return metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+
+
+def forward_paged_arguments(
+    inputs: PagedLayerInputs,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``_C.forward_paged``'s arguments from a description, split around the ones a call
+    supplies: ``(kv_cache, ..., scale)`` follow query, key and value, then comes ``out``, then
+    the host copies.  ``_C.forward_paged(q, k, v, *head, out, *tail)``."""
+    head = (
+        inputs.kv_cache,
+        inputs.slot_mapping,
+        inputs.block_table,
+        inputs.query_start_loc,
+        inputs.seq_lens,
+        inputs.key_limits,
+        inputs.mask,
+        inputs.scale,
+    )
+    return head, (inputs.host_block_table, inputs.host_query_start_loc, inputs.host_seq_lens)
+
+
+def layer_inputs(context: Any) -> PagedLayerInputs:
+    """The tensors and numbers of a ``DiffusionPagedAttentionContext`` (from
+    ``adapter.prepare_layer_context``) that ``forward_paged_layer`` needs; run it outside the
+    compiled region, once per step and layer (layers of one cache group share all but kv_cache)."""
+    layer = context.layer
+    metadata = context.native_metadata
+    return paged_layer_inputs(
+        layer,
+        layer.kv_cache,
+        context.slot_mapping,
+        metadata,
+        context.piecewise_plan,
+        context.query_token_shape,
+        context.output_scatter_indices,
+        graph_host_copies(metadata),
     )
 
 
@@ -267,7 +313,18 @@ def forward_paged_layer(
         query = torch.ops.diffkv.rows_gather(query, indices)
         key = torch.ops.diffkv.rows_gather(key, indices)
         value = torch.ops.diffkv.rows_gather(value, indices)
-    out = torch.ops.diffkv.forward_paged(
+    out = forward_paged_packed(query, key, value, inputs)
+    if indices is not None:
+        out = torch.ops.diffkv.rows_scatter(out, indices, inputs.num_positions)
+    return out
+
+
+def forward_paged_packed(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: PagedLayerInputs
+) -> torch.Tensor:
+    """``torch.ops.diffkv.forward_paged`` over packed ``[N, H, D]`` query and ``[N, Hkv, D]``
+    key/value: KV write + attention, returns ``[N, H, Dv]``."""
+    return torch.ops.diffkv.forward_paged(
         query,
         key,
         value,
@@ -283,9 +340,6 @@ def forward_paged_layer(
         inputs.host_query_start_loc,
         inputs.host_seq_lens,
     )
-    if indices is not None:
-        out = torch.ops.diffkv.rows_scatter(out, indices, inputs.num_positions)
-    return out
 
 
 def restore_output(context: Any, output: torch.Tensor) -> torch.Tensor:

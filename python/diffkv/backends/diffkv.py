@@ -210,13 +210,21 @@ class DiffKVAttentionImpl(AttentionImpl):
         writes ``key_write``/``value_write`` into the layer's cache, attends from ``query``
         ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token key
         limits; else causal or not per the native metadata) and returns the output in the
-        caller's layout (``context.restore_output``; padded rows are zeros)."""
+        caller's layout (``context.restore_output``; padded rows are zeros).
+
+        A context that diffkv's ``prepare_layer_context`` has just made arrives with its call
+        already described (``prepared_call``), which runs while its layer keeps that cache and an
+        impl; any other context is described here from its attributes (``run_forward_paged``,
+        which also raises the errors of a layer without its cache or impl)."""
         if not torch.compiler.is_compiling():
-            # run_forward_paged's eager path in one C call (the same reads, checks and errors);
-            # None when the context lacks its layer, cache or impl: the Python path raises.
-            out = _C.forward_context(paged_kv_context)
-            if out is not None:
-                return out
+            prepared = prepared_call[0]
+            if prepared is not None and prepared[0] is paged_kv_context:
+                prepared_call[0] = None
+                _, layer, kv_cache, query, head, tail, out_shape, restored = prepared
+                if layer.kv_cache is kv_cache and layer.impl is not None:
+                    out = _empty_like(query) if out_shape is None else query.new_empty(out_shape)
+                    _C.forward_paged(*head, out, *tail)
+                    return out if restored else paged_kv_context.restore_output(out)
         return run_forward_paged(paged_kv_context)
 
     # --- dense path (diffkv.dense: the same kernels over contiguous K/V) ---------------------
@@ -255,6 +263,18 @@ class DiffKVAttentionImpl(AttentionImpl):
         raise NotImplementedError(_PLATFORM_MESSAGE.format("MUSA"))
 
 
+# The layer call diffkv's prepare_layer_context described last, until forward_paged takes it
+# (adapter.py fills it): (context, its layer, the cache it was described with, query,
+# _C.forward_paged's arguments before out -- query, key, value, then
+# ops.forward_paged_arguments' head --, the host copies after out, out's shape or None for
+# torch.empty_like(query), whether out is then already in the caller's layout).  One slot for
+# the process: a context that finds another's call here (two threads, or prepare without
+# forward) is described again by run_forward_paged, with the same result; and one layer call's
+# tensors at most are kept alive by it.
+prepared_call: list[tuple | None] = [None]
+_empty_like = torch.empty_like
+
+
 def run_forward_paged(
     paged_kv_context: Any,
     *,
@@ -285,27 +305,24 @@ def run_forward_paged(
     metadata = paged_kv_context.native_metadata
     if check_metadata is not None:
         check_metadata(metadata)
-    mask, key_limits = ops.context_mask(paged_kv_context)
-    query = paged_kv_context.query
-    # the layer's inputs, in the order both the operator and the binding take them
-    inputs = (
-        query,
-        paged_kv_context.key_write,
-        paged_kv_context.value_write,
+    compiling = torch.compiler.is_compiling()
+    inputs = ops.paged_layer_inputs(
+        layer,
         kv_cache,
         paged_kv_context.slot_mapping,
-        metadata.block_table,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        key_limits,
-        mask,
-        float(layer.softmax_scale),
+        metadata,
+        paged_kv_context.piecewise_plan,
+        paged_kv_context.query_token_shape,
+        paged_kv_context.output_scatter_indices,
+        ops.graph_host_copies(metadata) if compiling else ops.eager_host_copies(metadata),
     )
-    if torch.compiler.is_compiling():
-        out = torch.ops.diffkv.forward_paged(*inputs, *ops.graph_host_copies(metadata))
+    query = paged_kv_context.query
+    key = paged_kv_context.key_write
+    value = paged_kv_context.value_write
+    if compiling:
+        out = ops.forward_paged_packed(query, key, value, inputs)
         return ops.restore_output(paged_kv_context, out)
+    head, tail = ops.forward_paged_arguments(inputs)
     out = torch.empty_like(query)
-    _C.forward_paged(
-        *inputs, out, metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    )
+    _C.forward_paged(query, key, value, *head, out, *tail)
     return paged_kv_context.restore_output(out)
