@@ -14,6 +14,8 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PYTEST_ARGS ?=
+# Every C and CUDA file, subfolders included (csrc/py/ and any later one).
+C_FILES := $(shell find csrc cuda -name '*.[ch]' -o -name '*.cu' -o -name '*.cuh' | sort)
 
 .PHONY: deps install inplace demo test test-gpu test-vllm bench lint format asan fuzz sanitize-gpu clean
 
@@ -27,7 +29,8 @@ deps:
 install: deps
 	DIFFKV_WERROR=1 $(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall .
 
-# Development build: the extension next to the sources (python/diffkv/_C*.so).
+# Development build: the extension next to the sources (python/diffkv/_C*.so).  setup.py
+# rebuilds what changed: objects live in build/temp.*/<identity>/ (CPU or CUDA, archs, flags).
 inplace: deps
 	DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
 
@@ -62,15 +65,15 @@ lint:
 	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff
 	$(PYTHON) -m ruff check python tests benchmarks setup.py
 	$(PYTHON) -m ruff format --check python tests benchmarks setup.py
-	clang-format --dry-run -Werror csrc/*.c csrc/*.h cuda/*.cu cuda/*.cuh
+	clang-format --dry-run -Werror $(C_FILES)
 
 format:
 	$(PYTHON) -m ruff format python tests benchmarks setup.py
-	clang-format -i csrc/*.c csrc/*.h cuda/*.cu cuda/*.cuh
+	clang-format -i $(C_FILES)
 
 asan: deps
 	rm -f python/diffkv/_C*.so
-	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --force --build-temp build/asan/temp --build-lib build/asan/lib
+	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --build-temp build/asan/temp --build-lib build/asan/lib
 	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider tests $(PYTEST_ARGS)
 	rm -f python/diffkv/_C*.so

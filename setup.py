@@ -1,4 +1,5 @@
-"""Builds diffkv._C: the C11 sources in csrc/ and, when nvcc is found, the CUDA sources in cuda/.
+"""Builds diffkv._C: the C11 sources in csrc/ (csrc/**/*.c) and, when nvcc is found, the CUDA
+sources in cuda/ (cuda/*.cu).
 
 The extension uses CPython's limited API (abi3, Python >= 3.10) and never includes torch
 headers or links libtorch, so one build serves every Python and torch version.  The CUDA part
@@ -11,13 +12,30 @@ Environment:
   DIFFKV_WERROR=1        warnings are errors (CI and development builds)
   DIFFKV_SANITIZE=1      -fsanitize=address,undefined on the C sources (CPU-only builds)
   CUDA_HOME              where to look for nvcc first
+
+What gets rebuilt.  decide_build() makes every choice the environment drives (CPU or CUDA,
+the arch list, sanitizers, -Werror, the compilers) in one place, and the build's identity is a
+hash of the resulting compiler paths and flags.  Objects live in a directory per identity
+under build_temp (e.g. build/temp.*/cuda-90a-<hash>/), so a CPU build and a CUDA build never
+mix objects and switching back to an earlier configuration reuses its objects.  Each .cu
+object is recompiled only when its source or a header it includes (nvcc -MD writes the list
+next to the object) is newer, and the extension is relinked when any object changed, a C
+source or csrc/**/*.h header changed, the list of sources changed, or the extension file on
+disk is not the one this build directory last linked for this identity (the stamp
+build_temp/diffkv-link.json records it), so `DIFFKV_CUDA=0 pip wheel .` after a CUDA build
+(or the reverse) relinks instead of packaging the other mode's .so.
 """
 
+import functools
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -33,15 +51,41 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parent
 LIMITED_API = "0x030A0000"
+C_WARNINGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes"]
+SANITIZE_FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=undefined",
+    "-fno-omit-frame-pointer",
+    "-g",
+]
+CUDA_LINK_LIBS = ["-lcudart_static", "-lrt", "-lpthread", "-ldl", "-lstdc++"]
+# The compiler environment that changes C objects without appearing in our own flags.
+C_COMPILER_ENV = ("CC", "CFLAGS", "CPPFLAGS", "LDSHARED", "LDFLAGS")
+LINK_STAMP = "diffkv-link.json"
 
 
 def env_flag(name, default="0"):
     return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
+def rel(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
+def c_sources():
+    return rel((ROOT / "csrc").rglob("*.c"))
+
+
+def c_headers():
+    return rel((ROOT / "csrc").rglob("*.h"))
+
+
+def cuda_sources():
+    return rel((ROOT / "cuda").glob("*.cu"))
+
+
 def find_nvcc():
-    if os.environ.get("DIFFKV_CUDA", "").strip() == "0":
-        return None
+    """The nvcc to use: $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin; None if none."""
     candidates = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
@@ -70,85 +114,223 @@ def cuda_archs():
     return archs, flags
 
 
-C_WARNINGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes"]
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything that decides what the objects and the extension contain."""
+
+    nvcc: Path | None  # None: a CPU-only build
+    why_cpu: str  # why the build is CPU-only ("" for a CUDA build)
+    archs: tuple  # CUDA targets, () for a CPU-only build
+    macros: tuple  # (name, value) pairs for the C sources
+    cflags: tuple  # C compiler flags
+    ldflags: tuple  # linker flags
+    nvcc_flags: tuple  # nvcc flags ((): no CUDA)
+    library_dirs: tuple  # where the static CUDA runtime is
+
+    @property
+    def cuda(self):
+        return self.nvcc is not None
+
+    @functools.cached_property
+    def identity(self):
+        """A directory name: the mode, the archs and a hash of every path and flag above plus
+        the C compiler and its environment (a different build must not reuse these objects)."""
+        compiler = {name: os.environ.get(name, "") for name in C_COMPILER_ENV}
+        compiler["sysconfig_cc"] = sysconfig.get_config_var("CC") or ""
+        described = {**{f.name: str(getattr(self, f.name)) for f in fields(self)}, **compiler}
+        digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
+        mode = "cuda-" + "-".join(self.archs) if self.cuda else "cpu"
+        return f"{mode}-{digest}"
+
+
+@functools.cache
+def decide_build():
+    """The one place that decides CPU or CUDA and every flag (the environment is read once)."""
+    werror = env_flag("DIFFKV_WERROR")
+    sanitize = env_flag("DIFFKV_SANITIZE")
+    cflags = ["-std=c11", "-O2", *C_WARNINGS] + (["-Werror"] if werror else [])
+    ldflags = []
+    if sanitize:
+        cflags += SANITIZE_FLAGS
+        ldflags += ["-fsanitize=address,undefined"]
+
+    nvcc = find_nvcc()
+    why_cpu = ""
+    if sanitize:
+        why_cpu = "DIFFKV_SANITIZE=1"
+    elif os.environ.get("DIFFKV_CUDA", "").strip() == "0":
+        why_cpu = "DIFFKV_CUDA=0"
+    elif nvcc is None:
+        why_cpu = "no nvcc found"
+    if why_cpu:
+        return BuildConfig(
+            nvcc=None,
+            why_cpu=why_cpu,
+            archs=(),
+            macros=(("DIFFKV_CUDA_ARCHS", '""'),),
+            cflags=tuple(cflags),
+            ldflags=tuple(ldflags),
+            nvcc_flags=(),
+            library_dirs=(),
+        )
+
+    if not cuda_sources():
+        raise RuntimeError(
+            f"diffkv: nvcc found ({nvcc}) but no CUDA sources in {ROOT / 'cuda'}: the source tree is "
+            "incomplete (an sdist from before MANIFEST.in?); set DIFFKV_CUDA=0 for a CPU-only build"
+        )
+    archs, gencode = cuda_archs()
+    nvcc_flags = [
+        "-std=c++17",
+        "-O3",
+        "--use_fast_math",
+        "-Xcompiler",
+        "-fPIC,-Wall,-Wextra",
+        "-DDIFFKV_WITH_CUDA=1",
+        "-I",
+        str(ROOT / "csrc"),
+        *gencode,
+    ]
+    if werror:
+        nvcc_flags += ["-Werror", "all-warnings"]
+    cuda_home = nvcc.parent.parent
+    lib_dirs = [
+        d
+        for d in (cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib")
+        if d.is_dir()
+    ]
+    return BuildConfig(
+        nvcc=nvcc,
+        why_cpu="",
+        archs=tuple(archs),
+        macros=(("DIFFKV_WITH_CUDA", "1"), ("DIFFKV_CUDA_ARCHS", '"' + ";".join(archs) + '"')),
+        cflags=tuple(cflags),
+        ldflags=(*ldflags, *CUDA_LINK_LIBS),
+        nvcc_flags=tuple(nvcc_flags),
+        library_dirs=tuple(map(str, lib_dirs)),
+    )
+
+
+def read_depfile(path):
+    """The prerequisites a make-style dependency file (nvcc -MD) lists, relative ones resolved
+    against ROOT (nvcc runs there)."""
+    text = path.read_text().replace("\\\n", " ")
+    _, _, prerequisites = text.partition(":")
+    words = prerequisites.replace("\\ ", "\0").split()
+    return [ROOT / w.replace("\0", " ") for w in words]
+
+
+def out_of_date(obj, depfile):
+    """True when obj is missing, its dependency file is missing, or a file it was built from
+    (source or header) is newer or gone."""
+    if not obj.exists() or not depfile.exists():
+        return True
+    built = obj.stat().st_mtime_ns
+    for dep in read_depfile(depfile):
+        try:
+            if dep.stat().st_mtime_ns > built:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
 
 
 class BuildExt(build_ext):
-    """Compiles cuda/*.cu with nvcc next to the C sources, when nvcc exists."""
+    """Compiles cuda/*.cu with nvcc next to the C sources (CUDA builds) and relinks the
+    extension whenever what it is built from or the build's identity changed."""
 
     def build_extension(self, ext):
-        nvcc = find_nvcc()
-        werror = env_flag("DIFFKV_WERROR")
-        sanitize = env_flag("DIFFKV_SANITIZE")
-        ext.extra_compile_args = ["-std=c11", "-O2", *C_WARNINGS] + (["-Werror"] if werror else [])
-        if sanitize:
-            ext.extra_compile_args += [
-                "-fsanitize=address,undefined",
-                "-fno-sanitize-recover=undefined",
-                "-fno-omit-frame-pointer",
-                "-g",
-            ]
-            ext.extra_link_args = [*ext.extra_link_args, "-fsanitize=address,undefined"]
-        cu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cuda").glob("*.cu"))
-        if nvcc is None or sanitize:
-            why = "DIFFKV_SANITIZE=1" if sanitize else "DIFFKV_CUDA=0 or no nvcc found"
-            print(f"diffkv: CPU-only build ({why})", file=sys.stderr)
-            ext.define_macros = [m for m in ext.define_macros if m[0] != "DIFFKV_WITH_CUDA"]
-            ext.define_macros.append(("DIFFKV_CUDA_ARCHS", '""'))
-            return super().build_extension(ext)
+        cfg = decide_build()
+        if cfg.cuda:
+            print(f"diffkv: CUDA build with {cfg.nvcc} for {';'.join(cfg.archs)}", file=sys.stderr)
+        else:
+            print(f"diffkv: CPU-only build ({cfg.why_cpu})", file=sys.stderr)
+        temp = Path(self.build_temp) / cfg.identity
+        ext.define_macros = [("Py_LIMITED_API", LIMITED_API), *cfg.macros]
+        ext.extra_compile_args = list(cfg.cflags)
+        ext.extra_link_args = list(cfg.ldflags)
+        ext.library_dirs = list(cfg.library_dirs)
+        ext.depends = c_headers()
+        ext.extra_objects = list(map(str, self.compile_cuda(cfg, temp / "cuda"))) if cfg.cuda else []
 
-        if not cu_sources:
-            raise RuntimeError(
-                f"diffkv: nvcc found ({nvcc}) but no CUDA sources in {ROOT / 'cuda'}: the source tree is "
-                "incomplete (an sdist from before MANIFEST.in?); set DIFFKV_CUDA=0 for a CPU-only build"
-            )
-        archs, gencode = cuda_archs()
-        cuda_home = nvcc.parent.parent
-        build_temp = Path(self.build_temp) / "cuda"
-        build_temp.mkdir(parents=True, exist_ok=True)
-        nvcc_flags = [
-            "-std=c++17",
-            "-O3",
-            "--use_fast_math",
-            "-Xcompiler",
-            "-fPIC,-Wall,-Wextra",
-            "-DDIFFKV_WITH_CUDA=1",
-            "-I",
-            str(ROOT / "csrc"),
-            *gencode,
+        ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
+        stamp_path = Path(self.build_temp) / LINK_STAMP
+        wanted = {"identity": cfg.identity, "sources": ext.sources + ext.extra_objects}
+        reason = self.relink_reason(ext, ext_path, self.read_stamp(stamp_path).get(str(ext_path)), wanted)
+        if reason is None:
+            print(f"diffkv: {ext_path.name} up to date ({cfg.identity})", file=sys.stderr)
+            return
+        print(f"diffkv: linking {ext_path.name} ({cfg.identity}): {reason}", file=sys.stderr)
+        saved = self.build_temp, self.force, self.compiler.force
+        # force: setuptools and the compiler would skip the link when no object is newer than
+        # the .so, which is wrong after a switch back to an earlier identity's objects.
+        self.build_temp, self.force, self.compiler.force = str(temp), True, True
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp, self.force, self.compiler.force = saved
+        stat = ext_path.stat()
+        stamps = self.read_stamp(stamp_path)
+        stamps[str(ext_path)] = {**wanted, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        stamp_path.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
+
+    @staticmethod
+    def read_stamp(path):
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def relink_reason(self, ext, ext_path, linked, wanted):
+        """Why the extension must be linked again, or None when the file on disk is what this
+        build would produce."""
+        if self.force:
+            return "--force"
+        if not ext_path.exists():
+            return "no extension yet"
+        if linked is None:
+            return "not linked from this build directory"
+        if linked["identity"] != wanted["identity"]:
+            return f"the build's identity changed (was {linked['identity']})"
+        if linked["sources"] != wanted["sources"]:
+            return "the list of sources changed"
+        stat = ext_path.stat()
+        if (linked["size"], linked["mtime_ns"]) != (stat.st_size, stat.st_mtime_ns):
+            return "the extension file was replaced since the last link"
+        for name in [*ext.sources, *ext.depends, *ext.extra_objects]:
+            if Path(name).stat().st_mtime_ns > stat.st_mtime_ns:
+                return f"{name} changed"
+        return None
+
+    def compile_cuda(self, cfg, out_dir):
+        """Compiles the out-of-date cuda/*.cu into out_dir; returns every object, in order."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        sources = cuda_sources()
+        objects = [out_dir / (Path(src).stem + ".o") for src in sources]
+        stale = [
+            (src, obj)
+            for src, obj in zip(sources, objects, strict=True)
+            if self.force or out_of_date(obj, obj.with_suffix(".d"))
         ]
-        if werror:
-            nvcc_flags += ["-Werror", "all-warnings"]
+        print(f"diffkv: nvcc: {len(stale)} of {len(sources)} CUDA objects out of date", file=sys.stderr)
 
-        def compile_one(src):
-            obj = build_temp / (Path(src).stem + ".o")
-            cmd = [str(nvcc), *nvcc_flags, "-c", str(ROOT / src), "-o", str(obj)]
+        def compile_one(job):
+            src, obj = job
+            depfile = obj.with_suffix(".d")
+            depfile.unlink(missing_ok=True)  # no dependency file: rebuilt next time if this fails
+            tmp_obj, tmp_dep = obj.with_suffix(".o.tmp"), obj.with_suffix(".d.tmp")
+            cmd = [str(cfg.nvcc), *cfg.nvcc_flags, "-MD", "-MF", str(tmp_dep)]
+            cmd += ["-c", str(ROOT / src), "-o", str(tmp_obj)]
             print(" ".join(cmd), file=sys.stderr)
-            subprocess.run(cmd, check=True)
-            return str(obj)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            os.replace(tmp_obj, obj)
+            os.replace(tmp_dep, depfile)
 
-        jobs = max(1, min(len(cu_sources), os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            objects = list(pool.map(compile_one, cu_sources))
-
-        lib_dirs = [
-            d
-            for d in (cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib")
-            if d.is_dir()
-        ]
-        ext.extra_objects = [*ext.extra_objects, *objects]
-        ext.library_dirs = [*ext.library_dirs, *map(str, lib_dirs)]
-        ext.extra_link_args = [
-            *ext.extra_link_args,
-            "-lcudart_static",
-            "-lrt",
-            "-lpthread",
-            "-ldl",
-            "-lstdc++",
-        ]
-        ext.define_macros = [*ext.define_macros, ("DIFFKV_CUDA_ARCHS", '"' + ";".join(archs) + '"')]
-        print(f"diffkv: CUDA build with {nvcc} for {';'.join(archs)}", file=sys.stderr)
-        return super().build_extension(ext)
+        if stale:
+            jobs = max(1, min(len(stale), os.cpu_count() or 1))
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(compile_one, stale))
+        return objects
 
 
 cmdclass = {"build_ext": BuildExt}
@@ -166,17 +348,14 @@ if _bdist_wheel is not None:
 
     cmdclass["bdist_wheel"] = BdistWheelAbi3
 
-c_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.c"))
-with_cuda = find_nvcc() is not None and not env_flag("DIFFKV_SANITIZE")
-
 setup(
     ext_modules=[
         Extension(
             "diffkv._C",
-            sources=c_sources,
+            sources=c_sources(),
             include_dirs=["csrc", "csrc/py"],
-            define_macros=[("Py_LIMITED_API", LIMITED_API)]
-            + ([("DIFFKV_WITH_CUDA", "1")] if with_cuda else []),
+            depends=c_headers(),
+            define_macros=[("Py_LIMITED_API", LIMITED_API)],
             py_limited_api=True,
         )
     ],

@@ -1,6 +1,6 @@
-"""The source distribution is complete: it holds every source and header setup.py compiles (an
-sdist without csrc/*.h and cuda/ once built nothing, or, with nvcc found, a broken CUDA build),
-and a CPU-only wheel built from it alone imports."""
+"""The source distribution is complete: it holds every source and header setup.py compiles,
+subfolders of csrc/ included (an sdist without csrc/*.h and cuda/ once built nothing, or, with
+nvcc found, a broken CUDA build), and a CPU-only wheel built from it alone imports."""
 
 import shutil
 import subprocess
@@ -12,10 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 SOURCES = (
-    "csrc/*.c",
-    "csrc/*.h",
-    "cuda/*.cu",
-    "cuda/*.cuh",
+    "csrc/**/*.c",
+    "csrc/**/*.h",
+    "cuda/**/*.cu",
+    "cuda/**/*.cuh",
     "python/diffkv/**/*.py",
     "python/diffkv/_C.pyi",
     "python/diffkv/py.typed",
