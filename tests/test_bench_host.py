@@ -14,9 +14,8 @@ ROWS = (
     "layer call with full_attn_spans",
     "layer call, q/k/v given as [N, H, D]",
     "prepare_layer_context",
-    "forward_paged",
-    "forward_paged with spans",
-    "forward_paged, Python path (run_forward_paged)",
+    "forward_paged of a reused context (run_forward_paged)",
+    "the same with spans",
     "_C.forward_paged (binding + launches)",
 )
 

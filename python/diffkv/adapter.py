@@ -986,7 +986,7 @@ class DiffusionPagedAttentionAdapter:
             if output_scatter_indices is None and len(query_token_shape) == 1:
                 # out is the caller's layout: [N, H, Dv] like the query, or [N, H*Dv] (the
                 # kernels write its [N, H, Dv] view)
-                out_shape, restored = (None if query_has_head_dims else described[7]), True
+                out_shape, restored = (None if query_has_head_dims else described[6]), True
             else:
                 out_shape, restored = None, False
             prepared_call[0] = (
@@ -994,8 +994,7 @@ class DiffusionPagedAttentionAdapter:
                 layer,
                 kv_cache,
                 query_flat,
-                (query_flat, key_flat, value_flat, *described[5]),
-                described[6],
+                [query_flat, key_flat, value_flat, *described[5]],
                 out_shape,
                 restored,
             )
@@ -1013,8 +1012,8 @@ class DiffusionPagedAttentionAdapter:
     ) -> tuple | None:
         """What prepare_layer_context keeps per layer and activation to describe its calls:
         (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale -- what it was made
-        from --, then _C.forward_paged's arguments from the cache to the scale, the host copies,
-        and the [N, H*Dv] output shape), or None when the metadata or layer cannot be read
+        from --, then _C.forward_paged's arguments after query, key and value with None in out's
+        place, and the [N, H*Dv] output shape), or None when the metadata or layer cannot be read
         this way (forward_paged then reads the context itself and raises what it raises)."""
         try:
             inputs = ops.paged_layer_inputs(
@@ -1031,7 +1030,8 @@ class DiffusionPagedAttentionAdapter:
         except Exception:
             return None
         head, tail = ops.forward_paged_arguments(inputs)
-        described = (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale, head, tail, flat_shape)
+        arguments = (*head, None, *tail)  # _C.forward_paged's after key and value; None: out
+        described = (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale, arguments, flat_shape)
         self._active_calls[layer_name] = described
         return described
 

@@ -220,10 +220,11 @@ class DiffKVAttentionImpl(AttentionImpl):
             prepared = prepared_call[0]
             if prepared is not None and prepared[0] is paged_kv_context:
                 prepared_call[0] = None
-                _, layer, kv_cache, query, head, tail, out_shape, restored = prepared
+                _, layer, kv_cache, query, arguments, out_shape, restored = prepared
                 if layer.kv_cache is kv_cache and layer.impl is not None:
                     out = _empty_like(query) if out_shape is None else query.new_empty(out_shape)
-                    _C.forward_paged(*head, out, *tail)
+                    arguments[_OUT] = out
+                    _C.forward_paged(*arguments)
                     return out if restored else paged_kv_context.restore_output(out)
         return run_forward_paged(paged_kv_context)
 
@@ -265,14 +266,15 @@ class DiffKVAttentionImpl(AttentionImpl):
 
 # The layer call diffkv's prepare_layer_context described last, until forward_paged takes it
 # (adapter.py fills it): (context, its layer, the cache it was described with, query,
-# _C.forward_paged's arguments before out -- query, key, value, then
-# ops.forward_paged_arguments' head --, the host copies after out, out's shape or None for
+# _C.forward_paged's arguments as a list -- query, key, value, ops.forward_paged_arguments'
+# head, None in out's place, the host copies --, out's shape or None for
 # torch.empty_like(query), whether out is then already in the caller's layout).  One slot for
 # the process: a context that finds another's call here (two threads, or prepare without
 # forward) is described again by run_forward_paged, with the same result; and one layer call's
 # tensors at most are kept alive by it.
 prepared_call: list[tuple | None] = [None]
 _empty_like = torch.empty_like
+_OUT = 11  # out's place among _C.forward_paged's arguments
 
 
 def run_forward_paged(
