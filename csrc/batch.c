@@ -313,6 +313,7 @@ typedef struct wide_sum {
     uint64_t lo;
 } wide_sum;
 
+/* s += v, exactly (a 128-bit two's-complement sum).  Cannot fail. */
 static void
 wide_add(wide_sum *s, int64_t v)
 {
@@ -366,6 +367,7 @@ wide_format(const wide_sum *s, char *buf, size_t cap)
     buf[j] = '\0';
 }
 
+/* Fills fault with the broken rule and where, for the caller's message: returns DK_ERR_VALUE. */
 static dk_status
 batch_fault(dk_batch_fault *fault, dk_batch_rule rule, int64_t row, int64_t group)
 {

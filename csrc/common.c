@@ -17,6 +17,8 @@
 /* The attention kernel choice (dk_kernel_choice); -1 until set or read from the environment. */
 static _Atomic int kernel_choice = -1;
 
+/* DIFFKV_ATTENTION_KERNEL ("sm90", "sm80", anything else: auto) as a dk_kernel_choice.
+ * Cannot fail. */
 static int
 kernel_choice_from_env(void)
 {
@@ -126,6 +128,7 @@ dk_tensor_numel(const dk_tensor *t)
     return n;
 }
 
+/* The IEEE bits of f, and back (bits_float).  Cannot fail. */
 static uint32_t
 float_bits(float f)
 {

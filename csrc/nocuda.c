@@ -17,6 +17,7 @@
     "diffkv was built without CUDA support (no nvcc at build time or DIFFKV_CUDA=0); reinstall "   \
     "with nvcc on PATH: pip install --no-build-isolation --force-reinstall --no-deps ."
 
+/* Every CUDA entry point of a CPU-only build: DK_ERR_NO_CUDA with how to rebuild. */
 static dk_status
 no_cuda(dk_error *err)
 {

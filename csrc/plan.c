@@ -34,6 +34,7 @@ typedef struct seg_iter {
     dk_segment pending;
 } seg_iter;
 
+/* An iterator over row r's segments (seg_next), at its first query token.  Cannot fail. */
 static void
 seg_iter_init(seg_iter *it, const dk_plan_args *a, int64_t r)
 {
@@ -47,6 +48,7 @@ seg_iter_init(seg_iter *it, const dk_plan_args *a, int64_t r)
     it->has_pending = 0;
 }
 
+/* A segment of queries [q_start, q_end) seeing keys below kv_end in `mode`.  Cannot fail. */
 static dk_segment
 make_segment(int64_t q_start, int64_t q_end, int64_t kv_end, dk_mode mode)
 {
@@ -97,6 +99,7 @@ seg_next(seg_iter *it, dk_segment *out)
     return 0;
 }
 
+/* How many segments row r splits into (a checked row).  Cannot fail. */
 static int64_t
 row_segment_count(const dk_plan_args *a, int64_t r)
 {
@@ -123,6 +126,7 @@ dk_plan_segment_capacity(const dk_plan_args *a)
     return a->num_rows * (2 * max_spans + 1);
 }
 
+/* Records the broken rule and its message (vLLM-Omni's planner text): returns DK_ERR_VALUE. */
 static dk_status
 plan_fail(dk_plan_rule *rule, dk_plan_rule which, dk_error *err, const char *msg)
 {
