@@ -228,6 +228,34 @@ dkpy_want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg
     return 0;
 }
 
+const dk_tensor dkpy_host; /* DKPY_HOST: only its address is used */
+
+int
+dkpy_tensor(PyObject *module, PyObject *obj, const char *op, const dkpy_want *want, dk_tensor *t)
+{
+    if (dkpy_tensor_arg(module, obj, op, want->arg, t) != 0) {
+        return -1;
+    }
+    return dkpy_check(t, op, want);
+}
+
+int
+dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want)
+{
+    const char *arg = want->arg;
+    if ((want->device == DKPY_HOST && dkpy_want_cpu(t, op, arg)) ||
+        (want->dtype == DKPY_FLOAT ? dkpy_want_float(t, op, arg)
+                                   : dkpy_want_dtype(t, (dk_dtype)want->dtype, op, arg)) ||
+        (want->ndim == DKPY_VECTOR ? dkpy_want_contiguous_1d(t, op, arg)
+                                   : dkpy_want_ndim(t, want->ndim, op, arg)) ||
+        (want->device != NULL && want->device != DKPY_HOST &&
+         dkpy_same_device(want->device, t, op, arg)) ||
+        (want->min_len > 0 && dkpy_want_min_len(t, want->min_len, op, arg))) {
+        return -1;
+    }
+    return 0;
+}
+
 /* [*lo, *hi): the bytes a view can touch, from its shape and strides; 0 when it is empty. */
 static int
 byte_range(const dk_tensor *t, uintptr_t *lo, uintptr_t *hi)

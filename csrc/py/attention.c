@@ -87,16 +87,17 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
           dkpy_want_dtype(&c, q.dtype, op, "kv_cache") || dkpy_want_ndim(&c, 5, op, "kv_cache"))) ||
         (dense_kv != NULL && dkpy_want_dtype(&c, q.dtype, op, "key")) ||
         dkpy_same_device(&q, &c, op, dense_kv != NULL ? "key" : "kv_cache") ||
-        dkpy_tensor_arg(module, args[2], op, bt_name, &bt) != 0 ||
-        dkpy_want_dtype(&bt, DK_I32, op, bt_name) || dkpy_want_ndim(&bt, 2, op, bt_name) ||
-        dkpy_same_device(&q, &bt, op, bt_name) ||
-        dkpy_tensor_arg(module, args[3], op, "query_start_loc", &qsl) != 0 ||
-        dkpy_want_dtype(&qsl, DK_I32, op, "query_start_loc") ||
-        dkpy_want_contiguous_1d(&qsl, op, "query_start_loc") ||
-        dkpy_same_device(&q, &qsl, op, "query_start_loc") ||
-        dkpy_tensor_arg(module, args[4], op, "seq_lens", &sl) != 0 ||
-        dkpy_want_dtype(&sl, DK_I32, op, "seq_lens") ||
-        dkpy_want_contiguous_1d(&sl, op, "seq_lens") || dkpy_same_device(&q, &sl, op, "seq_lens") ||
+        dkpy_tensor(module, args[2], op,
+                    &(dkpy_want){.arg = bt_name, .dtype = DK_I32, .ndim = 2, .device = &q}, &bt) ||
+        dkpy_tensor(
+            module, args[3], op,
+            &(dkpy_want){
+                .arg = "query_start_loc", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = &q},
+            &qsl) ||
+        dkpy_tensor(
+            module, args[4], op,
+            &(dkpy_want){.arg = "seq_lens", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = &q},
+            &sl) ||
         dk_bridge_optional_tensor(&state_of(module)->bridge, args[5], op, "key_limits", &kl) ||
         dkpy_get_i64(args[6], op, "mask", &mask) ||
         dkpy_tensor_arg(module, args[8], op, "out", &o) != 0 ||
@@ -122,17 +123,22 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
         hqsl = qsl;
         hsl = sl;
     }
-    else if (dkpy_tensor_arg(module, args[9], op, hbt_name, &hbt) != 0 ||
-             dkpy_want_cpu(&hbt, op, hbt_name) || dkpy_want_dtype(&hbt, DK_I32, op, hbt_name) ||
-             dkpy_want_ndim(&hbt, 2, op, hbt_name) ||
-             dkpy_tensor_arg(module, args[10], op, "host_query_start_loc", &hqsl) != 0 ||
-             dkpy_want_cpu(&hqsl, op, "host_query_start_loc") ||
-             dkpy_want_dtype(&hqsl, DK_I32, op, "host_query_start_loc") ||
-             dkpy_want_contiguous_1d(&hqsl, op, "host_query_start_loc") ||
-             dkpy_tensor_arg(module, args[11], op, "host_seq_lens", &hsl) != 0 ||
-             dkpy_want_cpu(&hsl, op, "host_seq_lens") ||
-             dkpy_want_dtype(&hsl, DK_I32, op, "host_seq_lens") ||
-             dkpy_want_contiguous_1d(&hsl, op, "host_seq_lens")) {
+    else if (dkpy_tensor(
+                 module, args[9], op,
+                 &(dkpy_want){.arg = hbt_name, .dtype = DK_I32, .ndim = 2, .device = DKPY_HOST},
+                 &hbt) ||
+             dkpy_tensor(module, args[10], op,
+                         &(dkpy_want){.arg = "host_query_start_loc",
+                                      .dtype = DK_I32,
+                                      .ndim = DKPY_VECTOR,
+                                      .device = DKPY_HOST},
+                         &hqsl) ||
+             dkpy_tensor(module, args[11], op,
+                         &(dkpy_want){.arg = "host_seq_lens",
+                                      .dtype = DK_I32,
+                                      .ndim = DKPY_VECTOR,
+                                      .device = DKPY_HOST},
+                         &hsl)) {
         return -1;
     }
     double scale = PyFloat_AsDouble(args[7]);
@@ -195,10 +201,12 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
                          "%s(): key_limits must be a tensor when mask is 2 (limits)", op);
             return -1;
         }
-        if (dkpy_want_dtype(&kl, DK_I32, op, "key_limits") ||
-            dkpy_want_contiguous_1d(&kl, op, "key_limits") ||
-            dkpy_same_device(&q, &kl, op, "key_limits") ||
-            dkpy_want_min_len(&kl, n, op, "key_limits")) {
+        if (dkpy_check(&kl, op,
+                       &(dkpy_want){.arg = "key_limits",
+                                    .dtype = DK_I32,
+                                    .ndim = DKPY_VECTOR,
+                                    .min_len = n,
+                                    .device = &q})) {
             return -1;
         }
     }
@@ -408,10 +416,12 @@ dkpy_short_rows_set_mask(PyObject *module, PyObject *key_limits, const char *op,
                          "%s(): key_limits must be a tensor when mask is 2 (limits), got None", op);
             return -1;
         }
-        if (dkpy_want_dtype(&kl, DK_I32, op, "key_limits") ||
-            dkpy_want_contiguous_1d(&kl, op, "key_limits") ||
-            dkpy_same_device(q, &kl, op, "key_limits") ||
-            dkpy_want_min_len(&kl, a->num_tokens, op, "key_limits") ||
+        if (dkpy_check(&kl, op,
+                       &(dkpy_want){.arg = "key_limits",
+                                    .dtype = DK_I32,
+                                    .ndim = DKPY_VECTOR,
+                                    .min_len = a->num_tokens,
+                                    .device = q}) ||
             dkpy_no_overlap(o, "out", &kl, "key_limits", op)) {
             return -1;
         }

@@ -298,12 +298,11 @@ static int
 cpu_i32_1d(PyObject *module, PyObject *obj, const char *op, const char *arg, int64_t n,
            dk_tensor *t)
 {
-    if (dkpy_tensor_arg(module, obj, op, arg, t) != 0 || dkpy_want_cpu(t, op, arg) != 0 ||
-        dkpy_want_dtype(t, DK_I32, op, arg) != 0 || dkpy_want_contiguous_1d(t, op, arg) != 0 ||
-        dkpy_want_min_len(t, n, op, arg) != 0) {
-        return -1;
-    }
-    return 0;
+    return dkpy_tensor(
+        module, obj, op,
+        &(dkpy_want){
+            .arg = arg, .dtype = DK_I32, .ndim = DKPY_VECTOR, .min_len = n, .device = DKPY_HOST},
+        t);
 }
 
 static PyObject *
@@ -372,11 +371,13 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         ((int32_t *)t_ri.data)[i] = (int32_t)ri[i];
     }
     qsl[n] = (int32_t)total;
-    if (dkpy_tensor_arg(module, args[5], op, "positions_out", &t_pos) != 0 ||
-        dkpy_want_cpu(&t_pos, op, "positions_out") != 0 ||
-        dkpy_want_dtype(&t_pos, DK_I64, op, "positions_out") != 0 ||
-        dkpy_want_contiguous_1d(&t_pos, op, "positions_out") != 0 ||
-        dkpy_want_min_len(&t_pos, total, op, "positions_out") != 0 ||
+    if (dkpy_tensor(module, args[5], op,
+                    &(dkpy_want){.arg = "positions_out",
+                                 .dtype = DK_I64,
+                                 .ndim = DKPY_VECTOR,
+                                 .min_len = total,
+                                 .device = DKPY_HOST},
+                    &t_pos) ||
         dkpy_no_overlap(&t_pos, "positions_out", &t_qsl, "query_start_loc_out", op) ||
         dkpy_no_overlap(&t_pos, "positions_out", &t_ri, "row_indices_out", op) ||
         dkpy_no_overlap(&t_pos, "positions_out", &t_sl, "seq_lens_out", op)) {
@@ -400,9 +401,11 @@ py_dcp_local_seq_lens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     dk_tensor sl, out;
     int64_t c = 0, r = 0, il = 0;
-    if (dkpy_tensor_arg(module, args[0], op, "seq_lens", &sl) != 0 ||
-        dkpy_want_cpu(&sl, op, "seq_lens") || dkpy_want_dtype(&sl, DK_I32, op, "seq_lens") ||
-        dkpy_want_contiguous_1d(&sl, op, "seq_lens") ||
+    if (dkpy_tensor(
+            module, args[0], op,
+            &(dkpy_want){
+                .arg = "seq_lens", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = DKPY_HOST},
+            &sl) ||
         cpu_i32_1d(module, args[1], op, "out", sl.shape[0], &out) != 0 ||
         dkpy_get_i64(args[2], op, "cp_size", &c) || dkpy_get_i64(args[3], op, "cp_rank", &r) ||
         dkpy_get_i64(args[4], op, "cp_interleave", &il)) {

@@ -118,6 +118,28 @@ int dkpy_same_device(const dk_tensor *ref, const dk_tensor *t, const char *op, c
 int dkpy_want_contiguous_1d(const dk_tensor *t, const char *op, const char *arg);
 /* at least n entries along dimension 0 */
 int dkpy_want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg);
+/* What a tensor argument must be, for dkpy_tensor: one description instead of a chain of
+ * dkpy_want_* calls.  The checks run in this order (type-like before size-like), each raising
+ * its dkpy_want_* message: on the CPU (device DKPY_HOST), the dtype, the rank, the device of
+ * another tensor, the length. */
+typedef struct dkpy_want {
+    const char *arg;         /* the argument's name in messages */
+    int dtype;               /* a dk_dtype, or DKPY_FLOAT: float32, float16 or bfloat16 */
+    int ndim;                /* its rank, or DKPY_VECTOR: 1-D with unit stride */
+    int64_t min_len;         /* at least this many entries along dimension 0; 0: any */
+    const dk_tensor *device; /* on this tensor's device, DKPY_HOST: a CPU tensor, NULL: any */
+} dkpy_want;
+
+enum { DKPY_FLOAT = -1, DKPY_VECTOR = -1 };
+extern const dk_tensor dkpy_host;
+#define DKPY_HOST (&dkpy_host)
+
+/* *t = the view of obj, checked against *want: 0, or -1 with the first failure's message. */
+int dkpy_tensor(PyObject *module, PyObject *obj, const char *op, const dkpy_want *want,
+                dk_tensor *t);
+/* The same checks of a view already read (an optional tensor, say). */
+int dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want);
+
 /* ValueError when out and in (same device) share a byte: an output must not alias an input. */
 int dkpy_no_overlap(const dk_tensor *out, const char *out_name, const dk_tensor *in,
                     const char *in_name, const char *op);

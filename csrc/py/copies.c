@@ -35,18 +35,16 @@ dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_
                     dk_tensor *views)
 {
     dk_tensor k, v, c, sm;
-    if (dkpy_tensor_arg(module, args[0], op, "key", &k) != 0 || dkpy_want_float(&k, op, "key") ||
-        dkpy_want_ndim(&k, 3, op, "key") ||
-        dkpy_tensor_arg(module, args[1], op, "value", &v) != 0 ||
-        dkpy_want_dtype(&v, k.dtype, op, "value") || dkpy_want_ndim(&v, 3, op, "value") ||
-        dkpy_same_device(&k, &v, op, "value") ||
-        dkpy_tensor_arg(module, args[2], op, "kv_cache", &c) != 0 ||
-        dkpy_want_dtype(&c, k.dtype, op, "kv_cache") || dkpy_want_ndim(&c, 5, op, "kv_cache") ||
-        dkpy_same_device(&k, &c, op, "kv_cache") ||
-        dkpy_tensor_arg(module, args[3], op, "slot_mapping", &sm) != 0 ||
-        dkpy_want_dtype(&sm, DK_I64, op, "slot_mapping") ||
-        dkpy_want_ndim(&sm, 1, op, "slot_mapping") ||
-        dkpy_same_device(&k, &sm, op, "slot_mapping")) {
+    if (dkpy_tensor(module, args[0], op, &(dkpy_want){.arg = "key", .dtype = DKPY_FLOAT, .ndim = 3},
+                    &k) ||
+        dkpy_tensor(module, args[1], op,
+                    &(dkpy_want){.arg = "value", .dtype = k.dtype, .ndim = 3, .device = &k}, &v) ||
+        dkpy_tensor(module, args[2], op,
+                    &(dkpy_want){.arg = "kv_cache", .dtype = k.dtype, .ndim = 5, .device = &k},
+                    &c) ||
+        dkpy_tensor(module, args[3], op,
+                    &(dkpy_want){.arg = "slot_mapping", .dtype = DK_I64, .ndim = 1, .device = &k},
+                    &sm)) {
         return -1;
     }
     if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
@@ -211,14 +209,14 @@ parse_rows(PyObject *module, PyObject *const *args, const char *op, dk_rows_args
            dk_tensor *src_out, int scatter)
 {
     dk_tensor s, ix, d;
-    if (dkpy_tensor_arg(module, args[0], op, "src", &s) != 0 || dkpy_want_float(&s, op, "src") ||
-        dkpy_want_ndim(&s, 3, op, "src") ||
-        dkpy_tensor_arg(module, args[1], op, "index", &ix) != 0 ||
-        dkpy_want_dtype(&ix, DK_I64, op, "index") || dkpy_want_contiguous_1d(&ix, op, "index") ||
-        dkpy_same_device(&s, &ix, op, "index") ||
-        dkpy_tensor_arg(module, args[2], op, "dst", &d) != 0 ||
-        dkpy_want_dtype(&d, s.dtype, op, "dst") || dkpy_want_ndim(&d, 3, op, "dst") ||
-        dkpy_same_device(&s, &d, op, "dst")) {
+    if (dkpy_tensor(module, args[0], op, &(dkpy_want){.arg = "src", .dtype = DKPY_FLOAT, .ndim = 3},
+                    &s) ||
+        dkpy_tensor(
+            module, args[1], op,
+            &(dkpy_want){.arg = "index", .dtype = DK_I64, .ndim = DKPY_VECTOR, .device = &s},
+            &ix) ||
+        dkpy_tensor(module, args[2], op,
+                    &(dkpy_want){.arg = "dst", .dtype = s.dtype, .ndim = 3, .device = &s}, &d)) {
         return -1;
     }
     if (d.shape[1] != s.shape[1] || d.shape[2] != s.shape[2]) {

@@ -34,9 +34,10 @@ joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
     }
     for (int i = 0; i < 2; i++) {
         dk_tensor *t = &kv[2 + i];
-        if (dkpy_tensor_arg(module, args[i], op, names[i], t) != 0 ||
-            dkpy_want_dtype(t, kv[0].dtype, op, names[i]) || dkpy_want_ndim(t, 3, op, names[i]) ||
-            dkpy_same_device(&kv[0], t, op, names[i])) {
+        if (dkpy_tensor(
+                module, args[i], op,
+                &(dkpy_want){.arg = names[i], .dtype = kv[0].dtype, .ndim = 3, .device = &kv[0]},
+                t)) {
             return -1;
         }
         int ok = t->shape[0] == kv[2].shape[0];
@@ -103,11 +104,11 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dk_tensor kv[4], q, o;
-    if (dkpy_tensor_arg(module, args[1], op, "key", &kv[0]) != 0 ||
-        dkpy_want_float(&kv[0], op, "key") || dkpy_want_ndim(&kv[0], 3, op, "key") ||
-        dkpy_tensor_arg(module, args[2], op, "value", &kv[1]) != 0 ||
-        dkpy_want_dtype(&kv[1], kv[0].dtype, op, "value") ||
-        dkpy_want_ndim(&kv[1], 3, op, "value") || dkpy_same_device(&kv[0], &kv[1], op, "value")) {
+    if (dkpy_tensor(module, args[1], op, &(dkpy_want){.arg = "key", .dtype = DKPY_FLOAT, .ndim = 3},
+                    &kv[0]) ||
+        dkpy_tensor(module, args[2], op,
+                    &(dkpy_want){.arg = "value", .dtype = kv[0].dtype, .ndim = 3, .device = &kv[0]},
+                    &kv[1])) {
         return NULL;
     }
     for (int i = 0; i < 3; i++) {

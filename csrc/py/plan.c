@@ -133,16 +133,20 @@ py_build_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                   &qi)) {
         goto done;
     }
-    if (kl.ndim >= 0 && (dkpy_want_cpu(&kl, op, "key_limits_out") ||
-                         dkpy_want_dtype(&kl, DK_I32, op, "key_limits_out") ||
-                         dkpy_want_contiguous_1d(&kl, op, "key_limits_out") ||
-                         dkpy_want_min_len(&kl, total_q, op, "key_limits_out"))) {
+    if (kl.ndim >= 0 && dkpy_check(&kl, op,
+                                   &(dkpy_want){.arg = "key_limits_out",
+                                                .dtype = DK_I32,
+                                                .ndim = DKPY_VECTOR,
+                                                .min_len = total_q,
+                                                .device = DKPY_HOST})) {
         goto done;
     }
-    if (qi.ndim >= 0 && (dkpy_want_cpu(&qi, op, "query_indices_out") ||
-                         dkpy_want_dtype(&qi, DK_I64, op, "query_indices_out") ||
-                         dkpy_want_contiguous_1d(&qi, op, "query_indices_out") ||
-                         dkpy_want_min_len(&qi, total_q, op, "query_indices_out"))) {
+    if (qi.ndim >= 0 && dkpy_check(&qi, op,
+                                   &(dkpy_want){.arg = "query_indices_out",
+                                                .dtype = DK_I64,
+                                                .ndim = DKPY_VECTOR,
+                                                .min_len = total_q,
+                                                .device = DKPY_HOST})) {
         goto done;
     }
     if (kl.ndim >= 0 && qi.ndim >= 0 &&

@@ -19,8 +19,8 @@ launch_slots(const void *a, void *stream, dk_error *err)
 static int
 cpu_i32_2d(PyObject *module, PyObject *obj, const char *op, const char *arg, dk_tensor *t)
 {
-    if (dkpy_tensor_arg(module, obj, op, arg, t) != 0 || dkpy_want_cpu(t, op, arg) != 0 ||
-        dkpy_want_dtype(t, DK_I32, op, arg) != 0 || dkpy_want_ndim(t, 2, op, arg) != 0) {
+    if (dkpy_tensor(module, obj, op,
+                    &(dkpy_want){.arg = arg, .dtype = DK_I32, .ndim = 2, .device = DKPY_HOST}, t)) {
         return -1;
     }
     if (t->shape[1] > 1 && t->strides[1] != 1) {
@@ -41,10 +41,13 @@ py_table_append(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_tensor table, counts;
     int64_t row = 0, k = 0, nk = 0;
     if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
-        dkpy_tensor_arg(module, args[1], op, "counts", &counts) != 0 ||
-        dkpy_want_cpu(&counts, op, "counts") || dkpy_want_dtype(&counts, DK_I32, op, "counts") ||
-        dkpy_want_ndim(&counts, 1, op, "counts") ||
-        dkpy_want_min_len(&counts, table.shape[0], op, "counts") ||
+        dkpy_tensor(module, args[1], op,
+                    &(dkpy_want){.arg = "counts",
+                                 .dtype = DK_I32,
+                                 .ndim = 1,
+                                 .min_len = table.shape[0],
+                                 .device = DKPY_HOST},
+                    &counts) ||
         dkpy_get_i64(args[2], op, "row", &row) ||
         dkpy_get_i64(args[4], op, "blocks_per_kv_block", &k) ||
         dkpy_get_i64(args[5], op, "num_kernel_blocks", &nk)) {
@@ -95,13 +98,18 @@ py_gather_block_tables(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     dk_tensor table, counts, ri, out;
     int64_t padded = 0;
     if (cpu_i32_2d(module, args[0], op, "table", &table) != 0 ||
-        dkpy_tensor_arg(module, args[1], op, "counts", &counts) != 0 ||
-        dkpy_want_cpu(&counts, op, "counts") || dkpy_want_dtype(&counts, DK_I32, op, "counts") ||
-        dkpy_want_ndim(&counts, 1, op, "counts") ||
-        dkpy_want_min_len(&counts, table.shape[0], op, "counts") ||
-        dkpy_tensor_arg(module, args[2], op, "row_indices", &ri) != 0 ||
-        dkpy_want_cpu(&ri, op, "row_indices") || dkpy_want_dtype(&ri, DK_I32, op, "row_indices") ||
-        dkpy_want_contiguous_1d(&ri, op, "row_indices") ||
+        dkpy_tensor(module, args[1], op,
+                    &(dkpy_want){.arg = "counts",
+                                 .dtype = DK_I32,
+                                 .ndim = 1,
+                                 .min_len = table.shape[0],
+                                 .device = DKPY_HOST},
+                    &counts) ||
+        dkpy_tensor(
+            module, args[2], op,
+            &(dkpy_want){
+                .arg = "row_indices", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = DKPY_HOST},
+            &ri) ||
         cpu_i32_2d(module, args[3], op, "out", &out) != 0 ||
         dkpy_get_i64(args[4], op, "num_reqs_padded", &padded)) {
         return NULL;
@@ -147,24 +155,27 @@ py_compute_slot_mappings(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     dk_tensor table, ri, qsl, pos, out;
     int64_t num_tokens = 0, padded = 0, bs = 0, c = 0, r = 0, il = 0;
-    if (dkpy_tensor_arg(module, args[0], op, "table", &table) != 0 ||
-        dkpy_want_dtype(&table, DK_I32, op, "table") || dkpy_want_ndim(&table, 2, op, "table") ||
-        dkpy_tensor_arg(module, args[1], op, "row_indices", &ri) != 0 ||
-        dkpy_want_dtype(&ri, DK_I32, op, "row_indices") ||
-        dkpy_want_contiguous_1d(&ri, op, "row_indices") ||
-        dkpy_same_device(&table, &ri, op, "row_indices") ||
-        dkpy_tensor_arg(module, args[2], op, "query_start_loc", &qsl) != 0 ||
-        dkpy_want_dtype(&qsl, DK_I32, op, "query_start_loc") ||
-        dkpy_want_contiguous_1d(&qsl, op, "query_start_loc") ||
-        dkpy_want_min_len(&qsl, ri.shape[0] + 1, op, "query_start_loc") ||
-        dkpy_same_device(&table, &qsl, op, "query_start_loc") ||
-        dkpy_tensor_arg(module, args[3], op, "positions", &pos) != 0 ||
-        dkpy_want_dtype(&pos, DK_I64, op, "positions") ||
-        dkpy_want_contiguous_1d(&pos, op, "positions") ||
-        dkpy_same_device(&table, &pos, op, "positions") ||
-        dkpy_tensor_arg(module, args[4], op, "out", &out) != 0 ||
-        dkpy_want_dtype(&out, DK_I64, op, "out") || dkpy_want_ndim(&out, 1, op, "out") ||
-        dkpy_same_device(&table, &out, op, "out") ||
+    if (dkpy_tensor(module, args[0], op, &(dkpy_want){.arg = "table", .dtype = DK_I32, .ndim = 2},
+                    &table) ||
+        dkpy_tensor(
+            module, args[1], op,
+            &(dkpy_want){
+                .arg = "row_indices", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = &table},
+            &ri) ||
+        dkpy_tensor(module, args[2], op,
+                    &(dkpy_want){.arg = "query_start_loc",
+                                 .dtype = DK_I32,
+                                 .ndim = DKPY_VECTOR,
+                                 .min_len = ri.shape[0] + 1,
+                                 .device = &table},
+                    &qsl) ||
+        dkpy_tensor(module, args[3], op,
+                    &(dkpy_want){
+                        .arg = "positions", .dtype = DK_I64, .ndim = DKPY_VECTOR, .device = &table},
+                    &pos) ||
+        dkpy_tensor(module, args[4], op,
+                    &(dkpy_want){.arg = "out", .dtype = DK_I64, .ndim = 1, .device = &table},
+                    &out) ||
         dkpy_get_i64(args[5], op, "num_tokens", &num_tokens) ||
         dkpy_get_i64(args[6], op, "num_tokens_padded", &padded) ||
         dkpy_get_i64(args[7], op, "block_size", &bs) || dkpy_get_i64(args[8], op, "cp_size", &c) ||
@@ -252,15 +263,22 @@ static int
 pool_args(PyObject *module, PyObject *const *args, const char *op, dk_pool *pool, int64_t **state)
 {
     dk_tensor st, fs, iu;
-    if (dkpy_tensor_arg(module, args[0], op, "state", &st) != 0 ||
-        dkpy_want_cpu(&st, op, "state") || dkpy_want_dtype(&st, DK_I64, op, "state") ||
-        dkpy_want_contiguous_1d(&st, op, "state") || dkpy_want_min_len(&st, 1, op, "state") ||
-        dkpy_tensor_arg(module, args[1], op, "free_stack", &fs) != 0 ||
-        dkpy_want_cpu(&fs, op, "free_stack") || dkpy_want_dtype(&fs, DK_I32, op, "free_stack") ||
-        dkpy_want_contiguous_1d(&fs, op, "free_stack") ||
-        dkpy_tensor_arg(module, args[2], op, "in_use", &iu) != 0 ||
-        dkpy_want_cpu(&iu, op, "in_use") || dkpy_want_dtype(&iu, DK_U8, op, "in_use") ||
-        dkpy_want_contiguous_1d(&iu, op, "in_use")) {
+    if (dkpy_tensor(module, args[0], op,
+                    &(dkpy_want){.arg = "state",
+                                 .dtype = DK_I64,
+                                 .ndim = DKPY_VECTOR,
+                                 .min_len = 1,
+                                 .device = DKPY_HOST},
+                    &st) ||
+        dkpy_tensor(
+            module, args[1], op,
+            &(dkpy_want){
+                .arg = "free_stack", .dtype = DK_I32, .ndim = DKPY_VECTOR, .device = DKPY_HOST},
+            &fs) ||
+        dkpy_tensor(
+            module, args[2], op,
+            &(dkpy_want){.arg = "in_use", .dtype = DK_U8, .ndim = DKPY_VECTOR, .device = DKPY_HOST},
+            &iu)) {
         return -1;
     }
     if (iu.shape[0] != fs.shape[0]) {
@@ -295,11 +313,13 @@ py_pool_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_pool pool;
     int64_t *state = NULL;
     dk_tensor st;
-    if (dkpy_tensor_arg(module, args[0], "BlockPool", "state", &st) != 0 ||
-        dkpy_want_cpu(&st, "BlockPool", "state") ||
-        dkpy_want_dtype(&st, DK_I64, "BlockPool", "state") ||
-        dkpy_want_contiguous_1d(&st, "BlockPool", "state") ||
-        dkpy_want_min_len(&st, 1, "BlockPool", "state")) {
+    if (dkpy_tensor(module, args[0], "BlockPool",
+                    &(dkpy_want){.arg = "state",
+                                 .dtype = DK_I64,
+                                 .ndim = DKPY_VECTOR,
+                                 .min_len = 1,
+                                 .device = DKPY_HOST},
+                    &st)) {
         return NULL;
     }
     /* pool_args range-checks the stored free count: start from 0, put it back on failure. */
