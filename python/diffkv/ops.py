@@ -266,9 +266,10 @@ def eager_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
 def forward_paged_arguments(
     inputs: PagedLayerInputs,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """``_C.forward_paged``'s arguments from a description, split around the ones a call
-    supplies: ``(kv_cache, ..., scale)`` follow query, key and value, then comes ``out``, then
-    the host copies.  ``_C.forward_paged(q, k, v, *head, out, *tail)``."""
+    """The layer call's arguments from a description, in the one order both entry points take:
+    ``(kv_cache, ..., scale)`` after query, key and value, then the host copies --
+    ``_C.forward_paged(q, k, v, *head, out, *tail)`` and
+    ``torch.ops.diffkv.forward_paged(q, k, v, *head, *tail)``."""
     head = (
         inputs.kv_cache,
         inputs.slot_mapping,
@@ -324,22 +325,8 @@ def forward_paged_packed(
 ) -> torch.Tensor:
     """``torch.ops.diffkv.forward_paged`` over packed ``[N, H, D]`` query and ``[N, Hkv, D]``
     key/value: KV write + attention, returns ``[N, H, Dv]``."""
-    return torch.ops.diffkv.forward_paged(
-        query,
-        key,
-        value,
-        inputs.kv_cache,
-        inputs.slot_mapping,
-        inputs.block_table,
-        inputs.query_start_loc,
-        inputs.seq_lens,
-        inputs.key_limits,
-        inputs.mask,
-        inputs.scale,
-        inputs.host_block_table,
-        inputs.host_query_start_loc,
-        inputs.host_seq_lens,
-    )
+    head, tail = forward_paged_arguments(inputs)
+    return torch.ops.diffkv.forward_paged(query, key, value, *head, *tail)
 
 
 def restore_output(context: Any, output: torch.Tensor) -> torch.Tensor:
