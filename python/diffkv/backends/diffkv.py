@@ -314,8 +314,8 @@ def run_forward_paged(
         paged_kv_context.slot_mapping,
         metadata,
         paged_kv_context.piecewise_plan,
-        paged_kv_context.query_token_shape,
-        paged_kv_context.output_scatter_indices,
+        (),  # the token layout is restore_output's business, below
+        None,
         ops.graph_host_copies(metadata) if compiling else ops.eager_host_copies(metadata),
     )
     query = paged_kv_context.query
