@@ -967,8 +967,8 @@ class DiffusionPagedAttentionAdapter:
         kv_cache = getattr(layer, "kv_cache", None)  # a foreign layer object may have neither
         if kv_cache is not None and type(getattr(layer, "impl", None)) is DiffKVAttentionImpl:
             # Describe the call now, from what is at hand, so that diffkv's forward_paged runs
-            # it without reading the context back (one way: nothing here is read twice).
-            scale = layer.softmax_scale
+            # it without reading the context back.
+            scale = getattr(layer, "softmax_scale", None)
             described = self._active_calls.get(layer_name)
             if (
                 described is None
