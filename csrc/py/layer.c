@@ -24,12 +24,17 @@ launch_layer(const void *l, void *stream, dk_error *err)
     return dk_cuda_layer(x->w, x->a, stream, err);
 }
 
-/* forward_paged's work (args as there); out_flat: out may also be [N, H * Dv], written
- * through its [N, H, Dv] view (dkpy_parse_attention). */
+/* forward_paged(query, key, value, kv_cache, slot_mapping, block_table, query_start_loc,
+ * seq_lens, key_limits, mask, scale, out, host_block_table, host_query_start_loc,
+ * host_seq_lens): every check of both steps, then the KV write and the attention (on CUDA one
+ * submission).  out may be [N, H, Dv] or [N, H * Dv], written through its [N, H, Dv] view. */
 static PyObject *
-forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
+py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "forward_paged";
+    if (dkpy_check_nargs(op, nargs, 15) != 0) {
+        return NULL;
+    }
     /* args: query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
      *       key_limits, mask, scale, out, host_block_table, host_query_start_loc, host_seq_lens */
     PyObject *kv_args[4] = {args[1], args[2], args[3], args[4]};
@@ -40,7 +45,7 @@ forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
     dk_tensor kv[4], q, o;
     const dk_tensor *k = &kv[0];
     if (dkpy_parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
-        dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, out_flat) != 0) {
+        dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1) != 0) {
         return NULL;
     }
     if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||
@@ -91,15 +96,6 @@ forward_paged_impl(PyObject *module, PyObject *const *args, int out_flat)
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-static PyObject *
-py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (dkpy_check_nargs("forward_paged", nargs, 15) != 0) {
-        return NULL;
-    }
-    return forward_paged_impl(module, args, 1);
 }
 
 /*
