@@ -245,3 +245,17 @@ def test_importing_a_subpackage_runs_its_init(tmp_path):
     assert graph["pkg.top"] == {"pkg.sub", "pkg.sub.mod"}
     assert graph["pkg.sub.other"] == {"pkg.sub.mod"}
     assert find_cycles(graph) == [["pkg.sub", "pkg.top", "pkg.sub"]]
+
+
+def test_c_imports_no_python_module():
+    """Data flows one way: the C boundary (csrc/) imports no Python module -- neither the
+    package's (the layer call reads no diffkv.adapter object) nor torch's (tensors come in
+    through DLPack, the fallback's to_dlpack is handed over by diffkv/__init__.py)."""
+    root = Path(__file__).resolve().parent.parent
+    offenders = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted((root / "csrc").rglob("*.[ch]"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "PyImport_" in line
+    ]
+    assert offenders == []
