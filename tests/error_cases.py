@@ -2807,7 +2807,7 @@ def _cases_layer_context(device: Any) -> dict[str, list[Case]]:
     }
 
 
-class DenseImpl(diffkv.AttentionImpl):
+class _DenseImpl(diffkv.AttentionImpl):
     """An AttentionImpl with a CUDA forward and no paged forward."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -2817,14 +2817,17 @@ class DenseImpl(diffkv.AttentionImpl):
         return "cuda"
 
 
+DenseImpl = _DenseImpl
+
+
 def _cases_backend() -> dict[str, list[Case]]:
     return {
         "AttentionImpl.forward_paged": [
             bad(
                 "AttentionImpl.forward_paged refuses",
                 NotImplementedError,
-                "DenseImpl does not support paged KV attention",
-                DenseImpl().forward_paged,
+                "_DenseImpl does not support paged KV attention",
+                _DenseImpl().forward_paged,
                 object(),
             )
         ]
