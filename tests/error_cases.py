@@ -17,16 +17,19 @@ marked ``torch_message`` and their message is the first line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 import diffkv
-from _helpers import row
-from diffkv import _C
+from _helpers import HEAD_SIZE, make_adapter, make_layer, make_vllm_config, row
+from diffkv import _C, selector
+from diffkv import adapter as adapter_mod
+from diffkv import platform as platform_mod
 
 
 @dataclasses.dataclass
@@ -42,6 +45,7 @@ class Case:
     slow: bool = False  # the failure is raised inside torch and costs ~1 ms per call
     torch_message: bool = False  # torch's text plus a backtrace: compare the first line
     calls: int | None = None  # the leak test's call count for this case
+    env: Any = None  # what a public case was built over (an adapter and its collaborators)
 
 
 def ok(name: str, fn: Callable[..., Any], *args: Any) -> Case:
@@ -62,6 +66,8 @@ def bad(
 
 def message_of(case: Case, exc: BaseException) -> str:
     """The part of ``str(exc)`` that ``case.message`` spells."""
+    if type(exc) is KeyError and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]  # str() of a KeyError is the repr of its key
     text = str(exc)
     return text.splitlines()[0] if case.torch_message else text
 
@@ -1866,3 +1872,988 @@ def all_cases() -> dict[str, list[Case]]:
     for part in parts:
         cases.update(part())
     return cases
+
+
+# ------------------------------------------------------------------------------------------------
+# The public methods: the same Case shape, over an adapter (and an activation) a builder sets up
+# ------------------------------------------------------------------------------------------------
+#
+# ``public_cases(device)`` maps each public entry point (the layer adapter's and the adapter's
+# constructors, prepare_batch, invalidate_prepared_batches, activate, prepare_layer_context,
+# get_attn_backend, forward_paged) to its failing cases, one per rule of vLLM-Omni's adapter and
+# one per "checked before" ordering.  A case's ``fn`` calls the entry point with ``args`` (so the
+# leak test tracks the arguments); a case that needs an active batch gets an ``fn`` that enters
+# ``adapter.activate(batch)`` around the call and leaves it again, so every case can be repeated.
+# ``case.env`` is the ``make_adapter`` namespace a case was built over (None for constructor
+# cases that need none), for the side-effect checks of test_adapter_errors.py.  The adapter's
+# ``resolve_row`` does not record its calls (the leak test repeats the cases); a test that wants
+# the record sets ``env.adapter.resolve_row = env.resolver``.
+#
+# Messages a test spells elsewhere (test_fuzz's random calls) are the constants below.
+
+ACTIVE_FORWARD_PREPARE = "Cannot prepare paged attention metadata during an active forward"
+ACTIVE_FORWARD_INVALIDATE = "Cannot change paged attention BlockTables during an active forward"
+STALE_BATCH = "Prepared paged attention batch is stale after a newer batch preparation"
+
+
+def negative_bit_view_message(entry: str, name: str) -> str:
+    """The bridge's refusal of a negative-bit view (torch._neg_view) passed as ``name``."""
+    return (
+        f"{entry}(): {name} must not be a negative-bit view (DLPack cannot express it), got one; "
+        f"pass {name}.resolve_neg()"
+    )
+
+
+def _public_env(device: Any = "cpu", **kw: Any) -> SimpleNamespace:
+    """make_adapter(device, **kw) whose adapter resolves rows without recording the calls."""
+    h = make_adapter(device, **kw)
+    bindings = h.resolver.bindings
+    h.adapter.resolve_row = lambda request_id, sequence_id, context_id: bindings[
+        (request_id, sequence_id, context_id)
+    ]
+    return h
+
+
+def in_activation(adapter: Any, batch: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method(*args)`` inside ``adapter.activate(batch)``."""
+
+    def call(*args: Any) -> Any:
+        with adapter.activate(batch):
+            return method(*args)
+
+    call.__name__ = getattr(method, "__name__", "call")
+    return call
+
+
+def _enter(activation_of: Callable[..., Any]) -> Callable[..., None]:
+    """Entering (and leaving) ``activation_of(*args)``: activate's checks run at with-entry."""
+
+    def enter(*args: Any) -> None:
+        with activation_of(*args):
+            pass
+
+    return enter
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+def _patching(obj: Any, name: str, value: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(*args)`` with ``obj.name`` set to ``value`` for the call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _patched(obj, name, value):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _with_metadata(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method(layer, q, k, v, omni_attn_metadata=metadata)`` as a positional call."""
+
+    def call(layer: str, q: Any, k: Any, v: Any, metadata: Any) -> Any:
+        return method(layer, q, k, v, omni_attn_metadata=metadata)
+
+    return call
+
+
+def layer_kwargs(
+    device: Any = "cpu",
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = HEAD_SIZE,
+    head_size_v: int | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """The keywords of a DiffusionPagedAttentionLayerAdapter (4/2 heads x 64, block size 4)."""
+    spec = diffkv.AttentionSpec(
+        block_size=4,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=torch.float32,
+        head_size_v=head_size_v,
+    )
+    return dict(
+        layer_name="layer0",
+        layer=SimpleNamespace(num_heads=num_heads, softmax_scale=0.125),
+        spec=spec,
+        vllm_config=make_vllm_config(),
+        device=device,
+        **kw,
+    )
+
+
+def _layer(**kwargs: Any) -> Any:
+    return diffkv.DiffusionPagedAttentionLayerAdapter(**kwargs)
+
+
+def layer_case(
+    name: str, exc: type[BaseException], message: str, kwargs: dict, fn: Callable = _layer
+) -> Case:
+    """A constructor case; ``fn`` takes ``kwargs`` as its one argument."""
+    return bad(name, exc, message, lambda k: fn(**k), kwargs)
+
+
+class FakeImpl:
+    """Records its keywords; has forward and do_kv_cache_update."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def forward(self, *args: Any) -> None:
+        return None
+
+    def do_kv_cache_update(self, *args: Any) -> None:
+        return None
+
+
+class FakeImplNoForward:
+    def __init__(self, **kwargs: Any) -> None:
+        self.forward = "not callable"
+
+
+class FakeImplNoUpdate:
+    def __init__(self, **kwargs: Any) -> None:
+        pass
+
+    def forward(self, *args: Any) -> None:
+        return None
+
+
+class FakeImplNoKernel(FakeImpl):
+    vllm_flash_attn_version = None
+
+
+def fake_backend(impl_cls: type, *, forward_includes_kv_cache_update: bool = False) -> type:
+    return type(
+        "FakeBackend",
+        (),
+        {
+            "get_name": staticmethod(lambda: "FAKE"),
+            "get_impl_cls": staticmethod(lambda: impl_cls),
+            "forward_includes_kv_cache_update": forward_includes_kv_cache_update,
+        },
+    )
+
+
+class PrewritePlatform(platform_mod.DiffKVPlatform):
+    def requires_diffusion_paged_kv_prewrite(self) -> bool:
+        return True
+
+
+def _with_backend(backend: type, fn: Callable[..., Any] = _layer) -> Callable[..., Any]:
+    return _patching(adapter_mod, "get_attn_backend", lambda **kwargs: backend, fn)
+
+
+def _cases_layer_adapter() -> dict[str, list[Case]]:
+    cases = []
+    for degree in (0, -2, True, 2.0, "2", None):
+        cases.append(
+            layer_case(
+                f"layer ulysses_degree {degree!r}",
+                ValueError,
+                f"ulysses_degree must be a positive integer, got {degree!r}",
+                layer_kwargs(ulysses_degree=degree),
+            )
+        )
+    no_heads = layer_kwargs(ulysses_degree=0)
+    no_heads["layer"] = SimpleNamespace(softmax_scale=1.0)  # no num_heads: never read
+    cases.append(
+        layer_case(
+            "layer ulysses_degree before head counts",
+            ValueError,
+            "ulysses_degree must be a positive integer, got 0",
+            no_heads,
+        )
+    )
+    for heads, kv_heads in ((0, 2), (-4, 2), (3, 2), (2, 4)):
+        cases.append(
+            layer_case(
+                f"layer head counts {heads}/{kv_heads}",
+                ValueError,
+                "Paged attention requires positive Q/KV heads with num_heads divisible by "
+                f"num_kv_heads: num_heads={heads}, num_kv_heads={kv_heads}",
+                layer_kwargs(num_heads=heads, num_kv_heads=kv_heads),
+            )
+        )
+    for heads, kv_heads, degree in ((4, 2, 4), (6, 3, 2), (4, 2, 3)):
+        cases.append(
+            layer_case(
+                f"layer heads divisible by ulysses {heads}/{kv_heads}/{degree}",
+                ValueError,
+                "Paged attention requires Q/KV heads divisible by ulysses_degree: "
+                f"num_heads={heads}, num_kv_heads={kv_heads}, ulysses_degree={degree}",
+                layer_kwargs(num_heads=heads, num_kv_heads=kv_heads, ulysses_degree=degree),
+            )
+        )
+    cases += [
+        layer_case(
+            "layer standalone selection head size",
+            ValueError,
+            "get_attn_backend(): head_size must be one of [64, 128], got 48",
+            layer_kwargs(head_size=48),
+        ),
+        layer_case(
+            "layer key and value head sizes",
+            ValueError,
+            "Diffusion native paged attention requires equal key/value head sizes; "
+            "got head_size=64, head_size_v=128",
+            layer_kwargs(head_size_v=128),
+        ),
+        layer_case(
+            "layer impl without forward",
+            RuntimeError,
+            "Native paged-attention backend 'FAKE' has no forward implementation",
+            layer_kwargs(),
+            _with_backend(fake_backend(FakeImplNoForward)),
+        ),
+        layer_case(
+            "layer impl cannot update the cache",
+            RuntimeError,
+            "Native paged-attention backend 'FAKE' cannot update the KV cache",
+            layer_kwargs(),
+            _with_backend(fake_backend(FakeImplNoUpdate)),
+        ),
+        layer_case(
+            "layer impl cannot update the cache the platform prewrites",
+            RuntimeError,
+            "Native paged-attention backend 'FAKE' cannot update the KV cache",
+            layer_kwargs(),
+            _with_backend(
+                fake_backend(FakeImplNoUpdate, forward_includes_kv_cache_update=True),
+                _patching(adapter_mod, "current_omni_platform", PrewritePlatform(), _layer),
+            ),
+        ),
+        layer_case(
+            "layer paged kernel unavailable",
+            RuntimeError,
+            "Native paged-attention kernel is unavailable for diffusion layer 'layer0'",
+            layer_kwargs(),
+            _with_backend(fake_backend(FakeImplNoKernel)),
+        ),
+    ]
+    ok_args = dict(
+        head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", attn_type="decoder", num_heads=4
+    )
+
+    def select(change: dict) -> Any:
+        return selector.get_attn_backend(**{**ok_args, **change})
+
+    selection = [
+        ok("get_attn_backend ok", select, {}),
+        bad(
+            "get_attn_backend dtype",
+            ValueError,
+            "get_attn_backend(): dtype must be one of ['float16', 'bfloat16', 'float32'], got torch.int8",
+            select,
+            dict(dtype=torch.int8),
+        ),
+        bad(
+            "get_attn_backend kv_cache_dtype",
+            ValueError,
+            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
+            "'bfloat16' (unquantized cache), got 'fp8'",
+            select,
+            dict(kv_cache_dtype="fp8"),
+        ),
+        bad(
+            "get_attn_backend attn_type",
+            ValueError,
+            "get_attn_backend(): attn_type must be 'decoder', got 'encoder'",
+            select,
+            dict(attn_type="encoder"),
+        ),
+        bad(
+            "get_attn_backend num_heads",
+            ValueError,
+            "get_attn_backend(): num_heads must be a positive integer, got 0",
+            select,
+            dict(num_heads=0),
+        ),
+    ]
+    return {"DiffusionPagedAttentionLayerAdapter": cases, "get_attn_backend": selection}
+
+
+def adapter_kwargs(h: SimpleNamespace, **changes: Any) -> dict[str, Any]:
+    """The keywords ``h.adapter`` was built with, ``changes`` applied."""
+    kwargs = dict(
+        vllm_config=h.vllm_config,
+        device=h.device,
+        kv_cache_config=h.kv_cache_config,
+        block_tables=h.block_tables,
+        attn_groups=h.attn_groups,
+        layers=h.layers,
+        resolve_row=h.resolver,
+    )
+    kwargs.update(changes)
+    return kwargs
+
+
+def _adapter(**kwargs: Any) -> Any:
+    return diffkv.DiffusionPagedAttentionAdapter(**kwargs)
+
+
+def _cases_adapter() -> dict[str, list[Case]]:
+    h = _public_env()
+    mixed = _public_env(groups=(("a",), ("b", "c")), allocate_caches=False)
+    # Group 1 gets a non-causal layer next to its causal one.
+    mixed_layers = {
+        **mixed.layers,
+        "c": make_layer("c", device="cpu", vllm_config=mixed.vllm_config, non_causal=True),
+    }
+    two = _public_env(groups=(("a", "b"),))
+    cases = [
+        layer_case(
+            "adapter needs a layer",
+            ValueError,
+            "Paged attention requires at least one native attention layer",
+            adapter_kwargs(h, layers={}),
+            _adapter,
+        ),
+        layer_case(
+            "adapter group mismatch",
+            ValueError,
+            "Paged attention group mismatch: builders=2, cache_groups=1",
+            adapter_kwargs(h, attn_groups=h.attn_groups * 2),
+            _adapter,
+        ),
+        layer_case(
+            "adapter group mixes causality",
+            ValueError,
+            "Paged attention cache group 1 mixes causal and non-causal layers",
+            adapter_kwargs(mixed, layers=mixed_layers),
+            _adapter,
+        ),
+        layer_case(
+            "adapter group names an unknown layer",
+            KeyError,
+            "b",
+            adapter_kwargs(two, layers={"a": two.layers["a"]}),
+            _adapter,
+        ),
+    ]
+    for case, env in zip(cases, (h, h, mixed, two), strict=True):
+        case.env = env
+    return {"DiffusionPagedAttentionAdapter": cases}
+
+
+def _batch_case(
+    name: str, message: str, rows: Any, exc: type[BaseException] = ValueError, **env_kw: Any
+) -> Case:
+    h = _public_env(**env_kw)
+    case = bad(name, exc, message, h.adapter.prepare_batch, rows)
+    case.env = h
+    return case
+
+
+def _rebind(case: Case, bindings: dict) -> Case:
+    """The case's resolver answers ``{identity: (row_index, max_seq_len)}`` instead."""
+    case.env.resolver.bindings.clear()
+    case.env.resolver.bindings.update(
+        {identity: diffkv.DiffusionPagedAttentionRowBinding(*value) for identity, value in bindings.items()}
+    )
+    return case
+
+
+def _row_message(rest: str) -> str:
+    return f"Paged attention row ('req', 0, None) {rest}"
+
+
+def _cases_prepare_batch() -> dict[str, list[Case]]:
+    two = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
+    no_rows = "Paged attention batch must contain at least one row"
+    over8 = _row_message("uses seq_len=8, but its installed allocation has logical length 4")
+    active = _public_env()
+    batch = active.adapter.prepare_batch([row()])
+    during = bad(
+        "prepare_batch during an active forward",
+        RuntimeError,
+        ACTIVE_FORWARD_PREPARE,
+        in_activation(active.adapter, batch, active.adapter.prepare_batch),
+        [row()],
+    )
+    during.env = active
+    no_rows_active = bad(
+        "prepare_batch no rows before active forward",
+        ValueError,
+        no_rows,
+        in_activation(active.adapter, batch, active.adapter.prepare_batch),
+        (),
+    )
+    no_rows_active.env = active
+    cases = [
+        _batch_case("prepare_batch no rows", no_rows, []),
+        during,
+        no_rows_active,
+        _batch_case(
+            "prepare_batch too many rows",
+            "Paged attention batch has 3 rows; Worker capacity is 2",
+            [row(sequence_id=i) for i in range(3)],
+            max_num_reqs=2,
+        ),
+        _batch_case(
+            "prepare_batch duplicate identities",
+            "Paged attention batch contains duplicate row identities",
+            [row(query_len=2, seq_len=4, kv_start_pos=2), row(query_len=4, seq_len=4)],
+        ),
+        _batch_case(
+            "prepare_batch same worker row",
+            "Paged attention batch resolves multiple inputs to the same Worker row",
+            [row(sequence_id=0), row(sequence_id=1)],
+            bindings={("req", 0, None): (1, 16), ("req", 1, None): (1, 16)},
+        ),
+    ]
+    for capacity in (-1, 16.0, "16", None, True):
+        cases.append(
+            _rebind(
+                _batch_case(
+                    f"prepare_batch invalid capacity {capacity!r}",
+                    _row_message(f"resolved to invalid logical capacity {capacity!r}"),
+                    [row()],
+                ),
+                {("req", 0, None): (0, capacity)},
+            )
+        )
+    cases += [
+        _batch_case(
+            "prepare_batch over capacity",
+            _row_message("uses seq_len=9, but its installed allocation has logical length 8"),
+            [row(query_len=9, seq_len=9)],
+            bindings={("req", 0, None): (0, 8)},
+        ),
+        _batch_case(
+            "prepare_batch decode rows first",
+            "Causal paged attention rows must place native decode/short-query rows before "
+            "prefill/long-query rows (decode threshold=1)",
+            [
+                row(query_len=4, seq_len=4, sequence_id=0),
+                row(query_len=1, seq_len=4, kv_start_pos=3, sequence_id=1),
+            ],
+            bindings=two,
+            reorder_batch_threshold=1,
+        ),
+    ]
+    for row_index in (4, -1, "0", 1.0, True):
+        cases.append(
+            _rebind(
+                _batch_case(
+                    f"prepare_batch invalid worker row {row_index!r}",
+                    _row_message(f"resolved to invalid Worker row {row_index!r}"),
+                    [row()],
+                    max_num_reqs=4,
+                ),
+                {("req", 0, None): (row_index, 16)},
+            )
+        )
+    cases += [
+        _batch_case(
+            "prepare_batch too few blocks",
+            _row_message(
+                "requires 2 blocks in cache group 0 for seq_len=8, "
+                "but its installed Worker row contains only 1 blocks"
+            ),
+            [row(query_len=8, seq_len=8)],
+            bindings={("req", 0, None): (0, 16)},
+            block_ids={0: [[5]]},
+        ),
+        # block 4 = two kernel blocks of 2; group 1 has one manager block only.
+        _batch_case(
+            "prepare_batch too few blocks, kernel blocks and groups",
+            _row_message(
+                "requires 2 blocks in cache group 1 for seq_len=5, "
+                "but its installed Worker row contains only 1 blocks"
+            ),
+            [row(query_len=5, seq_len=5)],
+            groups=(("a",), ("b",)),
+            kernel_block_size=2,
+            bindings={("req", 0, None): (0, 16)},
+            block_ids={0: [[1, 2], [3]]},
+        ),
+        # cp_size 2: 8 tokens need cdiv(8, 4 * 2) = 1 manager block per rank, 9 tokens 2.
+        _rebind(
+            _batch_case(
+                "prepare_batch too few blocks with cp_size",
+                _row_message(
+                    "requires 2 blocks in cache group 0 for seq_len=9, "
+                    "but its installed Worker row contains only 1 blocks"
+                ),
+                [row(query_len=9, seq_len=9)],
+                cp_size=2,
+                cp_rank=0,
+                bindings={("req", 0, None): (0, 8)},
+                block_ids={0: [[3]]},
+            ),
+            {("req", 0, None): (0, 16)},
+        ),
+        _batch_case(
+            "prepare_batch too many tokens",
+            "Paged attention batch has 21 tokens; Worker capacity is 20",
+            [row(query_len=16, seq_len=16, sequence_id=0), row(query_len=5, seq_len=5, sequence_id=1)],
+            bindings=two,
+            max_num_batched_tokens=20,
+        ),
+        # The capacity checks run row by row: row 0's seq_len over its capacity comes before
+        # row 1's invalid capacity.
+        _rebind(
+            _batch_case(
+                "prepare_batch order: row 0 over capacity before row 1 invalid capacity",
+                over8,
+                [row(query_len=8, seq_len=8, sequence_id=0), row(sequence_id=1)],
+                bindings=two,
+            ),
+            {("req", 0, None): (0, 4), ("req", 1, None): (1, -1)},
+        ),
+        # The capacity check precedes the Worker row check and the installed-blocks check.
+        _rebind(
+            _batch_case(
+                "prepare_batch order: capacity before worker row", over8, [row(query_len=8, seq_len=8)]
+            ),
+            {("req", 0, None): (99, 4)},
+        ),
+        # The Worker row check precedes the batched-token limit.
+        _rebind(
+            _batch_case(
+                "prepare_batch order: worker row before token limit",
+                _row_message("resolved to invalid Worker row 99"),
+                [row(query_len=1000, seq_len=1000)],
+            ),
+            {("req", 0, None): (99, 4000)},
+        ),
+    ]
+    return {"prepare_batch": cases}
+
+
+def _cases_activation() -> dict[str, list[Case]]:
+    active = _public_env()
+    batch = active.adapter.prepare_batch([row()])
+    invalidate = bad(
+        "invalidate during an active forward",
+        RuntimeError,
+        ACTIVE_FORWARD_INVALIDATE,
+        in_activation(active.adapter, batch, active.adapter.invalidate_prepared_batches),
+    )
+    invalidate.env = active
+    h = _public_env()
+    other = _public_env()
+    foreign = other.adapter.prepare_batch([row()])
+    h.adapter.prepare_batch([row()])  # the same generation number, another owner
+    stale_env = _public_env()
+    stale = stale_env.adapter.prepare_batch([row()])
+    stale_env.adapter.invalidate_prepared_batches()
+    newer_env = _public_env()
+    older = newer_env.adapter.prepare_batch([row()])
+    newer_env.adapter.prepare_batch([row()])
+    again = _public_env()
+    again_batch = again.adapter.prepare_batch([row()])
+    cases = [
+        bad(
+            "activate a batch of another adapter",
+            ValueError,
+            "Prepared paged attention batch belongs to a different adapter",
+            _enter(h.adapter.activate),
+            foreign,
+        ),
+        bad(
+            "activate an invalidated batch",
+            ValueError,
+            STALE_BATCH,
+            _enter(stale_env.adapter.activate),
+            stale,
+        ),
+        bad("activate an older batch", ValueError, STALE_BATCH, _enter(newer_env.adapter.activate), older),
+        bad(
+            "activate while already active",
+            RuntimeError,
+            "Paged attention adapter already has an active forward",
+            in_activation(again.adapter, again_batch, _enter(again.adapter.activate)),
+            again_batch,
+        ),
+    ]
+    for case, env in zip(cases, (h, stale_env, newer_env, again), strict=True):
+        case.env = env
+    return {"invalidate_prepared_batches": [invalidate], "activate": cases}
+
+
+def qkv(n: int, *, device: Any = "cpu", dtype=torch.float32, heads=2, kv_heads=1, d=HEAD_SIZE, lead=None):
+    """Random query [*lead, heads, d], key and value [*lead, kv_heads, d] (lead = (n,))."""
+    lead = (n,) if lead is None else lead
+    q = torch.randn(*lead, heads, d, device=device, dtype=dtype)
+    k = torch.randn(*lead, kv_heads, d, device=device, dtype=dtype)
+    v = torch.randn(*lead, kv_heads, d, device=device, dtype=dtype)
+    return q, k, v
+
+
+def active_env(device: Any = "cpu") -> SimpleNamespace:
+    """An adapter over two causal layers with one prepared 4-token batch (row 0, seq_len 4)
+    in ``env.batch``."""
+    h = _public_env(device, groups=(("layer0", "layer1"),))
+    h.batch = h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
+    return h
+
+
+def unsupported_metadata_message(fields: str) -> str:
+    return (
+        "Diffusion paged attention cannot translate Omni attention metadata fields "
+        f"{fields} to native FlashAttention metadata"
+    )
+
+
+def _cases_layer_context(device: Any) -> dict[str, list[Case]]:
+    cases: list[Case] = []
+
+    def context_case(name, exc, message, args, h=None, metadata=None, prepare=None):
+        h = active_env(device) if h is None else h
+        if prepare is not None:
+            prepare(h)
+        method = h.adapter.prepare_layer_context
+        if metadata is not None:
+            method, args = _with_metadata(method), (*args, metadata)
+        case = bad(name, exc, message, in_activation(h.adapter, h.batch, method), *args)
+        case.env = h
+        cases.append(case)
+        return case
+
+    q, k, v = qkv(4, device=device)
+    outside = _public_env(device)
+    case = bad(
+        "layer context outside an activation",
+        RuntimeError,
+        "Paged attention forward must run inside adapter.activate(batch)",
+        outside.adapter.prepare_layer_context,
+        "layer0",
+        q,
+        k,
+        v,
+    )
+    case.env = outside
+    cases.append(case)
+    context_case(
+        "layer context unknown layer",
+        KeyError,
+        "Unknown diffusion paged attention layer 'nope'",
+        ("nope", q, k, v),
+    )
+    unsupported = [
+        ("joint_attn_mask", diffkv.AttentionMetadata(joint_attn_mask=torch.ones(1)), "['joint_attn_mask']"),
+        (
+            "query_ranges",
+            diffkv.AttentionMetadata(query_ranges=(diffkv.QueryRange(0, 4, 0),)),
+            "['query_ranges']",
+        ),
+        (
+            "video_layout",
+            diffkv.AttentionMetadata(video_layout=diffkv.VideoTokenLayout(prefix_len=1)),
+            "['video_layout']",
+        ),
+        ("attn_mask", diffkv.AttentionMetadata(attn_mask=torch.ones(1, 1, 4, 4)), "['attn_mask']"),
+        (
+            "2D attn_mask with spans",
+            diffkv.AttentionMetadata(attn_mask=torch.ones(4, 4), full_attn_spans=[[(0, 4)]]),
+            "['attn_mask (piecewise paging requires a 4D tensor)']",
+        ),
+        (
+            "non-tensor attn_mask with spans",
+            SimpleNamespace(attn_mask="mask", full_attn_spans=[[(0, 4)]]),
+            "['attn_mask (piecewise paging requires a 4D tensor)']",
+        ),
+        ("extra", diffkv.AttentionMetadata(extra={"b": 1, "a": 2}), "[\"extra=['a', 'b']\"]"),
+        (
+            "every field",
+            SimpleNamespace(
+                extra={"z": 0}, attn_mask=torch.ones(1), video_layout=1, query_ranges=(), joint_attn_mask=0
+            ),
+            "['joint_attn_mask', 'query_ranges', 'video_layout', 'attn_mask', \"extra=['z']\"]",
+        ),
+    ]
+    for label, metadata, fields in unsupported:
+        context_case(
+            f"layer context unsupported metadata: {label}",
+            NotImplementedError,
+            unsupported_metadata_message(fields),
+            ("layer0", q, k, v),
+            metadata=metadata,
+        )
+    other = torch.randn(4, 3, 32, device=device)
+    scalar = torch.tensor(1.0, device=device)
+    shapes = [
+        (
+            "query trailing shape",
+            "Paged attention query must end in (2, 64) or (128,); got shape=(4, 3)",
+            (other[:, :, 0], k, v),
+        ),
+        (
+            "key trailing shape",
+            "Paged attention key must end in (1, 64) or (64,); got shape=(4, 3, 32)",
+            (q, other, v),
+        ),
+        (
+            "value trailing shape",
+            "Paged attention value must end in (1, 64) or (64,); got shape=()",
+            (q, k, scalar),
+        ),
+        # query is checked before key.
+        (
+            "query before key",
+            "Paged attention query must end in (2, 64) or (128,); got shape=(4, 1, 64)",
+            (k, q, v),
+        ),
+        (
+            "key token count",
+            "Paged attention key token count must match the query layout: query=(4,), key=(3,)",
+            (q, k[:3], v),
+        ),
+        (
+            "batched key layout",
+            "Paged attention batched key layout must match prepared rows and the query layout: "
+            "query=(4,), key=(2, 2)",
+            (q, k.reshape(2, 2, 1, HEAD_SIZE), v),
+        ),
+        (
+            "value token count",
+            "Paged attention value token count must match the query layout: query=(4,), value=(5,)",
+            (q, k, torch.cat([v, v[:1]])),
+        ),
+        (
+            "batched value layout",
+            "Paged attention batched value layout must match prepared rows and the query layout: "
+            "query=(4,), value=(1, 4)",
+            (q, k, v.reshape(1, 4, HEAD_SIZE)),
+        ),
+        (
+            "token count",
+            "Paged attention Q/K/V token count must match the prepared write batch: tokens=3, prepared=4",
+            qkv(3, device=device),
+        ),
+    ]
+    for lead in ((2, 4), (1, 3)):
+        shapes.append(
+            (
+                f"batched layout {lead}",
+                "Paged attention batched Q/K/V layout must match prepared rows for the current write: "
+                f"shape={lead}, row_query_lens=(4,)",
+                qkv(0, device=device, lead=lead),
+            )
+        )
+    shapes += [
+        (
+            "token rank",
+            "Paged attention Q/K/V supports packed [T, ...] or uniform batched [B, T, ...] token layouts; "
+            "got token shape=(1, 2, 2)",
+            qkv(0, device=device, lead=(1, 2, 2)),
+        ),
+        (
+            "device",
+            f"Paged attention Q/K/V must be on {torch.device(device)}; "
+            f"got query={q.device}, key=meta, value={v.device}",
+            (q, torch.empty(4, 1, HEAD_SIZE, device="meta"), v),
+        ),
+        (
+            "dtypes match",
+            "Paged attention Q/K/V dtypes must match; got torch.float32, torch.float32, torch.float16",
+            (q, k, v.half()),
+        ),
+        (
+            "model dtype",
+            "Paged attention Q/K/V dtype must match model activation dtype torch.float32; got torch.float16",
+            qkv(4, device=device, dtype=torch.float16),
+        ),
+    ]
+    for label, message, tensors in shapes:
+        context_case(f"layer context {label}", ValueError, message, ("layer0", *tensors))
+
+    # Causal layers and piecewise spans need every row's span to end at seq_len.
+    suffix = _public_env(device, groups=(("causal",), ("full",)), non_causal={"causal": False, "full": True})
+    suffix.batch = suffix.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
+    q2, k2, v2 = qkv(2, device=device)
+    context_case(
+        "layer context causal layer needs suffix rows",
+        ValueError,
+        "Causal paged attention requires each query/write span to end at seq_len; "
+        "invalid rows=[('req', 0, None)]",
+        ("causal", q2, k2, v2),
+        h=suffix,
+    )
+    piecewise = _public_env(device, non_causal=True)
+    piecewise.batch = piecewise.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
+    context_case(
+        "layer context piecewise spans need suffix rows",
+        ValueError,
+        "Paged piecewise attention requires each query/write span to end at seq_len; "
+        "invalid rows=[('req', 0, None)]",
+        ("layer0", q2, k2, v2),
+        h=piecewise,
+        metadata=diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]]),
+    )
+
+    def drop(table: str, layer: str) -> Callable[[SimpleNamespace], None]:
+        return lambda h: getattr(h.batch, table).pop(layer)
+
+    context_case(
+        "layer context no slot mapping",
+        KeyError,
+        "No native slot mapping was built for diffusion layer 'layer1'",
+        ("layer1", q, k, v),
+        prepare=drop("slot_mappings_by_layer", "layer1"),
+    )
+    context_case(
+        "layer context short slot mapping",
+        ValueError,
+        "Paged attention slot mapping for 'layer1' has 3 entries; expected 4",
+        ("layer1", q, k, v),
+        prepare=lambda h: h.batch.slot_mappings_by_layer.__setitem__(
+            "layer1", torch.zeros(3, dtype=torch.int64, device=device)
+        ),
+    )
+    context_case(
+        "layer context no native metadata",
+        KeyError,
+        "No native attention metadata was built for diffusion layer 'layer1'",
+        ("layer1", q, k, v),
+        prepare=drop("attn_metadata", "layer1"),
+    )
+
+    # Spans that change between two layers of one activation: the first layer's call inside.
+    first = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
+    second = diffkv.AttentionMetadata(full_attn_spans=[[(1, 4)]])
+    changed = active_env(device)
+
+    def changed_spans(q, k, v, metadata):
+        changed.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=first)
+        return changed.adapter.prepare_layer_context("layer1", q, k, v, omni_attn_metadata=metadata)
+
+    case = bad(
+        "layer context spans change between layers",
+        ValueError,
+        "Paged piecewise attention metadata changed between layers in one active batch",
+        in_activation(changed.adapter, changed.batch, changed_spans),
+        q,
+        k,
+        v,
+        second,
+    )
+    case.env = changed
+    cases.append(case)
+    # Piecewise metadata missing for the second layer.
+    missing = active_env(device)
+
+    def missing_layer(q, k, v, spans):
+        missing.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
+        missing.adapter._active_piecewise_native_metadata[1].pop("layer1")
+        return missing.adapter.prepare_layer_context("layer1", q, k, v, omni_attn_metadata=spans)
+
+    case = bad(
+        "layer context no piecewise metadata for the layer",
+        KeyError,
+        "No piecewise native attention metadata was built for diffusion layer 'layer1'",
+        in_activation(missing.adapter, missing.batch, missing_layer),
+        q,
+        k,
+        v,
+        first,
+    )
+    case.env = missing
+    cases.append(case)
+    helpers = _public_env()
+    plan = diffkv.build_paged_piecewise_plan([[(0, 1)]], [0], [2], [2])
+    piecewise_helpers = [
+        bad(
+            "piecewise plan outside an activation",
+            RuntimeError,
+            "Piecewise paged attention requires an active prepared batch",
+            helpers.adapter._get_piecewise_plan,
+            [[(0, 1)]],
+        ),
+        bad(
+            "piecewise native metadata outside an activation",
+            RuntimeError,
+            "Piecewise paged attention requires an active prepared batch",
+            helpers.adapter._get_piecewise_native_metadata,
+            plan,
+        ),
+    ]
+
+    # forward_paged refuses a negative-bit Q/K/V view (prepare_layer_context reads layouts only).
+    forward = []
+    for name in ("query", "key", "value"):
+        h = active_env(device)
+        tensors = dict(zip(("query", "key", "value"), qkv(4, device=device), strict=True))
+        tensors[name] = torch._neg_view(tensors[name])
+        layer = h.adapter.layers["layer0"]
+
+        def layer_call(*tensors, h=h, layer=layer):
+            return layer.impl.forward_paged(h.adapter.prepare_layer_context("layer0", *tensors))
+
+        case = bad(
+            f"forward_paged negative-bit {name}",
+            ValueError,
+            negative_bit_view_message("forward_paged", name),
+            in_activation(h.adapter, h.batch, layer_call),
+            *tensors.values(),
+        )
+        case.env = h
+        forward.append(case)
+    return {
+        "prepare_layer_context": cases,
+        "piecewise helpers": piecewise_helpers,
+        "DiffKVAttentionImpl.forward_paged": forward,
+    }
+
+
+class _DenseImpl(diffkv.AttentionImpl):
+    """An AttentionImpl with a CUDA forward and no paged forward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def forward_cuda(self, query, key, value, attn_metadata=None):
+        return "cuda"
+
+
+DenseImpl = _DenseImpl
+
+
+def _cases_backend() -> dict[str, list[Case]]:
+    return {
+        "AttentionImpl.forward_paged": [
+            bad(
+                "AttentionImpl.forward_paged refuses",
+                NotImplementedError,
+                "_DenseImpl does not support paged KV attention",
+                _DenseImpl().forward_paged,
+                object(),
+            )
+        ]
+    }
+
+
+def public_cases(device: Any = "cpu") -> dict[str, list[Case]]:
+    """The public entry points' cases (built afresh on each call); the Q/K/V ones on ``device``."""
+    cases: dict[str, list[Case]] = {}
+    for part in (
+        _cases_layer_adapter,
+        _cases_adapter,
+        _cases_prepare_batch,
+        _cases_activation,
+        _cases_backend,
+    ):
+        cases.update(part())
+    cases.update(_cases_layer_context(device))
+    return cases
+
+
+def public_error_cases(device: Any = "cpu") -> list[tuple[str, Case]]:
+    """Every failing public case as ``(entry point, case)``."""
+    return [(entry, case) for entry, cases in public_cases(device).items() for case in cases if case.raises]
+
+
+def public_case(name: str, device: Any = "cpu") -> Case:
+    """The public case called ``name`` (its environment built afresh)."""
+    return next(case for _, case in public_error_cases(device) if case.name == name)

@@ -16,7 +16,22 @@ from _helpers import HEAD_SIZE, RecordingBlockTables, make_adapter, make_layer, 
 from diffkv import adapter as adapter_mod
 from diffkv import platform as platform_mod
 from diffkv import selector
-from error_cases import all_cases, check, error_cases
+from error_cases import (
+    STALE_BATCH,
+    Case,
+    DenseImpl,
+    FakeImpl,
+    FakeImplNoUpdate,
+    active_env,
+    all_cases,
+    check,
+    error_cases,
+    fake_backend,
+    layer_kwargs,
+    public_case,
+    public_error_cases,
+    qkv,
+)
 
 
 def _raises(exc_type, message):
@@ -30,61 +45,11 @@ def _key_error(excinfo, message):
 # --- layer adapter: ulysses degree, head counts, backend selection, head sizes, impl --------------
 
 
-def _layer_kwargs(device="cpu", *, num_heads=4, num_kv_heads=2, head_size=HEAD_SIZE, head_size_v=None, **kw):
-    spec = diffkv.AttentionSpec(
-        block_size=4,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=torch.float32,
-        head_size_v=head_size_v,
-    )
-    return dict(
-        layer_name="layer0",
-        layer=SimpleNamespace(num_heads=num_heads, softmax_scale=0.125),
-        spec=spec,
-        vllm_config=make_vllm_config(),
-        device=device,
-        **kw,
-    )
-
-
-@pytest.mark.parametrize("ulysses_degree", [0, -2, True, 2.0, "2", None])
-def test_ulysses_degree_must_be_a_positive_integer(ulysses_degree):
-    with _raises(ValueError, f"ulysses_degree must be a positive integer, got {ulysses_degree!r}"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(ulysses_degree=ulysses_degree))
-
-
-def test_ulysses_degree_checked_before_head_counts_are_read():
-    kwargs = _layer_kwargs(ulysses_degree=0)
-    kwargs["layer"] = SimpleNamespace(softmax_scale=1.0)  # no num_heads
-    with _raises(ValueError, "ulysses_degree must be a positive integer, got 0"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**kwargs)
+def test_head_counts_are_read_after_a_valid_ulysses_degree():
+    # With ulysses_degree 0 the table's case raises before num_heads is read.
     kwargs = _layer_kwargs(ulysses_degree=1)
     kwargs["layer"] = SimpleNamespace(softmax_scale=1.0)
     with pytest.raises(AttributeError):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**kwargs)
-
-
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(0, 2), (-4, 2), (3, 2), (2, 4)])
-def test_head_counts_positive_and_divisible(num_heads, num_kv_heads):
-    message = (
-        "Paged attention requires positive Q/KV heads with num_heads divisible by num_kv_heads: "
-        f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-    )
-    with _raises(ValueError, message):
-        diffkv.DiffusionPagedAttentionLayerAdapter(
-            **_layer_kwargs(num_heads=num_heads, num_kv_heads=num_kv_heads)
-        )
-
-
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "ulysses_degree"), [(4, 2, 4), (6, 3, 2), (4, 2, 3)])
-def test_heads_divisible_by_ulysses_degree(num_heads, num_kv_heads, ulysses_degree):
-    message = (
-        "Paged attention requires Q/KV heads divisible by ulysses_degree: "
-        f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, ulysses_degree={ulysses_degree}"
-    )
-    kwargs = _layer_kwargs(num_heads=num_heads, num_kv_heads=num_kv_heads, ulysses_degree=ulysses_degree)
-    with _raises(ValueError, message):
         diffkv.DiffusionPagedAttentionLayerAdapter(**kwargs)
 
 
@@ -136,81 +101,14 @@ def test_backend_selection_errors_propagate_and_config_is_restored(monkeypatch):
     assert platform_mod.get_current_vllm_config() is None
 
 
-def test_standalone_backend_selection_rejects_head_size():
-    with _raises(ValueError, "get_attn_backend(): head_size must be one of [64, 128], got 48"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(head_size=48))
-
-
-def test_get_attn_backend_argument_errors():
+def test_get_attn_backend_accepts_a_supported_layer():
     ok = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", attn_type="decoder", num_heads=4)
     assert selector.get_attn_backend(**ok) is diffkv.DiffKVAttentionBackend
-    cases = [
-        (
-            dict(dtype=torch.int8),
-            "get_attn_backend(): dtype must be one of ['float16', 'bfloat16', 'float32'], got torch.int8",
-        ),
-        (
-            dict(kv_cache_dtype="fp8"),
-            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
-            "'bfloat16' (unquantized cache), got 'fp8'",
-        ),
-        (dict(attn_type="encoder"), "get_attn_backend(): attn_type must be 'decoder', got 'encoder'"),
-        (dict(num_heads=0), "get_attn_backend(): num_heads must be a positive integer, got 0"),
-    ]
-    for change, message in cases:
-        with _raises(ValueError, message):
-            selector.get_attn_backend(**{**ok, **change})
 
 
-def test_key_and_value_head_sizes_must_be_equal():
-    message = (
-        "Diffusion native paged attention requires equal key/value head sizes; "
-        "got head_size=64, head_size_v=128"
-    )
-    with _raises(ValueError, message):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs(head_size_v=128))
-
-
-class _Impl:
-    """Records its keywords; has forward and do_kv_cache_update."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-    def forward(self, *args):
-        return None
-
-    def do_kv_cache_update(self, *args):
-        return None
-
-
-class _ImplNoForward:
-    def __init__(self, **kwargs):
-        self.forward = "not callable"
-
-
-class _ImplNoUpdate:
-    def __init__(self, **kwargs):
-        pass
-
-    def forward(self, *args):
-        return None
-
-
-class _ImplNoKernel(_Impl):
-    vllm_flash_attn_version = None
-
-
-def _fake_backend(impl_cls, *, forward_includes_kv_cache_update=False):
-    return type(
-        "FakeBackend",
-        (),
-        {
-            "get_name": staticmethod(lambda: "FAKE"),
-            "get_impl_cls": staticmethod(lambda: impl_cls),
-            "forward_includes_kv_cache_update": forward_includes_kv_cache_update,
-        },
-    )
+_Impl = FakeImpl
+_fake_backend = fake_backend
+_layer_kwargs = layer_kwargs
 
 
 def _with_backend(monkeypatch, backend):
@@ -234,35 +132,11 @@ def test_native_impl_gets_vllm_omni_adapter_keywords(monkeypatch):
     )
 
 
-def test_impl_without_forward_paged(monkeypatch):
-    _with_backend(monkeypatch, _fake_backend(_ImplNoForward))
-    with _raises(RuntimeError, "Native paged-attention backend 'FAKE' has no forward implementation"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
-
-
-def test_impl_that_cannot_update_the_cache(monkeypatch):
-    _with_backend(monkeypatch, _fake_backend(_ImplNoUpdate))
-    with _raises(RuntimeError, "Native paged-attention backend 'FAKE' cannot update the KV cache"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
-
-
 def test_cache_update_needed_only_when_forward_does_not_write(monkeypatch):
-    _with_backend(monkeypatch, _fake_backend(_ImplNoUpdate, forward_includes_kv_cache_update=True))
-    diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
-
-    class PrewritePlatform(platform_mod.DiffKVPlatform):
-        def requires_diffusion_paged_kv_prewrite(self):
-            return True
-
-    monkeypatch.setattr(adapter_mod, "current_omni_platform", PrewritePlatform())
-    with _raises(RuntimeError, "Native paged-attention backend 'FAKE' cannot update the KV cache"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
-
-
-def test_paged_kernel_unavailable(monkeypatch):
-    _with_backend(monkeypatch, _fake_backend(_ImplNoKernel))
-    with _raises(RuntimeError, "Native paged-attention kernel is unavailable for diffusion layer 'layer0'"):
-        diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
+    # The table's "layer impl cannot update the cache the platform prewrites" is the failing half.
+    _with_backend(monkeypatch, _fake_backend(FakeImplNoUpdate, forward_includes_kv_cache_update=True))
+    layer = diffkv.DiffusionPagedAttentionLayerAdapter(**_layer_kwargs())
+    assert isinstance(layer.impl, FakeImplNoUpdate)
 
 
 def test_platform_may_swap_the_paged_backend(monkeypatch):
@@ -283,165 +157,60 @@ def test_platform_may_swap_the_paged_backend(monkeypatch):
 # --- adapter constructor: layers and KV cache groups ----------------------------------------------
 
 
-def _adapter_kwargs(h, **changes):
-    kwargs = dict(
-        vllm_config=h.vllm_config,
-        device=h.device,
-        kv_cache_config=h.kv_cache_config,
-        block_tables=h.block_tables,
-        attn_groups=h.attn_groups,
-        layers=h.layers,
-        resolve_row=h.resolver,
-    )
-    kwargs.update(changes)
-    return kwargs
-
-
-def test_adapter_needs_a_layer():
-    h = make_adapter("cpu")
-    with _raises(ValueError, "Paged attention requires at least one native attention layer"):
-        diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, layers={}))
-
-
-def test_attention_groups_must_match_cache_groups():
-    h = make_adapter("cpu")
-    with _raises(ValueError, "Paged attention group mismatch: builders=2, cache_groups=1"):
-        diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, attn_groups=h.attn_groups * 2))
-
-
-def test_cache_group_must_not_mix_causality():
-    with _raises(ValueError, "Paged attention cache group 1 mixes causal and non-causal layers"):
-        make_adapter(
-            "cpu",
-            groups=(("a",), ("b", "c")),
-            non_causal={"a": True, "b": False, "c": True},
-        )
-
-
-def test_cache_group_names_an_unknown_layer():
-    h = make_adapter("cpu", groups=(("a", "b"),))
-    with pytest.raises(KeyError) as excinfo:
-        diffkv.DiffusionPagedAttentionAdapter(**_adapter_kwargs(h, layers={"a": h.layers["a"]}))
-    assert excinfo.value.args == ("b",)
-
-
 # --- prepare_batch: rows, bindings, capacities, blocks, tokens ------------------------------------
+# Every failing prepare_batch case is in error_cases.public_cases (checked by
+# test_public_error_case); the tests here add what a failure must leave untouched.
 
 
-def _recording(h):
+def _untouched_after(name, *, generation=0, resolver_calls=()):
+    """The table's case ``name`` fails without touching BlockTables or the prepare generation,
+    having resolved exactly ``resolver_calls``."""
+    case = public_case(name)
+    h = case.env
     recording = RecordingBlockTables(h.block_tables)
     h.adapter.block_tables = recording
-    return recording
-
-
-def _assert_untouched(h, recording, generation=0):
+    h.adapter.resolve_row = h.resolver
+    h.resolver.calls.clear()
+    check(case)
     assert recording.calls == []
     assert h.adapter._prepare_generation == generation
+    if resolver_calls is not None:
+        assert h.resolver.calls == list(resolver_calls)
 
 
-def test_prepare_batch_needs_rows():
-    h = make_adapter("cpu")
-    recording = _recording(h)
-    with _raises(ValueError, "Paged attention batch must contain at least one row"):
-        h.adapter.prepare_batch([])
-    _assert_untouched(h, recording)
-    assert h.resolver.calls == []
-
-
-def test_prepare_batch_during_an_active_forward():
-    h = make_adapter("cpu")
-    batch = h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
-    recording = _recording(h)
-    with h.adapter.activate(batch):
-        with _raises(RuntimeError, "Cannot prepare paged attention metadata during an active forward"):
-            h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
-    _assert_untouched(h, recording, generation=1)
-
-
-def test_no_rows_checked_before_active_forward():
-    h = make_adapter("cpu")
-    batch = h.adapter.prepare_batch([row()])
-    with h.adapter.activate(batch):
-        with _raises(ValueError, "Paged attention batch must contain at least one row"):
-            h.adapter.prepare_batch(())
-
-
-def test_more_rows_than_max_num_reqs():
-    h = make_adapter("cpu", max_num_reqs=2)
-    recording = _recording(h)
-    rows = [row(sequence_id=i) for i in range(3)]
-    with _raises(ValueError, "Paged attention batch has 3 rows; Worker capacity is 2"):
-        h.adapter.prepare_batch(rows)
-    _assert_untouched(h, recording)
-    assert h.resolver.calls == []
-
-
-def test_duplicate_row_identities():
-    h = make_adapter("cpu")
-    recording = _recording(h)
-    with _raises(ValueError, "Paged attention batch contains duplicate row identities"):
-        h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=2), row(query_len=4, seq_len=4)])
-    _assert_untouched(h, recording)
-    assert h.resolver.calls == []
+@pytest.mark.parametrize(
+    ("name", "generation", "resolver_calls"),
+    [
+        ("prepare_batch no rows", 0, ()),
+        ("prepare_batch during an active forward", 1, ()),
+        ("prepare_batch too many rows", 0, ()),
+        ("prepare_batch duplicate identities", 0, ()),
+        ("prepare_batch same worker row", 0, [("req", 0, None), ("req", 1, None)]),
+        ("prepare_batch invalid capacity -1", 0, None),
+        ("prepare_batch invalid capacity None", 0, None),
+        ("prepare_batch over capacity", 0, None),
+        ("prepare_batch decode rows first", 0, None),
+        ("prepare_batch invalid worker row 4", 0, None),
+        ("prepare_batch invalid worker row True", 0, None),
+        ("prepare_batch too few blocks", 0, None),
+        ("prepare_batch too many tokens", 0, None),
+    ],
+)
+def test_failing_prepare_batch_changes_nothing(name, generation, resolver_calls):
+    _untouched_after(name, generation=generation, resolver_calls=resolver_calls)
 
 
 def test_resolver_errors_propagate():
     h = make_adapter("cpu")
-    recording = _recording(h)
+    recording = RecordingBlockTables(h.block_tables)
+    h.adapter.block_tables = recording
     with pytest.raises(KeyError):
         h.adapter.prepare_batch([row(sequence_id=5)])
-    _assert_untouched(h, recording)
+    assert recording.calls == [] and h.adapter._prepare_generation == 0
 
 
-def test_two_rows_resolve_to_the_same_worker_row():
-    h = make_adapter("cpu", bindings={("req", 0, None): (1, 16), ("req", 1, None): (1, 16)})
-    recording = _recording(h)
-    with _raises(ValueError, "Paged attention batch resolves multiple inputs to the same Worker row"):
-        h.adapter.prepare_batch([row(sequence_id=0), row(sequence_id=1)])
-    _assert_untouched(h, recording)
-    assert h.resolver.calls == [("req", 0, None), ("req", 1, None)]
-
-
-@pytest.mark.parametrize("capacity", [-1, 16.0, "16", None, True])
-def test_invalid_row_capacity(capacity):
-    h = make_adapter("cpu")
-    h.resolver.bindings[("req", 0, None)] = diffkv.DiffusionPagedAttentionRowBinding(0, capacity)
-    recording = _recording(h)
-    message = f"Paged attention row ('req', 0, None) resolved to invalid logical capacity {capacity!r}"
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row()])
-    _assert_untouched(h, recording)
-
-
-def test_seq_len_over_row_capacity():
-    h = make_adapter("cpu", bindings={("req", 0, None): (0, 8)})
-    recording = _recording(h)
-    message = (
-        "Paged attention row ('req', 0, None) uses seq_len=9, "
-        "but its installed allocation has logical length 8"
-    )
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row(query_len=9, seq_len=9)])
-    _assert_untouched(h, recording)
-
-
-def test_causal_groups_need_decode_rows_first():
-    bindings = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
-    h = make_adapter("cpu", bindings=bindings, reorder_batch_threshold=1)
-    recording = _recording(h)
-    message = (
-        "Causal paged attention rows must place native decode/short-query rows before "
-        "prefill/long-query rows (decode threshold=1)"
-    )
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch(
-            [
-                row(query_len=4, seq_len=4, sequence_id=0),
-                row(query_len=1, seq_len=4, kv_start_pos=3, sequence_id=1),
-            ]
-        )
-    _assert_untouched(h, recording)
-    # Short rows first is fine.
+def test_decode_rows_first_allows_short_rows_first():
+    h = public_case("prepare_batch decode rows first").env
     h.adapter.prepare_batch([row(query_len=1, seq_len=4, kv_start_pos=3, sequence_id=1), row(sequence_id=0)])
 
 
@@ -457,45 +226,9 @@ def test_decode_rows_first_ignored_without_causal_groups():
     )
 
 
-@pytest.mark.parametrize("row_index", [4, -1, "0", 1.0, True])
-def test_invalid_worker_row(row_index):
-    h = make_adapter("cpu", max_num_reqs=4)
-    h.resolver.bindings[("req", 0, None)] = diffkv.DiffusionPagedAttentionRowBinding(row_index, 16)
-    recording = _recording(h)
-    message = f"Paged attention row ('req', 0, None) resolved to invalid Worker row {row_index!r}"
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row()])
-    _assert_untouched(h, recording)
-
-
-def test_too_few_installed_blocks():
-    h = make_adapter("cpu", bindings={("req", 0, None): (0, 16)}, block_ids={0: [[5]]})
-    recording = _recording(h)
-    message = (
-        "Paged attention row ('req', 0, None) requires 2 blocks in cache group 0 for seq_len=8, "
-        "but its installed Worker row contains only 1 blocks"
-    )
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row(query_len=8, seq_len=8)])
-    _assert_untouched(h, recording)
-
-
 def test_installed_blocks_counted_as_manager_blocks_with_kernel_blocks_and_groups():
-    # block 4 = two kernel blocks of 2; group 1 has one manager block only.
-    h = make_adapter(
-        "cpu",
-        groups=(("a",), ("b",)),
-        kernel_block_size=2,
-        bindings={("req", 0, None): (0, 16)},
-        block_ids={0: [[1, 2], [3]]},
-    )
+    h = public_case("prepare_batch too few blocks, kernel blocks and groups").env
     assert h.block_tables.blocks_per_kv_block == [2, 2]
-    message = (
-        "Paged attention row ('req', 0, None) requires 2 blocks in cache group 1 for seq_len=5, "
-        "but its installed Worker row contains only 1 blocks"
-    )
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row(query_len=5, seq_len=5)])
     h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
 
 
@@ -503,52 +236,6 @@ def test_installed_blocks_counted_with_cp_size():
     # cp_size 2: a row of 8 tokens needs cdiv(8, 4 * 2) = 1 manager block per rank.
     h = make_adapter("cpu", cp_size=2, cp_rank=0, bindings={("req", 0, None): (0, 8)}, block_ids={0: [[3]]})
     h.adapter.prepare_batch([row(query_len=8, seq_len=8)])
-    message = (
-        "Paged attention row ('req', 0, None) requires 2 blocks in cache group 0 for seq_len=9, "
-        "but its installed Worker row contains only 1 blocks"
-    )
-    h.resolver.bindings[("req", 0, None)] = diffkv.DiffusionPagedAttentionRowBinding(0, 16)
-    with _raises(ValueError, message):
-        h.adapter.prepare_batch([row(query_len=9, seq_len=9)])
-
-
-def test_more_tokens_than_max_num_batched_tokens():
-    bindings = {("req", 0, None): (0, 16), ("req", 1, None): (1, 16)}
-    h = make_adapter("cpu", bindings=bindings, max_num_batched_tokens=20)
-    recording = _recording(h)
-    with _raises(ValueError, "Paged attention batch has 21 tokens; Worker capacity is 20"):
-        h.adapter.prepare_batch(
-            [row(query_len=16, seq_len=16, sequence_id=0), row(query_len=5, seq_len=5, sequence_id=1)]
-        )
-    _assert_untouched(h, recording)
-
-
-def test_prepare_batch_rules_run_in_vllm_omni_adapter_order():
-    # The capacity checks run row by row: row 0's seq_len over its capacity comes before row 1's
-    # invalid capacity.
-    bindings = {("req", 0, None): (0, 4), ("req", 1, None): (1, -1)}
-    h = make_adapter("cpu", bindings={("req", 0, None): (0, 16), ("req", 1, None): (1, 16)})
-    h.resolver.bindings = {
-        identity: diffkv.DiffusionPagedAttentionRowBinding(*value) for identity, value in bindings.items()
-    }
-    with _raises(
-        ValueError,
-        "Paged attention row ('req', 0, None) uses seq_len=8, "
-        "but its installed allocation has logical length 4",
-    ):
-        h.adapter.prepare_batch([row(query_len=8, seq_len=8, sequence_id=0), row(sequence_id=1)])
-    # The capacity check precedes the Worker row check and the installed-blocks check.
-    h.resolver.bindings = {("req", 0, None): diffkv.DiffusionPagedAttentionRowBinding(99, 4)}
-    with _raises(
-        ValueError,
-        "Paged attention row ('req', 0, None) uses seq_len=8, "
-        "but its installed allocation has logical length 4",
-    ):
-        h.adapter.prepare_batch([row(query_len=8, seq_len=8)])
-    # The Worker row check precedes the batched-token limit.
-    h.resolver.bindings = {("req", 0, None): diffkv.DiffusionPagedAttentionRowBinding(99, 4000)}
-    with _raises(ValueError, "Paged attention row ('req', 0, None) resolved to invalid Worker row 99"):
-        h.adapter.prepare_batch([row(query_len=1000, seq_len=1000)])
 
 
 def test_generation_bumps_before_metadata_build_fails(monkeypatch):
@@ -563,132 +250,64 @@ def test_generation_bumps_before_metadata_build_fails(monkeypatch):
     with _raises(RuntimeError, "builder failed"):
         h.adapter.prepare_batch([row()])
     assert h.adapter._prepare_generation == 2
-    with _raises(ValueError, "Prepared paged attention batch is stale after a newer batch preparation"):
+    with _raises(ValueError, STALE_BATCH):
         with h.adapter.activate(first):
             pass
 
 
-# --- invalidate / activate --------------------------------------------------------------
+# --- invalidate / activate: the failing cases are the table's; what they leave behind -----------
 
 
-def test_invalidate_during_an_active_forward():
+def test_invalidate_after_an_active_forward():
+    case = public_case("invalidate during an active forward")
+    check(case)
+    case.env.adapter.invalidate_prepared_batches()
+    assert case.env.adapter._prepare_generation == 2
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["activate a batch of another adapter", "activate an invalidated batch", "activate an older batch"],
+)
+def test_refused_activation_leaves_no_active_batch(name):
+    case = public_case(name)
+    case.env.adapter.activate(*case.args)  # the checks run at with-entry
+    check(case)
+    assert case.env.adapter._active_batch is None
+
+
+def test_newer_batch_activates():
     h = make_adapter("cpu")
-    batch = h.adapter.prepare_batch([row()])
-    with h.adapter.activate(batch):
-        with _raises(RuntimeError, "Cannot change paged attention BlockTables during an active forward"):
-            h.adapter.invalidate_prepared_batches()
-    h.adapter.invalidate_prepared_batches()
-    assert h.adapter._prepare_generation == 2
-
-
-def test_activate_a_batch_of_another_adapter():
-    h = make_adapter("cpu")
-    other = make_adapter("cpu")
-    batch = other.adapter.prepare_batch([row()])
-    h.adapter.prepare_batch([row()])  # same generation number, different owner
-    activation = h.adapter.activate(batch)  # checks run at with-entry
-    with _raises(ValueError, "Prepared paged attention batch belongs to a different adapter"):
-        with activation:
-            pass
-    assert h.adapter._active_batch is None
-
-
-def test_activate_a_stale_batch():
-    h = make_adapter("cpu")
-    batch = h.adapter.prepare_batch([row()])
-    h.adapter.invalidate_prepared_batches()
-    with _raises(ValueError, "Prepared paged attention batch is stale after a newer batch preparation"):
-        with h.adapter.activate(batch):
-            pass
+    h.adapter.prepare_batch([row()])
     newer = h.adapter.prepare_batch([row()])
-    with _raises(ValueError, "Prepared paged attention batch is stale after a newer batch preparation"):
-        with h.adapter.activate(batch):
-            pass
     with h.adapter.activate(newer) as active:
         assert active is h.adapter
 
 
-def test_activate_while_already_active():
+def test_activate_while_already_active_keeps_the_batch():
     h = make_adapter("cpu")
     batch = h.adapter.prepare_batch([row()])
     with h.adapter.activate(batch):
-        with _raises(RuntimeError, "Paged attention adapter already has an active forward"):
+        with pytest.raises(RuntimeError):
             with h.adapter.activate(batch):
                 pass
         assert h.adapter._active_batch is batch
     assert h.adapter._active_batch is None
 
 
-# --- prepare_layer_context: activation, layer, metadata, Q/K/V, slots, piecewise ------------------
+# --- prepare_layer_context: the failing cases are the table's; the accepted inputs -----------------
 
 
-def _qkv(n, *, device="cpu", dtype=torch.float32, heads=2, kv_heads=1, d=HEAD_SIZE, lead=None):
-    lead = (n,) if lead is None else lead
-    q = torch.randn(*lead, heads, d, device=device, dtype=dtype)
-    k = torch.randn(*lead, kv_heads, d, device=device, dtype=dtype)
-    v = torch.randn(*lead, kv_heads, d, device=device, dtype=dtype)
-    return q, k, v
+def _qkv(n, *, device="cpu", **kw):
+    return qkv(n, device=device, **kw)
 
 
 @pytest.fixture
 def active(device):
     """An adapter over two causal layers with one active 4-token batch (row 0, seq_len 4)."""
-    h = make_adapter(device, groups=(("layer0", "layer1"),))
-    batch = h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
-    with h.adapter.activate(batch):
-        h.batch = batch
+    h = active_env(device)
+    with h.adapter.activate(h.batch):
         yield h
-
-
-def test_layer_context_outside_an_activation(device):
-    h = make_adapter(device)
-    q, k, v = _qkv(4, device=device)
-    with _raises(RuntimeError, "Paged attention forward must run inside adapter.activate(batch)"):
-        h.adapter.prepare_layer_context("layer0", q, k, v)
-
-
-def test_layer_context_for_an_unknown_layer(active):
-    q, k, v = _qkv(4, device=active.device)
-    with pytest.raises(KeyError) as excinfo:
-        active.adapter.prepare_layer_context("nope", q, k, v)
-    _key_error(excinfo, "Unknown diffusion paged attention layer 'nope'")
-
-
-def _unsupported_metadata(fields):
-    return (
-        "Diffusion paged attention cannot translate Omni attention metadata fields "
-        f"{fields} to native FlashAttention metadata"
-    )
-
-
-@pytest.mark.parametrize(
-    ("metadata", "fields"),
-    [
-        (diffkv.AttentionMetadata(joint_attn_mask=torch.ones(1)), "['joint_attn_mask']"),
-        (diffkv.AttentionMetadata(query_ranges=(diffkv.QueryRange(0, 4, 0),)), "['query_ranges']"),
-        (diffkv.AttentionMetadata(video_layout=diffkv.VideoTokenLayout(prefix_len=1)), "['video_layout']"),
-        (diffkv.AttentionMetadata(attn_mask=torch.ones(1, 1, 4, 4)), "['attn_mask']"),
-        (
-            diffkv.AttentionMetadata(attn_mask=torch.ones(4, 4), full_attn_spans=[[(0, 4)]]),
-            "['attn_mask (piecewise paging requires a 4D tensor)']",
-        ),
-        (
-            SimpleNamespace(attn_mask="mask", full_attn_spans=[[(0, 4)]]),
-            "['attn_mask (piecewise paging requires a 4D tensor)']",
-        ),
-        (diffkv.AttentionMetadata(extra={"b": 1, "a": 2}), "[\"extra=['a', 'b']\"]"),
-        (
-            SimpleNamespace(
-                extra={"z": 0}, attn_mask=torch.ones(1), video_layout=1, query_ranges=(), joint_attn_mask=0
-            ),
-            "['joint_attn_mask', 'query_ranges', 'video_layout', 'attn_mask', \"extra=['z']\"]",
-        ),
-    ],
-)
-def test_unsupported_omni_metadata_fields(active, metadata, fields):
-    q, k, v = _qkv(4, device=active.device)
-    with _raises(NotImplementedError, _unsupported_metadata(fields)):
-        active.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=metadata)
 
 
 def test_accepted_omni_metadata_fields(active):
@@ -705,223 +324,45 @@ def test_accepted_omni_metadata_fields(active):
     assert context.piecewise_plan is None and context.query.shape == (4, 2, HEAD_SIZE)
 
 
-def test_query_trailing_shape(active):
-    q, k, v = _qkv(4, device=active.device)
-    other = torch.randn(4, 3, 32, device=active.device)
-    with _raises(ValueError, "Paged attention query must end in (2, 64) or (128,); got shape=(4, 3)"):
-        active.adapter.prepare_layer_context("layer0", other[:, :, 0], k, v)
-    with _raises(ValueError, "Paged attention key must end in (1, 64) or (64,); got shape=(4, 3, 32)"):
-        active.adapter.prepare_layer_context("layer0", q, other, v)
-    with _raises(ValueError, "Paged attention value must end in (1, 64) or (64,); got shape=()"):
-        active.adapter.prepare_layer_context("layer0", q, k, torch.tensor(1.0, device=active.device))
-    # query is checked before key.
-    with _raises(ValueError, "Paged attention query must end in (2, 64) or (128,); got shape=(4, 1, 64)"):
-        active.adapter.prepare_layer_context("layer0", k, q, v)
-
-
-def test_key_layout(active):
-    q, k, v = _qkv(4, device=active.device)
-    with _raises(
-        ValueError, "Paged attention key token count must match the query layout: query=(4,), key=(3,)"
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k[:3], v)
-    with _raises(
-        ValueError,
-        "Paged attention batched key layout must match prepared rows and the query layout: "
-        "query=(4,), key=(2, 2)",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k.reshape(2, 2, 1, HEAD_SIZE), v)
-
-
-def test_value_layout(active):
-    q, k, v = _qkv(4, device=active.device)
-    with _raises(
-        ValueError, "Paged attention value token count must match the query layout: query=(4,), value=(5,)"
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, torch.cat([v, v[:1]]))
-    with _raises(
-        ValueError,
-        "Paged attention batched value layout must match prepared rows and the query layout: "
-        "query=(4,), value=(1, 4)",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v.reshape(1, 4, HEAD_SIZE))
-
-
-def test_query_key_value_token_counts(active):
-    q, k, v = _qkv(3, device=active.device)
-    with _raises(
-        ValueError,
-        "Paged attention Q/K/V token count must match the prepared write batch: tokens=3, prepared=4",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v)
-
-
-@pytest.mark.parametrize("lead", [(2, 4), (1, 3)])
-def test_batched_layout_matches_the_rows(active, lead):
-    q, k, v = _qkv(0, device=active.device, lead=lead)
-    with _raises(
-        ValueError,
-        f"Paged attention batched Q/K/V layout must match prepared rows for the current write: "
-        f"shape={lead}, row_query_lens=(4,)",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v)
-
-
-def test_query_token_rank(active):
-    q, k, v = _qkv(0, device=active.device, lead=(1, 2, 2))
-    with _raises(
-        ValueError,
-        "Paged attention Q/K/V supports packed [T, ...] or uniform batched [B, T, ...] token layouts; "
-        "got token shape=(1, 2, 2)",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v)
-
-
-def test_query_key_value_device(active):
-    q, k, v = _qkv(4, device=active.device)
-    meta_k = torch.empty(4, 1, HEAD_SIZE, device="meta")
-    with _raises(
-        ValueError,
-        f"Paged attention Q/K/V must be on {active.adapter.device}; "
-        f"got query={q.device}, key=meta, value={v.device}",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, meta_k, v)
-
-
-def test_query_key_value_dtypes_match(active):
-    q, k, v = _qkv(4, device=active.device)
-    with _raises(
-        ValueError, "Paged attention Q/K/V dtypes must match; got torch.float32, torch.float32, torch.float16"
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v.half())
-
-
-def test_query_dtype_is_the_model_dtype(active):
-    q, k, v = _qkv(4, device=active.device, dtype=torch.float16)
-    with _raises(
-        ValueError,
-        "Paged attention Q/K/V dtype must match model activation dtype torch.float32; got torch.float16",
-    ):
-        active.adapter.prepare_layer_context("layer0", q, k, v)
-
-
 @pytest.mark.parametrize("name", ["query", "key", "value"])
-def test_negative_bit_view_is_refused_by_the_binding_that_reads_it(active, name):
+def test_negative_bit_view_leaves_the_cache_unwritten(device, name):
     """prepare_layer_context's checks read only layouts, so a negative-bit Q/K/V view (DLPack
     would export it un-negated) is refused by forward_paged, before the cache is written."""
-    q, k, v = _qkv(4, device=active.device)
-    tensors = {"query": q, "key": k, "value": v}
-    tensors[name] = torch._neg_view(tensors[name])
-    context = active.adapter.prepare_layer_context("layer0", *tensors.values())
-    layer = active.adapter.layers["layer0"]
+    case = public_case(f"forward_paged negative-bit {name}", device)
+    layer = case.env.adapter.layers["layer0"]
     cache = layer.kv_cache.clone()
-    with _raises(
-        ValueError,
-        f"forward_paged(): {name} must not be a negative-bit view (DLPack cannot express it), got one; "
-        f"pass {name}.resolve_neg()",
-    ):
-        layer.impl.forward_paged(context)
+    check(case)
     assert torch.equal(layer.kv_cache, cache)
 
 
-def test_causal_layers_need_suffix_rows(device):
-    h = make_adapter(device, groups=(("causal",), ("full",)), non_causal={"causal": False, "full": True})
-    batch = h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
+def test_full_layers_accept_rows_that_are_not_suffixes(device):
+    h = public_case("layer context causal layer needs suffix rows", device).env
     q, k, v = _qkv(2, device=device)
-    with h.adapter.activate(batch):
-        with _raises(
-            ValueError,
-            "Causal paged attention requires each query/write span to end at seq_len; "
-            "invalid rows=[('req', 0, None)]",
-        ):
-            h.adapter.prepare_layer_context("causal", q, k, v)
+    with h.adapter.activate(h.batch):
         context = h.adapter.prepare_layer_context("full", q, k, v)
     assert context.slot_mapping.shape == (2,)
 
 
-def test_no_slot_mapping(active):
-    del active.batch.slot_mappings_by_layer["layer1"]
-    q, k, v = _qkv(4, device=active.device)
-    with pytest.raises(KeyError) as excinfo:
-        active.adapter.prepare_layer_context("layer1", q, k, v)
-    _key_error(excinfo, "No native slot mapping was built for diffusion layer 'layer1'")
-
-
-def test_slot_mapping_shorter_than_the_tokens(active):
-    active.batch.slot_mappings_by_layer["layer1"] = torch.zeros(3, dtype=torch.int64, device=active.device)
-    q, k, v = _qkv(4, device=active.device)
-    with _raises(ValueError, "Paged attention slot mapping for 'layer1' has 3 entries; expected 4"):
-        active.adapter.prepare_layer_context("layer1", q, k, v)
-
-
-def test_no_native_metadata(active):
-    del active.batch.attn_metadata["layer1"]
-    q, k, v = _qkv(4, device=active.device)
-    with pytest.raises(KeyError) as excinfo:
-        active.adapter.prepare_layer_context("layer1", q, k, v)
-    _key_error(excinfo, "No native attention metadata was built for diffusion layer 'layer1'")
-
-
-def test_piecewise_spans_need_suffix_rows(device):
-    h = make_adapter(device, non_causal=True)
-    batch = h.adapter.prepare_batch([row(query_len=2, seq_len=4, kv_start_pos=1)])
+def test_non_piecewise_accepts_rows_that_are_not_suffixes(device):
+    h = public_case("layer context piecewise spans need suffix rows", device).env
     q, k, v = _qkv(2, device=device)
-    spans = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
-    with h.adapter.activate(batch):
-        h.adapter.prepare_layer_context("layer0", q, k, v)  # non-piecewise is fine
-        with _raises(
-            ValueError,
-            "Paged piecewise attention requires each query/write span to end at seq_len; "
-            "invalid rows=[('req', 0, None)]",
-        ):
-            h.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
+    with h.adapter.activate(h.batch):
+        h.adapter.prepare_layer_context("layer0", q, k, v)
 
 
-def test_spans_change_between_layers(active):
+def test_same_spans_reuse_the_plan(active):
     q, k, v = _qkv(4, device=active.device)
     first = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
-    second = diffkv.AttentionMetadata(full_attn_spans=[[(1, 4)]])
     active.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=first)
-    with _raises(ValueError, "Paged piecewise attention metadata changed between layers in one active batch"):
-        active.adapter.prepare_layer_context("layer1", q, k, v, omni_attn_metadata=second)
     same = SimpleNamespace(full_attn_spans=[[[1, 3]]])
     context = active.adapter.prepare_layer_context("layer1", q, k, v, omni_attn_metadata=same)
     assert context.piecewise_plan is active.adapter._active_piecewise_plan
 
 
-def test_piecewise_helpers_need_an_active_batch():
-    h = make_adapter("cpu")
-    with _raises(RuntimeError, "Piecewise paged attention requires an active prepared batch"):
-        h.adapter._get_piecewise_plan([[(0, 1)]])
-    plan = diffkv.build_paged_piecewise_plan([[(0, 1)]], [0], [2], [2])
-    with _raises(RuntimeError, "Piecewise paged attention requires an active prepared batch"):
-        h.adapter._get_piecewise_native_metadata(plan)
-
-
-def test_no_piecewise_metadata_for_the_layer(active):
-    q, k, v = _qkv(4, device=active.device)
-    spans = diffkv.AttentionMetadata(full_attn_spans=[[(1, 3)]])
-    active.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
-    del active.adapter._active_piecewise_native_metadata[1]["layer1"]
-    with pytest.raises(KeyError) as excinfo:
-        active.adapter.prepare_layer_context("layer1", q, k, v, omni_attn_metadata=spans)
-    _key_error(excinfo, "No piecewise native attention metadata was built for diffusion layer 'layer1'")
-
-
 # --- backend ABC ----------------------------------------------------------------------------------
 
 
-class _DenseImpl(diffkv.AttentionImpl):
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def forward_cuda(self, query, key, value, attn_metadata=None):
-        return "cuda"
-
-
-def test_abstract_forward_paged_refuses():
-    with _raises(NotImplementedError, "_DenseImpl does not support paged KV attention"):
-        _DenseImpl().forward_paged(object())
+_DenseImpl = DenseImpl
 
 
 def test_abstract_forward_dispatch(monkeypatch):
@@ -977,3 +418,23 @@ def test_entry_point_error_case(entry, name):
     message (the leak and fuzz tests run the same cases)."""
     case = next(c for c in all_cases()[entry] if c.name == name)
     check(case)
+
+
+# --- the public entry points: every failing case of the shared public table ----------------------
+
+_PUBLIC: dict[str, dict[str, Case]] = {}
+
+
+def _public(device) -> dict[str, Case]:
+    """The public table on ``device``, built once per device (its cases can be repeated)."""
+    key = str(device)
+    if key not in _PUBLIC:
+        _PUBLIC[key] = {case.name: case for _, case in public_error_cases(device)}
+    return _PUBLIC[key]
+
+
+@pytest.mark.parametrize(("entry", "name"), [(entry, case.name) for entry, case in public_error_cases()])
+def test_public_error_case(device, entry, name):
+    """Each failing public case raises exactly its exception type with its full message (the
+    leak test repeats them; the Q/K/V cases run on every device)."""
+    check(_public(device)[name])

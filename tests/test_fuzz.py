@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import diffkv
 from _helpers import HEAD_SIZE, make_adapter
 from diffkv import _C
-from error_cases import check, error_cases
+from error_cases import ACTIVE_FORWARD_INVALIDATE, STALE_BATCH, check, error_cases, public_error_cases
 from fuzz_strategies import (
     AttentionProblem,
     attention_problems,
@@ -581,6 +581,17 @@ def test_table_error_cases_change_nothing():
     scratch = {name: slots for name, (_, slots) in _valid_calls().items()}
     for entry, case in error_cases():
         snap = Snapshot(case.args, skip=scratch.get(entry, ()))
+        for _ in range(2):
+            with no_hang():
+                check(case)
+        snap.assert_unchanged()
+
+
+def test_public_table_error_cases_change_nothing():
+    """The public entry points' failing cases (error_cases.public_cases), twice in a row: each
+    raises its exception with its full message and changes no tensor it was given."""
+    for _entry, case in public_error_cases():
+        snap = Snapshot(case.args)
         for _ in range(2):
             with no_hang():
                 check(case)
@@ -1346,7 +1357,7 @@ def test_runtime_and_restore_output_hostile(step, output):
         assert type(exc) is not ValueError or "denoise step index" in str(exc)
     else:
         assert type(step) is int and step >= 0
-        with pytest.raises(RuntimeError, match="during an active forward"):
+        with pytest.raises(RuntimeError, match=f"^{re.escape(ACTIVE_FORWARD_INVALIDATE)}$"):
             env.adapter.invalidate_prepared_batches()
         ctx = env.adapter.prepare_layer_context(
             "layer0", torch.randn(4, 2, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE), torch.randn(4, 1, HEAD_SIZE)
@@ -1358,7 +1369,7 @@ def test_runtime_and_restore_output_hostile(step, output):
     runtime.close()
     batch = env.adapter.prepare_batch(rows)
     env.adapter.invalidate_prepared_batches()
-    with pytest.raises(ValueError, match="stale"), env.adapter.activate(batch):
+    with pytest.raises(ValueError, match=f"^{re.escape(STALE_BATCH)}$"), env.adapter.activate(batch):
         pass
 
 

@@ -65,7 +65,7 @@ import torch
 import diffkv
 from _helpers import make_adapter, row
 from diffkv import _C
-from error_cases import Case, all_cases, check
+from error_cases import Case, all_cases, check, public_cases
 
 
 def _asan_live_bytes() -> Callable[[], int] | None:
@@ -229,13 +229,19 @@ def _check_and_warm_up(case: Case) -> None:
     _loop(case, min(WARMUP, case.calls // 5))
 
 
-def _run_case(case: Case) -> tuple[list[str], dict]:
-    """The measured loop of one (checked, warmed-up) case.  Returns (problems, figures)."""
+def _run_case(case: Case, collect: bool = False) -> tuple[list[str], dict]:
+    """The measured loop of one (checked, warmed-up) case.  Returns (problems, figures).
+    ``collect``: a garbage collection before each measurement (Python code that makes cyclic
+    garbage legitimately: an exception raised through a context manager)."""
     objs = _tracked(case.args) + [case.fn]
+    if collect:
+        gc.collect()
     before = _measure(objs)
     start = time.perf_counter()
     _loop(case, case.calls)
     seconds = time.perf_counter() - start
+    if collect:
+        gc.collect()
     after = _measure(objs)
     problems = _compare(case.name, objs, before, after, case.calls)
     figures = {
@@ -262,7 +268,9 @@ def test_every_entry_point_has_cases():
     assert exported == set(_ENTRY_POINTS)
 
 
-def _run_cases(cases: list[Case], budget: int, label: str, record_property) -> list[str]:
+def _run_cases(
+    cases: list[Case], budget: int, label: str, record_property, collect: bool = False
+) -> list[str]:
     """Checks and warms up every case, then runs each one's measured loop (``budget`` calls
     shared by the cases without a fixed count, or CALLS_PER_CASE each), comparing memory
     per case and over all of them."""
@@ -276,12 +284,16 @@ def _run_cases(cases: list[Case], budget: int, label: str, record_property) -> l
         _check_and_warm_up(case)
     problems: list[str] = []
     per_case = []
-    with _gc_paused():
+    with contextlib.nullcontext() if collect else _gc_paused():
+        if collect:
+            gc.collect()
         start = _measure([])
         for case in cases:
-            case_problems, figures = _run_case(case)
+            case_problems, figures = _run_case(case, collect)
             problems += case_problems
             per_case.append((case.name, figures))
+        if collect:
+            gc.collect()
         end = _measure([])
     total = sum(figures["calls"] for _, figures in per_case)
     problems += _compare(label, [], start, end, total)
@@ -385,6 +397,20 @@ def test_capsule_bridge_does_not_leak(record_property):
         problems = _run_cases(chosen, CALLS * 2, "capsule path", record_property)
     finally:
         _C.set_bridge_path("auto")
+    assert not problems, "\n".join(problems)
+
+
+_PUBLIC_ENTRY_POINTS = sorted(public_cases())
+PUBLIC_CALLS = 10_000 // SCALE  # calls per public entry point, shared by its cases
+
+
+@pytest.mark.parametrize("name", _PUBLIC_ENTRY_POINTS)
+def test_public_entry_point_does_not_leak(name, record_property):
+    """Every failing case of one public entry point (error_cases.public_cases: each checked
+    for its type and full message first), PUBLIC_CALLS calls in all: refcounts and memory flat
+    per case and over the entry point (the cycle collector running, one collection before
+    each measurement: an exception raised through a context manager makes cyclic garbage)."""
+    problems = _run_cases(public_cases()[name], PUBLIC_CALLS, f"public {name}", record_property, collect=True)
     assert not problems, "\n".join(problems)
 
 
