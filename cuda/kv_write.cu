@@ -24,8 +24,8 @@
 #define KV_WRITE_MAX_THREADS 256
 /* Tokens one thread of the fast path moves per unit: its 2 * KV_WRITE_TOKENS 16-byte loads
  * (K and V) are all in flight before the first store, 128 bytes per thread, enough to cover
- * HBM latency at a modest occupancy (the one-unit-per-thread version left the H200 at
- * ~2.6-3.0 TB/s). */
+ * HBM latency at a modest occupancy (one unit per thread did not: docs/performance.md, KV
+ * write). */
 #define KV_WRITE_TOKENS 4
 
 /*

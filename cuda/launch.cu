@@ -2,11 +2,10 @@
  * launch.cu -- one submission for a layer call's two kernels: the KV write and the attention
  * that reads what it writes.
  *
- * A kernel launch costs the H200 hosts 3.6-5.0 us of CPU time (cudaLaunchKernel and
- * cuLaunchKernel alike; a bare kernel, measured in a loop), which made the two launches half
- * of a small layer call's host time.  A CUDA graph of the two kernels, its parameters updated
- * in place (cudaGraphExecKernelNodeSetParams, ~0.6 us each) and launched with cudaGraphLaunch
- * (~2.1-2.4 us), submits both for 2.8 us against 9.2-10.4 for two launches on the same host.
+ * A kernel launch costs the host several microseconds of CPU time, which made the two launches
+ * half of a small layer call's host time; a CUDA graph of the two kernels, its parameters
+ * updated in place (cudaGraphExecKernelNodeSetParams) and launched with cudaGraphLaunch,
+ * submits both for about a third of that (the measurements: docs/host-overhead.md).
  * The executable graphs are cached per thread, keyed by (device, stream, KV kernel, attention
  * kernel): a kernel node's function cannot change, its geometry and arguments can, and a
  * graph's launches are ordered behind each other even across streams, so each stream gets its
