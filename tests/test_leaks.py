@@ -134,14 +134,22 @@ def _rss() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
+def _shared_singleton(obj: Any) -> bool:
+    return obj is None or type(obj) is bool or (type(obj) is int and -5 <= obj <= 256)
+
+
 def _tracked(args: tuple) -> list:
     """Every object reachable from the arguments through tuples, lists, dicts and dataclass
-    fields (deduplicated by identity), the arguments themselves included."""
+    fields (deduplicated by identity), the arguments themselves included -- except the
+    interpreter's shared singletons (None, the bools, the cached small ints -5..256), whose
+    reference counts belong to the whole interpreter: Python code on a public path (a cache
+    filling as it warms up, a traceback's frames) moves them by a bounded amount unrelated to
+    the call, and a reference kept to one of them leaks no memory."""
     seen: dict[int, Any] = {}
     stack = list(args)
     while stack:
         obj = stack.pop()
-        if id(obj) in seen:
+        if id(obj) in seen or _shared_singleton(obj):
             continue
         seen[id(obj)] = obj
         if isinstance(obj, (tuple, list)):
