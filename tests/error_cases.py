@@ -1880,12 +1880,16 @@ def all_cases() -> dict[str, list[Case]]:
 #
 # ``public_cases(device)`` maps each public entry point (the layer adapter's and the adapter's
 # constructors, prepare_batch, invalidate_prepared_batches, activate, prepare_layer_context,
-# get_attn_backend, forward_paged) to its failing cases, one per rule of vLLM-Omni's adapter and
-# one per "checked before" ordering.  A case's ``fn`` calls the entry point with ``args`` (so the
-# leak test tracks the arguments); a case that needs an active batch gets an ``fn`` that enters
-# ``adapter.activate(batch)`` around the call and leaves it again, so every case can be repeated.
-# ``case.env`` is the ``make_adapter`` namespace a case was built over (None for constructor
-# cases that need none), for the side-effect checks of test_adapter_errors.py.  The adapter's
+# get_attn_backend, forward_paged, and the standalone collaborators of the section at the end:
+# rows, request metadata, the piecewise planner, the runtime, configs and specs, BlockTables,
+# BlockPool, KV cache allocation, the metadata builders, DiffKVAttentionImpl(...)) to its
+# failing cases, one per rule of vLLM-Omni's adapter and one per "checked before" ordering.
+# A case's ``fn`` calls the entry point with ``args`` (so the leak test tracks the arguments);
+# a case that needs an active batch gets an ``fn`` that enters ``adapter.activate(batch)``
+# around the call and leaves it again, so every case can be repeated.  ``case.env`` is the
+# ``make_adapter`` namespace a case was built over (None for constructor cases that need none;
+# for a collaborator, the object whose state a refusal must leave), for the side-effect checks
+# of test_adapter_errors.py and the collaborators' test files.  The adapter's
 # ``resolve_row`` does not record its calls (the leak test repeats the cases); a test that wants
 # the record sets ``env.adapter.resolve_row = env.resolver``.
 #
@@ -3530,21 +3534,21 @@ def _cases_block_tables(device: Any) -> dict[str, list[Case]]:
             [3],
         ),
     ]
-    if torch.device(device).type == "cpu":  # the CUDA path does not read the query starts
-        methods.append(
-            _tables_case(
-                "slot mappings short positions",
-                ValueError,
-                "BlockTables.compute_slot_mappings(): positions must have query_start_loc[-1]=3 "
-                "entries, got 2",
-                one,
-                "compute_slot_mappings",
-                torch.tensor([0], dtype=torch.int32),
-                torch.tensor([0, 3], dtype=torch.int32),
-                torch.arange(2),
-                num_tokens_padded=4,
-            )
+    # CPU tables on every device: the CUDA path does not read the query starts.
+    cpu_one = one if torch.device(device).type == "cpu" else diffkv.BlockTables([4], 2, 8, 2, "cpu")
+    methods.append(
+        _tables_case(
+            "slot mappings short positions",
+            ValueError,
+            "BlockTables.compute_slot_mappings(): positions must have query_start_loc[-1]=3 entries, got 2",
+            cpu_one,
+            "compute_slot_mappings",
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32),
+            torch.arange(2),
+            num_tokens_padded=4,
         )
+    )
     return {"BlockTables": construct, "BlockTables methods": methods}
 
 
