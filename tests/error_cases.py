@@ -2295,6 +2295,9 @@ def _cases_prepare_batch() -> dict[str, list[Case]]:
     no_rows_active.env = active
     cases = [
         _batch_case("prepare_batch no rows", no_rows, []),
+        # The resolver's own error propagates (here: a KeyError for an identity it has no
+        # binding for).
+        _batch_case("prepare_batch resolver refuses", "('req', 5, None)", [row(sequence_id=5)], KeyError),
         during,
         no_rows_active,
         _batch_case(
@@ -3074,6 +3077,31 @@ def _step_in_runtime(h: SimpleNamespace, metadata: Any) -> Callable[[Any], None]
     return ensure_active
 
 
+def _denoise_unresolvable(h: SimpleNamespace, metadata: Any) -> Callable[[Any], None]:
+    """``ensure_active(step)`` of a fresh runtime past its prefill phase, with the resolver
+    no longer knowing row ('req', 1, None) (restored after); ``h.left_nothing_active`` says
+    whether the failing call left no batch, phase or activation behind."""
+
+    def ensure_active(step: Any) -> None:
+        runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
+        try:
+            runtime.ensure_active(0)
+            binding = h.resolver.bindings.pop(("req", 1, None))
+            try:
+                runtime.ensure_active(step)
+            finally:
+                h.resolver.bindings[("req", 1, None)] = binding
+                h.left_nothing_active = (
+                    h.adapter._active_batch is None
+                    and runtime._active_phase is None
+                    and runtime._activation is None
+                )
+        finally:
+            runtime.close()
+
+    return ensure_active
+
+
 def _cases_runtime(device: Any) -> dict[str, list[Case]]:
     h, metadata = runtime_request(device)
     cases = []
@@ -3087,6 +3115,16 @@ def _cases_runtime(device: Any) -> dict[str, list[Case]]:
         )
         case.env = h
         cases.append(case)
+    unresolvable_h, metadata = runtime_request(device)
+    case = bad(
+        "runtime denoise rows unresolvable",
+        KeyError,
+        "('req', 1, None)",
+        _denoise_unresolvable(unresolvable_h, metadata),
+        1,
+    )
+    case.env = unresolvable_h
+    cases.append(case)
     closed_h, metadata = runtime_request(device)
     closed = diffkv.DiffusionPagedAttentionRuntime(closed_h.adapter, metadata)
     closed.ensure_active(0)

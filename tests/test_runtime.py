@@ -109,15 +109,12 @@ def test_runtime_activate_context_closes(device):
 
 
 def test_runtime_prepare_failure_leaves_nothing_active(device):
-    h, metadata, _ = _request(device)
-    runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
-    runtime.ensure_active(0)
-    h.resolver.bindings.pop(("req", 1, None))
-    with pytest.raises(KeyError):
-        runtime.ensure_active(1)
-    assert h.adapter._active_batch is None
-    assert runtime._active_phase is None and runtime._activation is None
-    runtime.close()
+    """The resolver's KeyError for a denoise row (the table's case) propagates and leaves no
+    batch, phase or activation behind."""
+    case = public_case("runtime denoise rows unresolvable", device)
+    case.env.left_nothing_active = None
+    check(case)
+    assert case.env.left_nothing_active is True
 
 
 # --- layer context --------------------------------------------------------------------------------------
