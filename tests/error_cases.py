@@ -1880,12 +1880,16 @@ def all_cases() -> dict[str, list[Case]]:
 #
 # ``public_cases(device)`` maps each public entry point (the layer adapter's and the adapter's
 # constructors, prepare_batch, invalidate_prepared_batches, activate, prepare_layer_context,
-# get_attn_backend, forward_paged) to its failing cases, one per rule of vLLM-Omni's adapter and
-# one per "checked before" ordering.  A case's ``fn`` calls the entry point with ``args`` (so the
-# leak test tracks the arguments); a case that needs an active batch gets an ``fn`` that enters
-# ``adapter.activate(batch)`` around the call and leaves it again, so every case can be repeated.
-# ``case.env`` is the ``make_adapter`` namespace a case was built over (None for constructor
-# cases that need none), for the side-effect checks of test_adapter_errors.py.  The adapter's
+# get_attn_backend, forward_paged, and the standalone collaborators of the section at the end:
+# rows, request metadata, the piecewise planner, the runtime, configs and specs, BlockTables,
+# BlockPool, KV cache allocation, the metadata builders, DiffKVAttentionImpl(...)) to its
+# failing cases, one per rule of vLLM-Omni's adapter and one per "checked before" ordering.
+# A case's ``fn`` calls the entry point with ``args`` (so the leak test tracks the arguments);
+# a case that needs an active batch gets an ``fn`` that enters ``adapter.activate(batch)``
+# around the call and leaves it again, so every case can be repeated.  ``case.env`` is the
+# ``make_adapter`` namespace a case was built over (None for constructor cases that need none;
+# for a collaborator, the object whose state a refusal must leave), for the side-effect checks
+# of test_adapter_errors.py and the collaborators' test files.  The adapter's
 # ``resolve_row`` does not record its calls (the leak test repeats the cases); a test that wants
 # the record sets ``env.adapter.resolve_row = env.resolver``.
 #
@@ -2291,6 +2295,9 @@ def _cases_prepare_batch() -> dict[str, list[Case]]:
     no_rows_active.env = active
     cases = [
         _batch_case("prepare_batch no rows", no_rows, []),
+        # The resolver's own error propagates (here: a KeyError for an identity it has no
+        # binding for).
+        _batch_case("prepare_batch resolver refuses", "('req', 5, None)", [row(sequence_id=5)], KeyError),
         during,
         no_rows_active,
         _batch_case(
@@ -2834,6 +2841,1114 @@ def _cases_backend() -> dict[str, list[Case]]:
     }
 
 
+# --- the standalone collaborators: rows and request metadata, the piecewise planner, the runtime,
+# configs and specs, BlockTables, BlockPool, KV cache allocation, the metadata builders and the
+# attention implementation's constructor.  A case whose entry point needs state (a BlockTables
+# with rows, a BlockPool with blocks in use, a closed runtime) calls a method of an object built
+# once with that state, kept as ``case.env``: a failing call must leave it untouched, so the case
+# can be repeated (the tests of those files check the state around ``check(case)``).
+
+Row = diffkv.DiffusionPagedAttentionRow
+ROW_REQUEST_ID = "Paged attention request_id must be a non-empty string"
+ROW_ONE_ID = "Paged attention row requires exactly one of sequence_id or context_id"
+ROW_SEQUENCE_ID = "Paged attention sequence_id must be a non-negative integer"
+ROW_CONTEXT_ID = "Paged attention context_id must be a non-empty string"
+ROW_QUERY_LEN = "Paged attention query_len must be a positive integer"
+ROW_SEQ_LEN = "Paged attention seq_len must be a positive integer"
+ROW_KV_START_POS = "Paged attention kv_start_pos must be a non-negative integer"
+BOTH_ROW_SETS = "Paged attention metadata requires both prefill and denoise rows"
+RUNTIME_CLOSED = "Paged attention runtime is already closed"
+
+
+def step_index_message(step: Any) -> str:
+    return f"Paged attention requires a non-negative denoise step index, got {step!r}"
+
+
+def _keywords(fn: Callable[..., Any]) -> Callable[[tuple, dict], Any]:
+    """``fn(*args, **kwargs)`` as a call of two arguments (so the leak test tracks both)."""
+
+    def call(args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "call")
+    return call
+
+
+def kw_case(
+    name: str, exc: type[BaseException], message: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Case:
+    """A failing case of ``fn(*args, **kwargs)``."""
+    return bad(name, exc, message, _keywords(fn), args, kwargs)
+
+
+def request_rows(seq_ids=(0, 1), query_len=4, seq_len=4, kv_start_pos=0) -> tuple:
+    """Rows of request "req", one per sequence id."""
+    return tuple(Row("req", query_len, seq_len, kv_start_pos=kv_start_pos, sequence_id=s) for s in seq_ids)
+
+
+def _cases_rows() -> dict[str, list[Case]]:
+    rows = []
+    for value in ("", 1, None, b"r"):
+        rows.append(
+            kw_case(f"row request_id {value!r}", ValueError, ROW_REQUEST_ID, Row, value, 1, 1, sequence_id=0)
+        )
+    for ids in ({}, {"sequence_id": 0, "context_id": "c"}):
+        rows.append(kw_case(f"row ids {ids!r}", ValueError, ROW_ONE_ID, Row, "r", 1, 1, **ids))
+    for value in (-1, True, 1.0, "0"):
+        rows.append(
+            kw_case(
+                f"row sequence_id {value!r}", ValueError, ROW_SEQUENCE_ID, Row, "r", 1, 1, sequence_id=value
+            )
+        )
+    for value in ("", 3, b"c"):
+        rows.append(
+            kw_case(f"row context_id {value!r}", ValueError, ROW_CONTEXT_ID, Row, "r", 1, 1, context_id=value)
+        )
+    for value in (0, -1, 1.0, True, None):
+        rows.append(
+            kw_case(f"row query_len {value!r}", ValueError, ROW_QUERY_LEN, Row, "r", value, 4, sequence_id=0)
+        )
+    for value in (0, -3, 4.0, True):
+        rows.append(
+            kw_case(f"row seq_len {value!r}", ValueError, ROW_SEQ_LEN, Row, "r", 1, value, sequence_id=0)
+        )
+    for value in (-1, 0.0, False, None):
+        rows.append(
+            kw_case(
+                f"row kv_start_pos {value!r}",
+                ValueError,
+                ROW_KV_START_POS,
+                Row,
+                "r",
+                1,
+                4,
+                kv_start_pos=value,
+                sequence_id=0,
+            )
+        )
+    rows.append(
+        kw_case(
+            "row write span beyond seq_len",
+            ValueError,
+            "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4",
+            Row,
+            "r",
+            2,
+            4,
+            kv_start_pos=3,
+            sequence_id=0,
+        )
+    )
+    # vLLM-Omni's adapter's order: request_id, one id, sequence_id / context_id, query_len,
+    # seq_len, kv_start_pos, the write span.
+    for name, message, args, kwargs in (
+        ("request_id", ROW_REQUEST_ID, ("", 0, 0), {"kv_start_pos": -1}),
+        ("one id", ROW_ONE_ID, ("r", 0, 0), {"kv_start_pos": -1}),
+        ("sequence_id", ROW_SEQUENCE_ID, ("r", 0, 0), {"kv_start_pos": -1, "sequence_id": -1}),
+        ("context_id", ROW_CONTEXT_ID, ("r", 0, 0), {"kv_start_pos": -1, "context_id": ""}),
+        ("query_len", ROW_QUERY_LEN, ("r", 0, 0), {"kv_start_pos": -1, "sequence_id": 0}),
+        ("seq_len", ROW_SEQ_LEN, ("r", 1, 0), {"kv_start_pos": -1, "sequence_id": 0}),
+        ("kv_start_pos", ROW_KV_START_POS, ("r", 9, 1), {"kv_start_pos": -1, "sequence_id": 0}),
+    ):
+        rows.append(kw_case(f"row order: {name} first", ValueError, message, Row, *args, **kwargs))
+
+    Metadata = diffkv.DiffusionPagedAttentionMetadata
+    metadata = [
+        bad("metadata no prefill rows", ValueError, BOTH_ROW_SETS, Metadata, (), request_rows()),
+        bad("metadata no denoise rows", ValueError, BOTH_ROW_SETS, Metadata, request_rows(), ()),
+        bad("metadata no rows", ValueError, BOTH_ROW_SETS, Metadata, (), ()),
+        bad(
+            "metadata identities in another order",
+            ValueError,
+            "Paged attention prefill and denoise rows must use the same ordered identities: "
+            "prefill=(('req', 0, None), ('req', 1, None)), denoise=(('req', 1, None), ('req', 0, None))",
+            Metadata,
+            request_rows((0, 1)),
+            request_rows((1, 0), query_len=2, kv_start_pos=2),
+        ),
+        bad(
+            "metadata row counts differ",
+            ValueError,
+            "Paged attention prefill and denoise rows must use the same ordered identities: "
+            "prefill=(('req', 0, None),), denoise=(('req', 0, None), ('req', 1, None))",
+            Metadata,
+            request_rows((0,)),
+            request_rows((0, 1)),
+        ),
+    ]
+    request = Metadata(request_rows(), request_rows(query_len=2, kv_start_pos=2))
+    steps = [
+        bad(f"rows_for_step {step!r}", ValueError, step_index_message(step), request.rows_for_step, step)
+        for step in (None, -1, True, 1.0, "1")
+    ]
+    return {
+        "DiffusionPagedAttentionRow": rows,
+        "DiffusionPagedAttentionMetadata": metadata,
+        "DiffusionPagedAttentionMetadata.rows_for_step": steps,
+    }
+
+
+def _cases_piecewise() -> dict[str, list[Case]]:
+    from diffkv.piecewise import build_paged_piecewise_plan as plan
+
+    one_entry = "Paged piecewise inputs must have one entry per row"
+    bad_spans = "Paged piecewise spans must be sorted, non-overlapping, and within the sequence"
+    bad_range = "Paged piecewise query range must be within the sequence"
+    cases = [
+        bad(f"piecewise one entry per row {i}", ValueError, one_entry, plan, *args)
+        for i, args in enumerate(
+            (
+                ([[(0, 1)]], [0, 0], [1], [1]),
+                ([[(0, 1)]], [0], [1, 1], [1]),
+                ([[(0, 1)]], [0], [1], [1, 1]),
+                ([[(0, 1)], []], [0], [1], [1]),
+                ([], [], [], []),
+            )
+        )
+    ]
+    for spans in ([(5, 8), (1, 3)], [(1, 5), (4, 6)], [(5, 10)], [(-1, 2)], [(4, 4)], [(6, 3)]):
+        cases.append(bad(f"piecewise spans {spans}", ValueError, bad_spans, plan, [spans], [0], [9], [9]))
+    for offset, query_len, seq_len in ((5, 6, 9), (0, 0, 9), (-1, 2, 9), (9, 1, 9)):
+        cases.append(
+            bad(
+                f"piecewise query range {offset}+{query_len} of {seq_len}",
+                ValueError,
+                bad_range,
+                plan,
+                [[]],
+                [offset],
+                [query_len],
+                [seq_len],
+            )
+        )
+    cases.append(
+        bad(
+            "piecewise rows must align",
+            ValueError,
+            "Paged piecewise rows must produce aligned segments",
+            plan,
+            [[], [(1, 2)]],
+            [0, 0],
+            [4, 4],
+            [4, 4],
+        )
+    )
+    cases.append(
+        bad(
+            "piecewise rows must share modes",
+            ValueError,
+            "Paged piecewise rows must use the same attention mode per segment",
+            plan,
+            [[(0, 2)], [(2, 4)]],
+            [0, 0],
+            [4, 4],
+            [4, 4],
+        )
+    )
+    return {"build_paged_piecewise_plan": cases}
+
+
+def runtime_request(device: Any = "cpu") -> tuple[SimpleNamespace, Any]:
+    """An adapter of two layers (resolving rows without recording the calls) and the metadata
+    of two CFG rows: prefix 3 + target 6 -> prefill rows (9 tokens), denoise rows (6 tokens)."""
+    bindings = {("req", 0, None): (0, 12), ("req", 1, None): (1, 12)}
+    h = _public_env(device, groups=(("layer0", "layer1"),), bindings=bindings)
+    prefill = tuple(row(query_len=9, seq_len=9, sequence_id=s) for s in (0, 1))
+    denoise = tuple(row(query_len=6, seq_len=9, kv_start_pos=3, sequence_id=s) for s in (0, 1))
+    return h, diffkv.DiffusionPagedAttentionMetadata(prefill, denoise)
+
+
+def _step_in_runtime(h: SimpleNamespace, metadata: Any) -> Callable[[Any], None]:
+    """``ensure_active(step)`` of a fresh runtime in its prefill phase, closed again after;
+    ``h.kept_phase`` says whether the failing call left the prefill batch active."""
+
+    def ensure_active(step: Any) -> None:
+        runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
+        try:
+            runtime.ensure_active(0)
+            batch = h.adapter._active_batch
+            try:
+                runtime.ensure_active(step)
+            finally:
+                h.kept_phase = h.adapter._active_batch is batch
+        finally:
+            runtime.close()
+
+    return ensure_active
+
+
+def _denoise_unresolvable(h: SimpleNamespace, metadata: Any) -> Callable[[Any], None]:
+    """``ensure_active(step)`` of a fresh runtime past its prefill phase, with the resolver
+    no longer knowing row ('req', 1, None) (restored after); ``h.left_nothing_active`` says
+    whether the failing call left no batch, phase or activation behind."""
+
+    def ensure_active(step: Any) -> None:
+        runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
+        try:
+            runtime.ensure_active(0)
+            binding = h.resolver.bindings.pop(("req", 1, None))
+            try:
+                runtime.ensure_active(step)
+            finally:
+                h.resolver.bindings[("req", 1, None)] = binding
+                h.left_nothing_active = (
+                    h.adapter._active_batch is None
+                    and runtime._active_phase is None
+                    and runtime._activation is None
+                )
+        finally:
+            runtime.close()
+
+    return ensure_active
+
+
+def _cases_runtime(device: Any) -> dict[str, list[Case]]:
+    h, metadata = runtime_request(device)
+    cases = []
+    for step in (None, -1, True):
+        case = bad(
+            f"runtime step index {step!r}",
+            ValueError,
+            step_index_message(step),
+            _step_in_runtime(h, metadata),
+            step,
+        )
+        case.env = h
+        cases.append(case)
+    unresolvable_h, metadata = runtime_request(device)
+    case = bad(
+        "runtime denoise rows unresolvable",
+        KeyError,
+        "('req', 1, None)",
+        _denoise_unresolvable(unresolvable_h, metadata),
+        1,
+    )
+    case.env = unresolvable_h
+    cases.append(case)
+    closed_h, metadata = runtime_request(device)
+    closed = diffkv.DiffusionPagedAttentionRuntime(closed_h.adapter, metadata)
+    closed.ensure_active(0)
+    closed.close()
+    case = bad("runtime closed", RuntimeError, RUNTIME_CLOSED, closed.ensure_active, 3)
+    case.env = closed_h
+    cases.append(case)
+    return {"DiffusionPagedAttentionRuntime.ensure_active": cases}
+
+
+def _cases_configs() -> dict[str, list[Case]]:
+    spec = diffkv.AttentionSpec(16, 2, 64, torch.float16)
+    dtypes = "['bfloat16', 'float', 'float16', 'float32', 'half']"
+    bare = object()
+    group = diffkv.KVCacheGroup(["a", "b"], spec)
+    return {
+        "configs": [
+            bad(
+                "ModelConfig dtype",
+                TypeError,
+                f"ModelConfig(): dtype must be a torch.dtype or one of {dtypes}, got 'fp8'",
+                diffkv.ModelConfig,
+                "fp8",
+            ),
+            kw_case(
+                "CacheConfig block_size 0",
+                ValueError,
+                "CacheConfig(): block_size must be positive, got 0",
+                diffkv.CacheConfig,
+                block_size=0,
+            ),
+            kw_case(
+                "CacheConfig block_size 1.5",
+                TypeError,
+                "CacheConfig(): block_size must be an int, got 1.5",
+                diffkv.CacheConfig,
+                block_size=1.5,
+            ),
+            kw_case(
+                "CacheConfig block_size True",
+                TypeError,
+                "CacheConfig(): block_size must be an int, got True",
+                diffkv.CacheConfig,
+                block_size=True,
+            ),
+            kw_case(
+                "CacheConfig cache_dtype None",
+                TypeError,
+                "CacheConfig(): cache_dtype must be a str, got None",
+                diffkv.CacheConfig,
+                cache_dtype=None,
+            ),
+            bad(
+                "DiffusionConfig model_config",
+                TypeError,
+                f"DiffusionConfig(): model_config must have a dtype, got {bare!r}",
+                diffkv.DiffusionConfig,
+                bare,
+                diffkv.CacheConfig(),
+            ),
+            bad(
+                "DiffusionConfig cache_config",
+                TypeError,
+                f"DiffusionConfig(): cache_config must have block_size and cache_dtype, got {bare!r}",
+                diffkv.DiffusionConfig,
+                diffkv.ModelConfig(torch.float16),
+                bare,
+            ),
+        ],
+        "AttentionSpec": [
+            bad(
+                "AttentionSpec num_kv_heads 0",
+                ValueError,
+                "AttentionSpec(): num_kv_heads must be positive, got 0",
+                diffkv.AttentionSpec,
+                16,
+                0,
+                128,
+                torch.float16,
+            ),
+            bad(
+                "AttentionSpec head_size '128'",
+                TypeError,
+                "AttentionSpec(): head_size must be an int, got '128'",
+                diffkv.AttentionSpec,
+                16,
+                1,
+                "128",
+                torch.float16,
+            ),
+            kw_case(
+                "AttentionSpec non_causal 1",
+                TypeError,
+                "AttentionSpec(): non_causal must be a bool, got 1",
+                diffkv.AttentionSpec,
+                16,
+                1,
+                128,
+                torch.float16,
+                non_causal=1,
+            ),
+            bad(
+                "AttentionSpec dtype None",
+                TypeError,
+                f"AttentionSpec(): dtype must be a torch.dtype or one of {dtypes}, got None",
+                diffkv.AttentionSpec,
+                16,
+                1,
+                128,
+                None,
+            ),
+            kw_case(
+                "AttentionSpec head_size_v -1",
+                ValueError,
+                "AttentionSpec(): head_size_v must be positive, got -1",
+                diffkv.AttentionSpec,
+                16,
+                1,
+                128,
+                torch.float16,
+                head_size_v=-1,
+            ),
+        ],
+        "cache groups": [
+            bad(
+                "KVCacheGroup duplicate names",
+                ValueError,
+                "KVCacheGroup(): layer_names must be unique, got ('a', 'a')",
+                diffkv.KVCacheGroup,
+                ["a", "a"],
+                spec,
+            ),
+            bad(
+                "KVCacheGroup names a str",
+                TypeError,
+                "KVCacheGroup(): layer_names must be a sequence of str, got 'ab'",
+                diffkv.KVCacheGroup,
+                "ab",
+                spec,
+            ),
+            bad(
+                "KVCacheGroup spec None",
+                TypeError,
+                "KVCacheGroup(): spec must be an AttentionSpec, got None",
+                diffkv.KVCacheGroup,
+                ["a"],
+                None,
+            ),
+            bad(
+                "KVCacheConfig layer in two groups",
+                ValueError,
+                "KVCacheConfig(): layer 'a' appears in more than one cache group",
+                diffkv.KVCacheConfig,
+                8,
+                [group, diffkv.KVCacheGroup(["a"], spec)],
+            ),
+            bad(
+                "KVCacheConfig no groups",
+                ValueError,
+                "KVCacheConfig(): kv_cache_groups must not be empty",
+                diffkv.KVCacheConfig,
+                8,
+                [],
+            ),
+            bad(
+                "KVCacheConfig num_blocks 0",
+                ValueError,
+                "KVCacheConfig(): num_blocks must be positive, got 0",
+                diffkv.KVCacheConfig,
+                0,
+                [group],
+            ),
+            bad(
+                "KVCacheConfig group not a KVCacheGroup",
+                TypeError,
+                "KVCacheConfig(): kv_cache_groups[0] must be a KVCacheGroup, got 1",
+                diffkv.KVCacheConfig,
+                4,
+                [1],
+            ),
+            kw_case(
+                "AttentionGroup reorder_batch_threshold -1",
+                ValueError,
+                "PagedMetadataBuilder(): reorder_batch_threshold must be >= 0, got -1",
+                diffkv.AttentionGroup,
+                ["a"],
+                reorder_batch_threshold=-1,
+            ),
+            bad(
+                "AttentionGroup names a str",
+                TypeError,
+                "AttentionGroup(): layer_names must be a sequence of str, got 'a'",
+                diffkv.AttentionGroup,
+                "a",
+            ),
+            bad(
+                "AttentionGroup ubatch_id 1",
+                IndexError,
+                "AttentionGroup.get_metadata_builder(): ubatch_id must be in [0, 1), got 1",
+                diffkv.AttentionGroup(["a"]).get_metadata_builder,
+                1,
+            ),
+        ],
+    }
+
+
+def append_tables(device: Any = "cpu") -> Any:
+    """BlockTables of two groups (block sizes 4 and 8, 2 and 1 columns), row 0 holding one block
+    of each."""
+    tables = diffkv.BlockTables([4, 8], 2, 16, [2, 1], device)
+    tables.append_block_ids(0, [[3], [5]])
+    return tables
+
+
+def _tables_case(
+    name: str, exc: type[BaseException], message: str, tables: Any, method: str, *args: Any, **kwargs: Any
+) -> Case:
+    case = kw_case(name, exc, message, getattr(tables, method), *args, **kwargs)
+    case.env = tables
+    return case
+
+
+def _cases_block_tables(device: Any) -> dict[str, list[Case]]:
+    T = diffkv.BlockTables
+    construct = [
+        bad(
+            "BlockTables no block sizes",
+            ValueError,
+            "BlockTables(): block_sizes must not be empty",
+            T,
+            [],
+            1,
+            1,
+            [],
+            "cpu",
+        ),
+        bad(
+            "BlockTables max_num_reqs 0",
+            ValueError,
+            "BlockTables(): max_num_reqs must be positive, got 0",
+            T,
+            [16],
+            0,
+            1,
+            [1],
+            "cpu",
+        ),
+        bad(
+            "BlockTables one max blocks per group",
+            ValueError,
+            "BlockTables(): max_num_blocks_per_group must have 1 entries (one per cache group), got 2",
+            T,
+            [16],
+            1,
+            1,
+            [1, 2],
+            "cpu",
+        ),
+        kw_case(
+            "BlockTables kernel block size 6",
+            ValueError,
+            "BlockTables(): kernel_block_sizes[0] must divide block_sizes[0]=16, got 6",
+            T,
+            [16],
+            1,
+            1,
+            [1],
+            "cpu",
+            kernel_block_sizes=[6],
+        ),
+        kw_case(
+            "BlockTables cp_rank 2",
+            ValueError,
+            "BlockTables(): cp_rank must be in [0, 2), got 2",
+            T,
+            [16],
+            1,
+            1,
+            [1],
+            "cpu",
+            cp_size=2,
+            cp_rank=2,
+        ),
+        kw_case(
+            "BlockTables cp_interleave 0",
+            ValueError,
+            "BlockTables(): cp_interleave must be positive, got 0",
+            T,
+            [16],
+            1,
+            1,
+            [1],
+            "cpu",
+            cp_interleave=0,
+        ),
+    ]
+    two = append_tables(device)
+    append = "BlockTables.append_block_ids(): "
+    methods = [
+        # Group 0 would fit, group 1 overflows its single column: nothing may change.
+        _tables_case(
+            "append overflows group 1",
+            ValueError,
+            append
+            + "block ids must fit in the 0 free kernel-block columns of row 0 (1 per block), got 1 ids",
+            two,
+            "append_block_ids",
+            0,
+            [[1], [6]],
+        ),
+        _tables_case(
+            "append negative id in group 1",
+            ValueError,
+            append + "block ids must be non-negative, got -1",
+            two,
+            "append_block_ids",
+            0,
+            [[1], [-1]],
+        ),
+        _tables_case(
+            "append float id in group 1",
+            TypeError,
+            append + "block_ids_per_group[1][0] must be an int, got 1.5",
+            two,
+            "append_block_ids",
+            0,
+            [[1], [1.5]],
+        ),
+        _tables_case(
+            "append one group of two",
+            ValueError,
+            append + "block_ids_per_group must have 2 entries (one per cache group), got 1",
+            two,
+            "append_block_ids",
+            0,
+            [[1]],
+        ),
+        _tables_case(
+            "append row 2",
+            ValueError,
+            append + "row must be in [0, 2), got 2",
+            two,
+            "append_block_ids",
+            2,
+            [[1], [1]],
+        ),
+        _tables_case(
+            "append row '0'",
+            TypeError,
+            append + "row must be an int, got '0'",
+            two,
+            "append_block_ids",
+            "0",
+            [[1], [1]],
+        ),
+        _tables_case(
+            "clear_row -1",
+            ValueError,
+            "BlockTables.clear_row(): row must be in [0, 2), got -1",
+            two,
+            "clear_row",
+            -1,
+        ),
+    ]
+    four = diffkv.BlockTables([4, 2], 4, 32, [3, 3], device)
+    methods.append(
+        _tables_case(
+            "gather num_reqs_padded 1 of 2",
+            ValueError,
+            "BlockTables.gather_block_tables(): num_reqs_padded must be in [2, 4], got 1",
+            four,
+            "gather_block_tables",
+            [0, 1],
+            num_reqs_padded=1,
+        )
+    )
+    slots = diffkv.BlockTables([4], 1, 8, [2], device)
+    slots.append_block_ids(0, [[0, 1]])
+    row_indices = torch.tensor([0], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 6], dtype=torch.int32, device=device)
+    positions = torch.arange(6, device=device)
+    for padded in (9, 5):
+        methods.append(
+            _tables_case(
+                f"slot mappings num_tokens_padded {padded}",
+                ValueError,
+                f"BlockTables.compute_slot_mappings(): num_tokens_padded must be in [6, 8], got {padded}",
+                slots,
+                "compute_slot_mappings",
+                row_indices,
+                qsl,
+                positions,
+                num_tokens_padded=padded,
+            )
+        )
+    one = diffkv.BlockTables([4], 2, 8, 2, device)
+    one.append_block_ids(0, [[1]])
+    methods += [
+        _tables_case(
+            "gather float row indices",
+            TypeError,
+            "BlockTables.gather_block_tables(): row_indices must be an int32 or int64 tensor, "
+            "got torch.float32",
+            one,
+            "gather_block_tables",
+            torch.zeros(1),
+            1,
+        ),
+        _tables_case(
+            "gather int row indices",
+            TypeError,
+            "BlockTables.gather_block_tables(): row_indices must be a tensor or a sequence of ints, got 0",
+            one,
+            "gather_block_tables",
+            0,
+            1,
+        ),
+        _tables_case(
+            "slot mappings positions a list",
+            TypeError,
+            "BlockTables.compute_slot_mappings(): positions must be a 1-D tensor, got [0, 1]",
+            one,
+            "compute_slot_mappings",
+            None,
+            None,
+            [0, 1],
+            num_tokens_padded=2,
+        ),
+        _tables_case(
+            "append two groups of one",
+            ValueError,
+            append + "block_ids_per_group must have 1 entries (one per cache group), got 2",
+            one,
+            "append_block_ids",
+            0,
+            [[1], [2]],
+        ),
+        _tables_case(
+            "append group not a sequence",
+            TypeError,
+            append + "block_ids_per_group[0] must be a sequence of ints, got 3",
+            one,
+            "append_block_ids",
+            0,
+            [3],
+        ),
+    ]
+    # CPU tables on every device: the CUDA path does not read the query starts.
+    cpu_one = one if torch.device(device).type == "cpu" else diffkv.BlockTables([4], 2, 8, 2, "cpu")
+    methods.append(
+        _tables_case(
+            "slot mappings short positions",
+            ValueError,
+            "BlockTables.compute_slot_mappings(): positions must have query_start_loc[-1]=3 entries, got 2",
+            cpu_one,
+            "compute_slot_mappings",
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32),
+            torch.arange(2),
+            num_tokens_padded=4,
+        )
+    )
+    return {"BlockTables": construct, "BlockTables methods": methods}
+
+
+def pool_in_use(num_blocks: int, allocated: int, freed: tuple = ()) -> Any:
+    pool = diffkv.BlockPool(num_blocks)
+    pool.allocate(allocated)
+    if freed:
+        pool.free(list(freed))
+    return pool
+
+
+def _pool_case(name: str, exc: type[BaseException], message: str, pool: Any, method: str, *args: Any) -> Case:
+    case = bad(name, exc, message, getattr(pool, method), *args)
+    case.env = pool
+    return case
+
+
+def _cases_block_pool() -> dict[str, list[Case]]:
+    three = pool_in_use(3, 2)
+    four = pool_in_use(4, 4)
+    return {
+        "BlockPool": [
+            bad(
+                "BlockPool num_blocks 0",
+                ValueError,
+                "BlockPool(): num_blocks must be positive, got 0",
+                diffkv.BlockPool,
+                0,
+            ),
+            bad(
+                "BlockPool num_blocks 2.0",
+                TypeError,
+                "BlockPool(): num_blocks must be an int, got 2.0",
+                diffkv.BlockPool,
+                2.0,
+            ),
+        ],
+        "BlockPool methods": [
+            _pool_case(
+                "pool exhausted",
+                RuntimeError,
+                "BlockPool.allocate(): n must be at most the number of free blocks (3), got 5",
+                pool_in_use(5, 2),
+                "allocate",
+                5,
+            ),
+            _pool_case(
+                "pool allocate -1",
+                ValueError,
+                "BlockPool.allocate(): n must be non-negative, got -1",
+                pool_in_use(2, 0),
+                "allocate",
+                -1,
+            ),
+            _pool_case(
+                "pool double free",
+                ValueError,
+                "BlockPool.free(): block id 0 is not allocated (double free?)",
+                pool_in_use(4, 3, (0,)),
+                "free",
+                [1, 0],
+            ),
+            _pool_case(
+                "pool repeated id",
+                ValueError,
+                "BlockPool.free(): block ids must not repeat, got block id 2 twice",
+                pool_in_use(4, 3),
+                "free",
+                [2, 1, 2],
+            ),
+            _pool_case(
+                "pool free id 4",
+                ValueError,
+                "BlockPool.free(): block id must be in [0, 4), got 4",
+                four,
+                "free",
+                [0, 4],
+            ),
+            _pool_case(
+                "pool free id -1",
+                ValueError,
+                "BlockPool.free(): block id must be in [0, 4), got -1",
+                four,
+                "free",
+                [-1],
+            ),
+            _pool_case(
+                "pool allocate 2.0",
+                TypeError,
+                "BlockPool.allocate(): n must be an int, got 2.0",
+                three,
+                "allocate",
+                2.0,
+            ),
+            _pool_case(
+                "pool allocate True",
+                TypeError,
+                "BlockPool.allocate(): n must be an int, got True",
+                three,
+                "allocate",
+                True,
+            ),
+            _pool_case(
+                "pool free 'a'",
+                TypeError,
+                "BlockPool.free(): block_ids[1] must be an int, got 'a'",
+                three,
+                "free",
+                [0, "a"],
+            ),
+            _pool_case(
+                "pool free 5",
+                TypeError,
+                "BlockPool.free(): block_ids must be a sequence of ints, got 5",
+                three,
+                "free",
+                5,
+            ),
+        ],
+    }
+
+
+def kv_config(num_blocks=5, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16) -> Any:
+    """Layers l0, l1 (causal) and l2 (non-causal) of one shape."""
+    spec = diffkv.AttentionSpec(block_size, num_kv_heads, head_size, dtype)
+    spec2 = diffkv.AttentionSpec(block_size, num_kv_heads, head_size, dtype, non_causal=True)
+    return diffkv.KVCacheConfig(
+        num_blocks, [diffkv.KVCacheGroup(["l0", "l1"], spec), diffkv.KVCacheGroup(["l2"], spec2)]
+    )
+
+
+def mixed_kv_config() -> Any:
+    """Layers a (block size 4) and b (block size 8)."""
+    return diffkv.KVCacheConfig(
+        3,
+        [
+            diffkv.KVCacheGroup(["a"], diffkv.AttentionSpec(4, 2, 8, torch.float16)),
+            diffkv.KVCacheGroup(["b"], diffkv.AttentionSpec(8, 2, 8, torch.float16)),
+        ],
+    )
+
+
+def _cases_allocation() -> dict[str, list[Case]]:
+    from diffkv import native
+
+    allocate = diffkv.allocate_kv_caches
+    cfg = kv_config()
+    layers = {"l0": SimpleNamespace(kv_cache=None), "l2": SimpleNamespace(kv_cache=None)}
+    missing = kw_case(
+        "allocate layers lacks l1",
+        KeyError,
+        "allocate_kv_caches(): layers has no layer 'l1' named by kv_cache_config",
+        allocate,
+        cfg,
+        dtype=torch.float16,
+        device="cpu",
+        layers=layers,
+    )
+    missing.env = layers
+    one = diffkv.KVCacheConfig(4, [diffkv.KVCacheGroup(["a"], diffkv.AttentionSpec(4, 1, 8, torch.float32))])
+    return {
+        "allocate_kv_caches": [
+            missing,
+            kw_case(
+                "allocate layout 'packed'",
+                ValueError,
+                "allocate_kv_caches(): layout must be 'layer_major' or 'block_major', got 'packed'",
+                allocate,
+                cfg,
+                dtype=torch.float16,
+                device="cpu",
+                layout="packed",
+            ),
+            kw_case(
+                "allocate dtype mismatch",
+                ValueError,
+                "allocate_kv_caches(): dtype must match kv_cache_groups[0].spec.dtype torch.float16, "
+                "got torch.bfloat16",
+                allocate,
+                cfg,
+                dtype=torch.bfloat16,
+                device="cpu",
+            ),
+            kw_case(
+                "allocate dtype int8",
+                ValueError,
+                "allocate_kv_caches(): dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                "got torch.int8",
+                allocate,
+                cfg,
+                dtype=torch.int8,
+                device="cpu",
+            ),
+            kw_case(
+                "allocate dtype a str",
+                TypeError,
+                "allocate_kv_caches(): dtype must be a torch.dtype, got 'float16'",
+                allocate,
+                cfg,
+                dtype="float16",
+                device="cpu",
+            ),
+            kw_case(
+                "allocate config a dict",
+                TypeError,
+                "allocate_kv_caches(): kv_cache_config must be a KVCacheConfig, got dict",
+                allocate,
+                {},
+                dtype=torch.float16,
+                device="cpu",
+            ),
+            kw_case(
+                "allocate block_major of mixed shapes",
+                ValueError,
+                "allocate_kv_caches(): layout 'block_major' needs one (block_size, num_kv_heads, head_size) "
+                "for every layer, got [(4, 2, 8), (8, 2, 8)]",
+                allocate,
+                mixed_kv_config(),
+                dtype=torch.float16,
+                device="cpu",
+                layout="block_major",
+            ),
+        ],
+        "metadata builders": [
+            bad(
+                "slot mappings by layer of one row",
+                ValueError,
+                "build_slot_mappings_by_layer(): slot_mappings must be [2, num_tokens], got shape=(1, 6)",
+                native.build_slot_mappings_by_layer,
+                torch.arange(12, dtype=torch.int64).reshape(2, 6)[:1],
+                cfg,
+            ),
+            kw_case(
+                "dcp local seq lens rank 2 of 2",
+                ValueError,
+                "get_dcp_local_seq_lens(): dcp_rank must be in [0, 2), got 2",
+                native.get_dcp_local_seq_lens,
+                torch.tensor([5, 0, 1, 8, 13], dtype=torch.int32),
+                dcp_size=2,
+                dcp_rank=2,
+                cp_kv_cache_interleave_size=1,
+            ),
+            kw_case(
+                "dcp local seq lens of a list",
+                TypeError,
+                "get_dcp_local_seq_lens(): seq_lens must be a tensor, got list",
+                native.get_dcp_local_seq_lens,
+                [1],
+                dcp_size=1,
+                dcp_rank=0,
+                cp_kv_cache_interleave_size=1,
+            ),
+            kw_case(
+                "attn metadata without groups",
+                ValueError,
+                "build_attn_metadata(): attn_groups must have 1 entries (one per cache group), got 0",
+                native.build_attn_metadata,
+                attn_groups=[],
+                num_reqs=1,
+                num_tokens=1,
+                query_start_loc_gpu=None,
+                query_start_loc_cpu=None,
+                max_query_len=1,
+                seq_lens=None,
+                max_seq_len=1,
+                block_tables=[],
+                slot_mappings=torch.zeros(1, 1),
+                kv_cache_config=one,
+                seq_lens_cpu=None,
+                positions=None,
+                causal=True,
+            ),
+        ],
+    }
+
+
+def _cases_impl() -> dict[str, list[Case]]:
+    Impl = diffkv.DiffKVAttentionImpl
+    start = "DiffKVAttentionImpl(): "
+    cases = [
+        kw_case(
+            "impl no scale", TypeError, start + "softmax_scale (or its alias scale) is required", Impl, 4, 64
+        )
+    ]
+    for name, exc, message, kwargs in (
+        (
+            "scales disagree",
+            ValueError,
+            "scale and softmax_scale must agree, got scale=0.1, softmax_scale=0.2",
+            {"softmax_scale": 0.2},
+        ),
+        (
+            "alibi_slopes",
+            NotImplementedError,
+            "alibi_slopes is not supported, got [1.0]",
+            {"alibi_slopes": [1.0]},
+        ),
+        (
+            "sliding_window",
+            NotImplementedError,
+            "sliding_window is not supported, got 128",
+            {"sliding_window": 128},
+        ),
+        (
+            "logits_soft_cap",
+            NotImplementedError,
+            "logits_soft_cap is not supported, got 30.0",
+            {"logits_soft_cap": 30.0},
+        ),
+        (
+            "kv sharing",
+            NotImplementedError,
+            "kv_sharing_target_layer_name is not supported, got 'l0'",
+            {"kv_sharing_target_layer_name": "l0"},
+        ),
+        (
+            "fp8 cache",
+            NotImplementedError,
+            "kv_cache_dtype must be one of ['auto', 'float32', 'float', 'float16', 'half', 'bfloat16'] "
+            "(an unquantized cache), got 'fp8'",
+            {"kv_cache_dtype": "fp8"},
+        ),
+        (
+            "encoder",
+            NotImplementedError,
+            "attn_type must be 'decoder', got 'encoder'",
+            {"attn_type": "encoder"},
+        ),
+        (
+            "backend_kwargs",
+            NotImplementedError,
+            "backend_kwargs are not supported, got ['x']",
+            {"backend_kwargs": {"x": 1}},
+        ),
+        ("unexpected keyword", TypeError, "unexpected keyword arguments ['bogus']", {"bogus": 1}),
+        (
+            "num_kv_heads 3 of 4",
+            ValueError,
+            "num_kv_heads must be positive and divide num_heads=4, got 3",
+            {"num_kv_heads": 3},
+        ),
+    ):
+        cases.append(kw_case(f"impl {name}", exc, start + message, Impl, 4, 64, scale=0.1, **kwargs))
+    return {"DiffKVAttentionImpl": cases}
+
+
+def _cases_collaborators(device: Any) -> dict[str, list[Case]]:
+    cases: dict[str, list[Case]] = {}
+    for part in (
+        _cases_rows,
+        _cases_piecewise,
+        _cases_configs,
+        _cases_block_pool,
+        _cases_allocation,
+        _cases_impl,
+    ):
+        cases.update(part())
+    cases.update(_cases_block_tables(device))
+    cases.update(_cases_runtime(device))
+    return cases
+
+
 def public_cases(device: Any = "cpu") -> dict[str, list[Case]]:
     """The public entry points' cases (built afresh on each call); the Q/K/V ones on ``device``."""
     cases: dict[str, list[Case]] = {}
@@ -2846,6 +3961,7 @@ def public_cases(device: Any = "cpu") -> dict[str, list[Case]]:
     ):
         cases.update(part())
     cases.update(_cases_layer_context(device))
+    cases.update(_cases_collaborators(device))
     return cases
 
 

@@ -182,6 +182,7 @@ def _untouched_after(name, *, generation=0, resolver_calls=()):
     ("name", "generation", "resolver_calls"),
     [
         ("prepare_batch no rows", 0, ()),
+        ("prepare_batch resolver refuses", 0, [("req", 5, None)]),
         ("prepare_batch during an active forward", 1, ()),
         ("prepare_batch too many rows", 0, ()),
         ("prepare_batch duplicate identities", 0, ()),
@@ -198,15 +199,6 @@ def _untouched_after(name, *, generation=0, resolver_calls=()):
 )
 def test_failing_prepare_batch_changes_nothing(name, generation, resolver_calls):
     _untouched_after(name, generation=generation, resolver_calls=resolver_calls)
-
-
-def test_resolver_errors_propagate():
-    h = make_adapter("cpu")
-    recording = RecordingBlockTables(h.block_tables)
-    h.adapter.block_tables = recording
-    with pytest.raises(KeyError):
-        h.adapter.prepare_batch([row(sequence_id=5)])
-    assert recording.calls == [] and h.adapter._prepare_generation == 0
 
 
 def test_decode_rows_first_allows_short_rows_first():

@@ -1,10 +1,12 @@
-"""diffkv.BlockPool: allocation order, free, num_free, and every error leaving the pool as it was."""
+"""diffkv.BlockPool: allocation order, free, num_free, and every error (the "BlockPool" and
+"BlockPool methods" cases of error_cases.py) leaving the pool as it was."""
 
 from __future__ import annotations
 
 import pytest
 
 import diffkv
+from error_cases import check, public_case, public_cases
 
 
 def _state(pool):
@@ -50,66 +52,20 @@ def test_all_ids_distinct_through_churn():
         assert all(0 <= b < 32 for b in held)
 
 
-def test_exhaustion_changes_nothing():
-    pool = diffkv.BlockPool(5)
-    pool.allocate(2)
+@pytest.mark.parametrize("name", [case.name for case in public_cases()["BlockPool methods"]])
+def test_errors_change_nothing(name):
+    """Each refusal of error_cases.py's "BlockPool methods" leaves its pool as it was."""
+    case = public_case(name)
+    pool = case.env
     state = _state(pool)
-    with pytest.raises(
-        RuntimeError,
-        match=r"^BlockPool.allocate\(\): n must be at most the number of free blocks \(3\), got 5$",
-    ):
-        pool.allocate(5)
-    _assert_unchanged(pool, state)
-    assert pool.allocate(3) == [2, 3, 4]
-
-
-def test_negative_n():
-    pool = diffkv.BlockPool(2)
-    state = _state(pool)
-    with pytest.raises(ValueError, match=r"^BlockPool.allocate\(\): n must be non-negative, got -1$"):
-        pool.allocate(-1)
+    check(case)
     _assert_unchanged(pool, state)
 
 
-def test_double_free_changes_nothing():
-    pool = diffkv.BlockPool(4)
-    ids = pool.allocate(3)
-    pool.free([ids[0]])
-    state = _state(pool)
-    with pytest.raises(
-        ValueError, match=r"^BlockPool.free\(\): block id 0 is not allocated \(double free\?\)$"
-    ):
-        pool.free([ids[1], ids[0]])
-    _assert_unchanged(pool, state)
-
-
-def test_repeated_id_changes_nothing():
-    pool = diffkv.BlockPool(4)
-    pool.allocate(3)
-    state = _state(pool)
-    with pytest.raises(
-        ValueError, match=r"^BlockPool.free\(\): block ids must not repeat, got block id 2 twice$"
-    ):
-        pool.free([2, 1, 2])
-    _assert_unchanged(pool, state)
-
-
-def test_out_of_range_changes_nothing():
-    pool = diffkv.BlockPool(4)
-    pool.allocate(4)
-    state = _state(pool)
-    with pytest.raises(ValueError, match=r"^BlockPool.free\(\): block id must be in \[0, 4\), got 4$"):
-        pool.free([0, 4])
-    with pytest.raises(ValueError, match=r"^BlockPool.free\(\): block id must be in \[0, 4\), got -1$"):
-        pool.free([-1])
-    _assert_unchanged(pool, state)
-
-
-def test_constructor_errors():
-    with pytest.raises(ValueError, match=r"^BlockPool\(\): num_blocks must be positive, got 0$"):
-        diffkv.BlockPool(0)
-    with pytest.raises(TypeError, match=r"^BlockPool\(\): num_blocks must be an int, got 2.0$"):
-        diffkv.BlockPool(2.0)
+def test_exhausted_pool_still_allocates_what_is_free():
+    case = public_case("pool exhausted")
+    check(case)
+    assert case.env.allocate(3) == [2, 3, 4]
 
 
 def test_free_accepts_iterables():
@@ -119,18 +75,3 @@ def test_free_accepts_iterables():
     pool.free(iter(ids[1:2]))
     pool.free(range(2, 3))
     assert pool.num_free == 3
-
-
-def test_type_errors_change_nothing():
-    pool = diffkv.BlockPool(3)
-    pool.allocate(2)
-    state = _state(pool)
-    with pytest.raises(TypeError, match=r"^BlockPool.allocate\(\): n must be an int, got 2.0$"):
-        pool.allocate(2.0)
-    with pytest.raises(TypeError, match=r"^BlockPool.allocate\(\): n must be an int, got True$"):
-        pool.allocate(True)
-    with pytest.raises(TypeError, match=r"^BlockPool.free\(\): block_ids\[1\] must be an int, got 'a'$"):
-        pool.free([0, "a"])
-    with pytest.raises(TypeError, match=r"^BlockPool.free\(\): block_ids must be a sequence of ints, got 5$"):
-        pool.free(5)
-    _assert_unchanged(pool, state)

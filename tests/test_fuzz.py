@@ -98,6 +98,9 @@ def _tensors_in(value: Any, out: list[torch.Tensor]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _tensors_in(item, out)
+    elif isinstance(value, dict):  # the keywords of a public case
+        for item in value.values():
+            _tensors_in(item, out)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

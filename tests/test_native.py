@@ -1,5 +1,7 @@
 """diffkv.native: configs, specs, BlockTables (append / clear / gather / slot mapping, kernel
-block split, context parallel), KV cache allocation and the metadata builders."""
+block split, context parallel), KV cache allocation and the metadata builders.  Their refusals
+are cases of error_cases.py (checked by test_adapter_errors, repeated by the fuzz and leak
+tests); here, what they accept and the state a refusal leaves."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 import diffkv
 from diffkv import native
+from error_cases import check, kv_config, mixed_kv_config, public_case, public_cases
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -61,25 +64,6 @@ def test_configs():
     assert cfg.cache_config.cache_dtype == "auto"
 
 
-def test_config_errors():
-    with pytest.raises(TypeError, match=r"^ModelConfig\(\): dtype must be a torch.dtype or one of"):
-        diffkv.ModelConfig("fp8")
-    with pytest.raises(ValueError, match=r"^CacheConfig\(\): block_size must be positive, got 0$"):
-        diffkv.CacheConfig(block_size=0)
-    with pytest.raises(TypeError, match=r"^CacheConfig\(\): block_size must be an int, got 1.5$"):
-        diffkv.CacheConfig(block_size=1.5)
-    with pytest.raises(TypeError, match=r"^CacheConfig\(\): block_size must be an int, got True$"):
-        diffkv.CacheConfig(block_size=True)
-    with pytest.raises(TypeError, match=r"^CacheConfig\(\): cache_dtype must be a str, got None$"):
-        diffkv.CacheConfig(cache_dtype=None)
-    with pytest.raises(TypeError, match=r"^DiffusionConfig\(\): model_config must have a dtype"):
-        diffkv.DiffusionConfig(object(), diffkv.CacheConfig())
-    with pytest.raises(
-        TypeError, match=r"^DiffusionConfig\(\): cache_config must have block_size and cache_dtype"
-    ):
-        diffkv.DiffusionConfig(diffkv.ModelConfig(torch.float16), object())
-
-
 def test_attention_spec_defaults_and_replace():
     spec = diffkv.AttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     assert spec.non_causal is False
@@ -96,19 +80,6 @@ def test_attention_spec_defaults_and_replace():
     assert hash(spec) == hash(diffkv.AttentionSpec(16, 8, 128, torch.bfloat16))
 
 
-def test_attention_spec_errors():
-    with pytest.raises(ValueError, match=r"^AttentionSpec\(\): num_kv_heads must be positive, got 0$"):
-        diffkv.AttentionSpec(16, 0, 128, torch.float16)
-    with pytest.raises(TypeError, match=r"^AttentionSpec\(\): head_size must be an int, got '128'$"):
-        diffkv.AttentionSpec(16, 1, "128", torch.float16)
-    with pytest.raises(TypeError, match=r"^AttentionSpec\(\): non_causal must be a bool, got 1$"):
-        diffkv.AttentionSpec(16, 1, 128, torch.float16, non_causal=1)
-    with pytest.raises(TypeError, match=r"^AttentionSpec\(\): dtype must be a torch.dtype"):
-        diffkv.AttentionSpec(16, 1, 128, None)
-    with pytest.raises(ValueError, match=r"^AttentionSpec\(\): head_size_v must be positive, got -1$"):
-        diffkv.AttentionSpec(16, 1, 128, torch.float16, head_size_v=-1)
-
-
 def test_groups_and_kv_cache_config():
     spec = diffkv.AttentionSpec(16, 2, 64, torch.float16)
     group = diffkv.KVCacheGroup(["a", "b"], spec)
@@ -116,22 +87,6 @@ def test_groups_and_kv_cache_config():
     assert group.kv_cache_spec is spec
     cfg = diffkv.KVCacheConfig(num_blocks=8, kv_cache_groups=[group])
     assert cfg.kv_cache_groups == (group,)
-    with pytest.raises(ValueError, match=r"^KVCacheGroup\(\): layer_names must be unique, got \('a', 'a'\)$"):
-        diffkv.KVCacheGroup(["a", "a"], spec)
-    with pytest.raises(
-        TypeError, match=r"^KVCacheGroup\(\): layer_names must be a sequence of str, got 'ab'$"
-    ):
-        diffkv.KVCacheGroup("ab", spec)
-    with pytest.raises(TypeError, match=r"^KVCacheGroup\(\): spec must be an AttentionSpec, got None$"):
-        diffkv.KVCacheGroup(["a"], None)
-    with pytest.raises(
-        ValueError, match=r"^KVCacheConfig\(\): layer 'a' appears in more than one cache group$"
-    ):
-        diffkv.KVCacheConfig(8, [group, diffkv.KVCacheGroup(["a"], spec)])
-    with pytest.raises(ValueError, match=r"^KVCacheConfig\(\): kv_cache_groups must not be empty$"):
-        diffkv.KVCacheConfig(8, [])
-    with pytest.raises(ValueError, match=r"^KVCacheConfig\(\): num_blocks must be positive, got 0$"):
-        diffkv.KVCacheConfig(0, [group])
 
 
 def test_attention_group_builder():
@@ -141,10 +96,6 @@ def test_attention_group_builder():
         diffkv.AttentionGroup(["a"], reorder_batch_threshold=1).get_metadata_builder().reorder_batch_threshold
         == 1
     )
-    with pytest.raises(
-        IndexError, match=r"^AttentionGroup.get_metadata_builder\(\): ubatch_id must be in \[0, 1\), got 1$"
-    ):
-        group.get_metadata_builder(1)
 
 
 # --- BlockTables ---------------------------------------------------------------------------------
@@ -206,65 +157,22 @@ def test_append_overwrite_clear(device):
     assert tables.block_tables[0][0, :3].tolist() == [4, 4, 2]
 
 
-def test_append_errors_change_nothing(device):
-    tables = diffkv.BlockTables([4, 8], 2, 16, [2, 1], device)
-    tables.append_block_ids(0, [[3], [5]])
-    before = [t.clone() for t in tables.block_tables], tables.num_blocks.np.copy()
-    # Group 0 would fit, group 1 overflows its single column: nothing may change.
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables.append_block_ids\(\): block ids must fit in the 0 free kernel-block columns "
-        r"of row 0 \(1 per block\), got 1 ids$",
-    ):
-        tables.append_block_ids(0, [[1], [6]])
-    # A negative block id in group 1.
-    with pytest.raises(
-        ValueError, match=r"^BlockTables.append_block_ids\(\): block ids must be non-negative, got -1$"
-    ):
-        tables.append_block_ids(0, [[1], [-1]])
-    with pytest.raises(
-        TypeError,
-        match=r"^BlockTables.append_block_ids\(\): block_ids_per_group\[1\]\[0\] must be an int, got 1.5$",
-    ):
-        tables.append_block_ids(0, [[1], [1.5]])
-    for t, b in zip(tables.block_tables, before[0], strict=True):
-        assert torch.equal(t, b)
-    assert (tables.num_blocks.np == before[1]).all()
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables.append_block_ids\(\): block_ids_per_group must have 2 entries "
-        r"\(one per cache group\), got 1$",
-    ):
-        tables.append_block_ids(0, [[1]])
-    with pytest.raises(
-        ValueError, match=r"^BlockTables.append_block_ids\(\): row must be in \[0, 2\), got 2$"
-    ):
-        tables.append_block_ids(2, [[1], [1]])
-    with pytest.raises(TypeError, match=r"^BlockTables.append_block_ids\(\): row must be an int, got '0'$"):
-        tables.append_block_ids("0", [[1], [1]])
-    with pytest.raises(ValueError, match=r"^BlockTables.clear_row\(\): row must be in \[0, 2\), got -1$"):
-        tables.clear_row(-1)
-
-
-def test_constructor_errors():
-    with pytest.raises(ValueError, match=r"^BlockTables\(\): block_sizes must not be empty$"):
-        diffkv.BlockTables([], 1, 1, [], "cpu")
-    with pytest.raises(ValueError, match=r"^BlockTables\(\): max_num_reqs must be positive, got 0$"):
-        diffkv.BlockTables([16], 0, 1, [1], "cpu")
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables\(\): max_num_blocks_per_group must have 1 entries "
-        r"\(one per cache group\), got 2$",
-    ):
-        diffkv.BlockTables([16], 1, 1, [1, 2], "cpu")
-    with pytest.raises(
-        ValueError, match=r"^BlockTables\(\): kernel_block_sizes\[0\] must divide block_sizes\[0\]=16, got 6$"
-    ):
-        diffkv.BlockTables([16], 1, 1, [1], "cpu", kernel_block_sizes=[6])
-    with pytest.raises(ValueError, match=r"^BlockTables\(\): cp_rank must be in \[0, 2\), got 2$"):
-        diffkv.BlockTables([16], 1, 1, [1], "cpu", cp_size=2, cp_rank=2)
-    with pytest.raises(ValueError, match=r"^BlockTables\(\): cp_interleave must be positive, got 0$"):
-        diffkv.BlockTables([16], 1, 1, [1], "cpu", cp_interleave=0)
+def test_failing_methods_change_nothing(device):
+    """Every refusal of error_cases.py's "BlockTables methods" (the append ones: group 0 would
+    fit where group 1 overflows, a bad id in group 1) leaves its tables' rows and block counts
+    as they were."""
+    cases = public_cases(device)["BlockTables methods"]
+    tables = {id(case.env): case.env for case in cases}.values()
+    before = [([t.clone() for t in tables.block_tables], tables.num_blocks.np.copy()) for tables in tables]
+    for case in cases:
+        check(case)
+    for t, (block_tables, num_blocks) in zip(tables, before, strict=True):
+        for now, then in zip(t.block_tables, block_tables, strict=True):
+            assert torch.equal(now, then)
+        assert (t.num_blocks.np == num_blocks).all()
+    assert next(case for case in cases if case.name == "append overflows group 1").env.num_blocks.np[
+        :, 0
+    ].tolist() == [1, 1]
 
 
 def test_gather_block_tables(device):
@@ -285,10 +193,6 @@ def test_gather_block_tables(device):
     assert g0.data_ptr() == tables.input_block_tables[0].data_ptr()
     again = tables.gather_block_tables([1], num_reqs_padded=1)
     assert again[0].tolist() == [[12, 13, 14]] and again[1].tolist() == [[21, 22, 23]]
-    with pytest.raises(
-        ValueError, match=r"^BlockTables.gather_block_tables\(\): num_reqs_padded must be in \[2, 4\], got 1$"
-    ):
-        tables.gather_block_tables([0, 1], num_reqs_padded=1)
 
 
 def test_compute_slot_mappings_rows_and_padding(device):
@@ -306,22 +210,6 @@ def test_compute_slot_mappings_rows_and_padding(device):
     # The whole persistent buffer past the real tokens is -1.
     assert tables.slot_mappings[0, 16:].tolist() == [-1] * 24
     assert slots.data_ptr() == tables.slot_mappings.data_ptr()
-
-
-def test_compute_slot_mappings_errors(device):
-    tables = diffkv.BlockTables([4], 1, 8, [2], device)
-    tables.append_block_ids(0, [[0, 1]])
-    row_indices, qsl, positions = batch_tensors([(0, 0, 6)], device)
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables.compute_slot_mappings\(\): num_tokens_padded must be in \[6, 8\], got 9$",
-    ):
-        tables.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=9)
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables.compute_slot_mappings\(\): num_tokens_padded must be in \[6, 8\], got 5$",
-    ):
-        tables.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=5)
 
 
 def test_kernel_block_split(device):
@@ -378,16 +266,8 @@ def test_block_pool_basic():
 # --- KV cache allocation ------------------------------------------------------------------------
 
 
-def _kv_config(num_blocks=5, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16):
-    spec = diffkv.AttentionSpec(block_size, num_kv_heads, head_size, dtype)
-    spec2 = diffkv.AttentionSpec(block_size, num_kv_heads, head_size, dtype, non_causal=True)
-    return diffkv.KVCacheConfig(
-        num_blocks, [diffkv.KVCacheGroup(["l0", "l1"], spec), diffkv.KVCacheGroup(["l2"], spec2)]
-    )
-
-
 def test_allocate_layer_major(device):
-    cfg = _kv_config()
+    cfg = kv_config()
     caches = diffkv.allocate_kv_caches(cfg, dtype=torch.float16, device=device)
     assert list(caches) == ["l0", "l1", "l2"]
     for cache in caches.values():
@@ -399,7 +279,7 @@ def test_allocate_layer_major(device):
 
 
 def test_allocate_block_major(device):
-    cfg = _kv_config()
+    cfg = kv_config()
     caches = diffkv.allocate_kv_caches(cfg, dtype=torch.float16, device=device, layout="block_major")
     page = 4 * 2 * 8  # block_size * Hkv * D
     for index, name in enumerate(["l0", "l1", "l2"]):
@@ -415,68 +295,30 @@ def test_allocate_block_major(device):
 
 
 def test_allocate_binds_layers(device):
-    cfg = _kv_config()
+    cfg = kv_config()
     layers = {name: SimpleNamespace(kv_cache=None) for name in ["l0", "l1", "l2"]}
     caches = diffkv.allocate_kv_caches(cfg, dtype=torch.float16, device=device, layers=layers)
     for name, layer in layers.items():
         assert layer.kv_cache is caches[name]
 
 
-def test_allocate_errors():
-    cfg = _kv_config()
-    layers = {"l0": SimpleNamespace(kv_cache=None), "l2": SimpleNamespace(kv_cache=None)}
-    with pytest.raises(
-        KeyError, match=r"allocate_kv_caches\(\): layers has no layer 'l1' named by kv_cache_config"
-    ):
-        diffkv.allocate_kv_caches(cfg, dtype=torch.float16, device="cpu", layers=layers)
-    assert layers["l0"].kv_cache is None  # checked before binding anything
-    with pytest.raises(
-        ValueError,
-        match=r"^allocate_kv_caches\(\): layout must be 'layer_major' or 'block_major', got 'packed'$",
-    ):
-        diffkv.allocate_kv_caches(cfg, dtype=torch.float16, device="cpu", layout="packed")
-    with pytest.raises(
-        ValueError,
-        match=r"^allocate_kv_caches\(\): dtype must match kv_cache_groups\[0\].spec.dtype torch.float16, "
-        r"got torch.bfloat16$",
-    ):
-        diffkv.allocate_kv_caches(cfg, dtype=torch.bfloat16, device="cpu")
-    with pytest.raises(
-        ValueError,
-        match=r"^allocate_kv_caches\(\): dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
-        r"got torch.int8$",
-    ):
-        diffkv.allocate_kv_caches(cfg, dtype=torch.int8, device="cpu")
-    with pytest.raises(
-        TypeError, match=r"^allocate_kv_caches\(\): dtype must be a torch.dtype, got 'float16'$"
-    ):
-        diffkv.allocate_kv_caches(cfg, dtype="float16", device="cpu")
-    with pytest.raises(
-        TypeError, match=r"^allocate_kv_caches\(\): kv_cache_config must be a KVCacheConfig, got dict$"
-    ):
-        diffkv.allocate_kv_caches({}, dtype=torch.float16, device="cpu")
-    mixed = diffkv.KVCacheConfig(
-        3,
-        [
-            diffkv.KVCacheGroup(["a"], diffkv.AttentionSpec(4, 2, 8, torch.float16)),
-            diffkv.KVCacheGroup(["b"], diffkv.AttentionSpec(8, 2, 8, torch.float16)),
-        ],
-    )
-    with pytest.raises(
-        ValueError,
-        match=r"^allocate_kv_caches\(\): layout 'block_major' needs one "
-        r"\(block_size, num_kv_heads, head_size\) "
-        r"for every layer, got \[\(4, 2, 8\), \(8, 2, 8\)\]$",
-    ):
-        diffkv.allocate_kv_caches(mixed, dtype=torch.float16, device="cpu", layout="block_major")
-    assert set(diffkv.allocate_kv_caches(mixed, dtype=torch.float16, device="cpu")) == {"a", "b"}
+def test_allocate_checks_layers_before_binding_any():
+    """The "allocate layers lacks l1" case of error_cases.py binds no layer it was given."""
+    case = public_case("allocate layers lacks l1")
+    check(case)
+    assert all(layer.kv_cache is None for layer in case.env.values())
+
+
+def test_allocate_mixed_shapes_layer_major():
+    # Refused block-major ("allocate block_major of mixed shapes"), accepted layer-major.
+    assert set(diffkv.allocate_kv_caches(mixed_kv_config(), dtype=torch.float16, device="cpu")) == {"a", "b"}
 
 
 # --- metadata builders --------------------------------------------------------------------------
 
 
 def test_build_attn_metadata(device):
-    cfg = _kv_config()
+    cfg = kv_config()
     tables = diffkv.BlockTables([4, 4], 2, 16, [3, 3], device)
     tables.append_block_ids(0, [[1, 2], [3, 4]])
     tables.append_block_ids(1, [[0], [2]])
@@ -544,17 +386,11 @@ def test_build_attn_metadata(device):
 
 
 def test_build_slot_mappings_by_layer():
-    cfg = _kv_config()
+    cfg = kv_config()
     slots = torch.arange(12, dtype=torch.int64).reshape(2, 6)
     by_layer = native.build_slot_mappings_by_layer(slots, cfg)
     assert by_layer["l0"].tolist() == list(range(6)) and by_layer["l2"].tolist() == list(range(6, 12))
     assert by_layer["l0"].data_ptr() == by_layer["l1"].data_ptr() == slots.data_ptr()
-    with pytest.raises(
-        ValueError,
-        match=r"^build_slot_mappings_by_layer\(\): slot_mappings must be \[2, num_tokens\], "
-        r"got shape=\(1, 6\)$",
-    ):
-        native.build_slot_mappings_by_layer(slots[:1], cfg)
 
 
 def test_get_dcp_local_seq_lens(device):
@@ -574,88 +410,3 @@ def test_get_dcp_local_seq_lens(device):
         for r in range(3)
     )
     assert total.tolist() == [5, 0, 1, 8, 13]
-    with pytest.raises(
-        ValueError, match=r"^get_dcp_local_seq_lens\(\): dcp_rank must be in \[0, 2\), got 2$"
-    ):
-        native.get_dcp_local_seq_lens(seq_lens, dcp_size=2, dcp_rank=2, cp_kv_cache_interleave_size=1)
-
-
-def test_remaining_argument_errors(device):
-    spec = diffkv.AttentionSpec(4, 1, 8, torch.float32)
-    cfg = diffkv.KVCacheConfig(4, [diffkv.KVCacheGroup(["a"], spec)])
-    tables = diffkv.BlockTables([4], 2, 8, 2, device)
-    tables.append_block_ids(0, [[1]])
-    with pytest.raises(
-        TypeError,
-        match=r"^BlockTables.gather_block_tables\(\): row_indices must be an int32 or int64 tensor, "
-        r"got torch.float32$",
-    ):
-        tables.gather_block_tables(torch.zeros(1), 1)
-    with pytest.raises(
-        TypeError,
-        match=r"^BlockTables.gather_block_tables\(\): row_indices must be a tensor or a sequence of ints, "
-        r"got 0$",
-    ):
-        tables.gather_block_tables(0, 1)
-    if device.type == "cpu":
-        with pytest.raises(
-            ValueError,
-            match=r"^BlockTables.compute_slot_mappings\(\): positions must have query_start_loc\[-1\]=3 "
-            r"entries, got 2$",
-        ):
-            tables.compute_slot_mappings(
-                torch.tensor([0], dtype=torch.int32),
-                torch.tensor([0, 3], dtype=torch.int32),
-                torch.arange(2),
-                num_tokens_padded=4,
-            )
-    with pytest.raises(
-        TypeError, match=r"^BlockTables.compute_slot_mappings\(\): positions must be a 1-D tensor"
-    ):
-        tables.compute_slot_mappings(None, None, [0, 1], num_tokens_padded=2)
-    with pytest.raises(
-        ValueError,
-        match=r"^BlockTables.append_block_ids\(\): block_ids_per_group must have 1 entries "
-        r"\(one per cache group\), got 2$",
-    ):
-        tables.append_block_ids(0, [[1], [2]])
-    with pytest.raises(
-        TypeError,
-        match=r"^BlockTables.append_block_ids\(\): block_ids_per_group\[0\] must be a sequence of ints, "
-        r"got 3$",
-    ):
-        tables.append_block_ids(0, [3])
-    with pytest.raises(
-        ValueError,
-        match=r"^build_attn_metadata\(\): attn_groups must have 1 entries \(one per cache group\), got 0$",
-    ):
-        native.build_attn_metadata(
-            attn_groups=[],
-            num_reqs=1,
-            num_tokens=1,
-            query_start_loc_gpu=None,
-            query_start_loc_cpu=None,
-            max_query_len=1,
-            seq_lens=None,
-            max_seq_len=1,
-            block_tables=[],
-            slot_mappings=torch.zeros(1, 1),
-            kv_cache_config=cfg,
-            seq_lens_cpu=None,
-            positions=None,
-            causal=True,
-        )
-    with pytest.raises(TypeError, match=r"^get_dcp_local_seq_lens\(\): seq_lens must be a tensor, got list$"):
-        native.get_dcp_local_seq_lens([1], dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1)
-    with pytest.raises(
-        ValueError, match=r"^PagedMetadataBuilder\(\): reorder_batch_threshold must be >= 0, got -1$"
-    ):
-        diffkv.AttentionGroup(["a"], reorder_batch_threshold=-1)
-    with pytest.raises(
-        TypeError, match=r"^AttentionGroup\(\): layer_names must be a sequence of str, got 'a'$"
-    ):
-        diffkv.AttentionGroup("a")
-    with pytest.raises(
-        TypeError, match=r"^KVCacheConfig\(\): kv_cache_groups\[0\] must be a KVCacheGroup, got 1$"
-    ):
-        diffkv.KVCacheConfig(4, [1])

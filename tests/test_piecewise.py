@@ -1,12 +1,11 @@
-"""Piecewise plans: the planner (segments, packed indices, ranges, homogeneity, key limits,
-errors) and the adapter's per-activation plan and per-segment native metadata."""
+"""Piecewise plans: the planner (segments, packed indices, ranges, homogeneity, key limits; its
+errors are the "build_paged_piecewise_plan" cases of error_cases.py) and the adapter's
+per-activation plan and per-segment native metadata."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
-import pytest
 import torch
 
 import diffkv
@@ -14,10 +13,6 @@ from _helpers import make_adapter, row
 from diffkv import adapter as adapter_mod
 from diffkv import platform as platform_mod
 from diffkv.piecewise import PagedPiecewisePlan, PagedPiecewiseSegment, Segment, build_paged_piecewise_plan
-
-
-def _raises(message):
-    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
 
 
 def _key_limits(position, spans):
@@ -133,49 +128,9 @@ def test_spans_may_be_lists_and_any_sequences():
     assert plan.spans == (((1, 3),), ((4, 6),))
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ([[(0, 1)]], [0, 0], [1], [1]),
-        ([[(0, 1)]], [0], [1, 1], [1]),
-        ([[(0, 1)]], [0], [1], [1, 1]),
-        ([[(0, 1)], []], [0], [1], [1]),
-        ([], [], [], []),
-    ],
-)
-def test_planner_needs_one_entry_per_row(args):
-    with _raises("Paged piecewise inputs must have one entry per row"):
-        build_paged_piecewise_plan(*args)
-
-
-@pytest.mark.parametrize(
-    "spans",
-    [[(5, 8), (1, 3)], [(1, 5), (4, 6)], [(5, 10)], [(-1, 2)], [(4, 4)], [(6, 3)]],
-)
-def test_planner_rejects_bad_spans(spans):
-    with _raises("Paged piecewise spans must be sorted, non-overlapping, and within the sequence"):
-        build_paged_piecewise_plan([spans], [0], [9], [9])
-
-
 def test_planner_accepts_touching_spans():
     plan = build_paged_piecewise_plan([[(1, 3), (3, 5)]], [0], [9], [9])
     assert [s.row_segments[0].mode for s in plan.segments] == ["causal", "full", "full", "causal"]
-
-
-@pytest.mark.parametrize(("offset", "query_len", "seq_len"), [(5, 6, 9), (0, 0, 9), (-1, 2, 9), (9, 1, 9)])
-def test_planner_rejects_bad_query_range(offset, query_len, seq_len):
-    with _raises("Paged piecewise query range must be within the sequence"):
-        build_paged_piecewise_plan([[]], [offset], [query_len], [seq_len])
-
-
-def test_planner_rows_must_align():
-    with _raises("Paged piecewise rows must produce aligned segments"):
-        build_paged_piecewise_plan([[], [(1, 2)]], [0, 0], [4, 4], [4, 4])
-
-
-def test_planner_rows_must_share_modes():
-    with _raises("Paged piecewise rows must use the same attention mode per segment"):
-        build_paged_piecewise_plan([[(0, 2)], [(2, 4)]], [0, 0], [4, 4], [4, 4])
 
 
 # --- adapter: per-activation plan and per-segment native metadata ----------------------------------

@@ -1,5 +1,5 @@
-"""Rows, row bindings and request metadata: fields, flags and vLLM-Omni's adapter's messages,
-each rule in its order."""
+"""Rows, row bindings and request metadata: fields, flags and what they accept (their refusals,
+with vLLM-Omni's adapter's messages, each rule in its order, are cases of error_cases.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from diffkv import (
     DiffusionPagedAttentionRowBinding,
     PreparedDiffusionPagedAttentionBatch,
 )
+from error_cases import request_rows
 
 Row = DiffusionPagedAttentionRow
 
@@ -148,80 +149,9 @@ def test_resolver_alias_is_exported():
 
 
 # --- row fields: ids, lengths, write span ---------------------------------------------------------
-
-REQUEST_ID = "Paged attention request_id must be a non-empty string"
-ONE_ID = "Paged attention row requires exactly one of sequence_id or context_id"
-SEQUENCE_ID = "Paged attention sequence_id must be a non-negative integer"
-CONTEXT_ID = "Paged attention context_id must be a non-empty string"
-QUERY_LEN = "Paged attention query_len must be a positive integer"
-SEQ_LEN = "Paged attention seq_len must be a positive integer"
-KV_START_POS = "Paged attention kv_start_pos must be a non-negative integer"
-
-
-@pytest.mark.parametrize("request_id", ["", 1, None, b"r"])
-def test_request_id_must_be_a_non_empty_string(request_id):
-    with _raises(ValueError, REQUEST_ID):
-        Row(request_id, 1, 1, sequence_id=0)
-
-
-@pytest.mark.parametrize("ids", [{}, {"sequence_id": 0, "context_id": "c"}])
-def test_exactly_one_of_sequence_id_or_context_id(ids):
-    with _raises(ValueError, ONE_ID):
-        Row("r", 1, 1, **ids)
-
-
-@pytest.mark.parametrize("sequence_id", [-1, True, 1.0, "0"])
-def test_sequence_id_must_be_non_negative(sequence_id):
-    with _raises(ValueError, SEQUENCE_ID):
-        Row("r", 1, 1, sequence_id=sequence_id)
-
-
-@pytest.mark.parametrize("context_id", ["", 3, b"c"])
-def test_context_id_must_be_a_non_empty_string(context_id):
-    with _raises(ValueError, CONTEXT_ID):
-        Row("r", 1, 1, context_id=context_id)
-
-
-@pytest.mark.parametrize("query_len", [0, -1, 1.0, True, None])
-def test_query_len_must_be_positive(query_len):
-    with _raises(ValueError, QUERY_LEN):
-        Row("r", query_len, 4, sequence_id=0)
-
-
-@pytest.mark.parametrize("seq_len", [0, -3, 4.0, True])
-def test_seq_len_must_be_positive(seq_len):
-    with _raises(ValueError, SEQ_LEN):
-        Row("r", 1, seq_len, sequence_id=0)
-
-
-@pytest.mark.parametrize("kv_start_pos", [-1, 0.0, False, None])
-def test_kv_start_pos_must_be_non_negative(kv_start_pos):
-    with _raises(ValueError, KV_START_POS):
-        Row("r", 1, 4, kv_start_pos=kv_start_pos, sequence_id=0)
-
-
-def test_write_span_must_end_within_seq_len():
-    with _raises(ValueError, "Paged attention write span exceeds seq_len: start=3, query_len=2, seq_len=4"):
-        Row("r", 2, 4, kv_start_pos=3, sequence_id=0)
-
-
-def test_row_rules_run_in_seed_order():
-    # request_id, then exactly one id, then sequence_id/context_id, then query_len, seq_len,
-    # kv_start_pos and the write span, in this order.
-    with _raises(ValueError, REQUEST_ID):
-        Row("", 0, 0, kv_start_pos=-1)
-    with _raises(ValueError, ONE_ID):
-        Row("r", 0, 0, kv_start_pos=-1)
-    with _raises(ValueError, SEQUENCE_ID):
-        Row("r", 0, 0, kv_start_pos=-1, sequence_id=-1)
-    with _raises(ValueError, CONTEXT_ID):
-        Row("r", 0, 0, kv_start_pos=-1, context_id="")
-    with _raises(ValueError, QUERY_LEN):
-        Row("r", 0, 0, kv_start_pos=-1, sequence_id=0)
-    with _raises(ValueError, SEQ_LEN):
-        Row("r", 1, 0, kv_start_pos=-1, sequence_id=0)
-    with _raises(ValueError, KV_START_POS):
-        Row("r", 9, 1, kv_start_pos=-1, sequence_id=0)
+# Each refused row and request metadata (vLLM-Omni's adapter's rules, in its order) is a case of
+# error_cases.public_cases ("DiffusionPagedAttentionRow", "DiffusionPagedAttentionMetadata",
+# "DiffusionPagedAttentionMetadata.rows_for_step"); here, the rows and metadata they accept.
 
 
 def test_valid_edge_rows():
@@ -234,46 +164,7 @@ def test_valid_edge_rows():
 # --- metadata: both row sets, the same identities, the step index ---------------------------------
 
 
-def _rows(seq_ids=(0, 1), query_len=4, seq_len=4, kv_start_pos=0):
-    return tuple(Row("req", query_len, seq_len, kv_start_pos=kv_start_pos, sequence_id=s) for s in seq_ids)
-
-
-BOTH_ROW_SETS = "Paged attention metadata requires both prefill and denoise rows"
-
-
-@pytest.mark.parametrize("which", ["prefill", "denoise", "both"])
-def test_metadata_requires_both_row_sets(which):
-    prefill = () if which in ("prefill", "both") else _rows()
-    denoise = () if which in ("denoise", "both") else _rows()
-    with _raises(ValueError, BOTH_ROW_SETS):
-        DiffusionPagedAttentionMetadata(prefill, denoise)
-
-
-def test_row_identities_must_match_in_order():
-    prefill = _rows((0, 1))
-    denoise = _rows((1, 0), query_len=2, kv_start_pos=2)
-    message = (
-        "Paged attention prefill and denoise rows must use the same ordered identities: "
-        "prefill=(('req', 0, None), ('req', 1, None)), denoise=(('req', 1, None), ('req', 0, None))"
-    )
-    with _raises(ValueError, message):
-        DiffusionPagedAttentionMetadata(prefill, denoise)
-
-
-def test_row_counts_differ():
-    message = (
-        "Paged attention prefill and denoise rows must use the same ordered identities: "
-        "prefill=(('req', 0, None),), denoise=(('req', 0, None), ('req', 1, None))"
-    )
-    with _raises(ValueError, message):
-        DiffusionPagedAttentionMetadata(_rows((0,)), _rows((0, 1)))
-
-
-@pytest.mark.parametrize("step", [None, -1, True, 1.0, "1"])
-def test_step_index_must_be_non_negative(step):
-    metadata = DiffusionPagedAttentionMetadata(_rows(), _rows(query_len=2, kv_start_pos=2))
-    with _raises(ValueError, f"Paged attention requires a non-negative denoise step index, got {step!r}"):
-        metadata.rows_for_step(step)
+_rows = request_rows
 
 
 def test_rows_for_step_selects_phase():

@@ -1,10 +1,9 @@
-"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, the step-index
-errors) and the per-layer context: packing of [N, ...] and right-padded [B, T, ...] inputs, K/V
-stride rules, restore_output, device normalisation."""
+"""The runtime (prefill -> denoise switching, reuse of one batch per phase, close, what its
+refusals -- cases of error_cases.py -- leave behind) and the per-layer context: packing of
+[N, ...] and right-padded [B, T, ...] inputs, K/V stride rules, restore_output, device
+normalisation."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -12,24 +11,16 @@ import torch
 import diffkv
 from _helpers import HEAD_SIZE, make_adapter, row
 from diffkv import platform as platform_mod
+from error_cases import check, public_case, runtime_request
 
 D = HEAD_SIZE
-
-
-def _raises(exc_type, message):
-    return pytest.raises(exc_type, match=f"^{re.escape(message)}$")
 
 
 # --- runtime ------------------------------------------------------------------------------------------
 
 
-def _request(device):
-    """Two CFG rows: prefix 3 + target 6 -> prefill rows (9 tokens), denoise rows (6 tokens)."""
-    bindings = {("req", 0, None): (0, 12), ("req", 1, None): (1, 12)}
-    h = make_adapter(device, groups=(("layer0", "layer1"),), bindings=bindings)
-    prefill = tuple(row(query_len=9, seq_len=9, sequence_id=s) for s in (0, 1))
-    denoise = tuple(row(query_len=6, seq_len=9, kv_start_pos=3, sequence_id=s) for s in (0, 1))
-    metadata = diffkv.DiffusionPagedAttentionMetadata(prefill, denoise)
+def _counting(h):
+    """The batches ``h.adapter.prepare_batch`` makes from now on."""
     prepared = []
     original = h.adapter.prepare_batch
 
@@ -39,7 +30,13 @@ def _request(device):
         return batch
 
     h.adapter.prepare_batch = counting_prepare_batch
-    return h, metadata, prepared
+    return prepared
+
+
+def _request(device):
+    """error_cases.runtime_request (two CFG rows: prefill 9 tokens, denoise 6), counting batches."""
+    h, metadata = runtime_request(device)
+    return h, metadata, _counting(h)
 
 
 def test_runtime_switches_phase_once_and_reuses_batches(device):
@@ -73,8 +70,7 @@ def test_runtime_switches_phase_once_and_reuses_batches(device):
     assert platform_mod.current_paged_kv_adapter() is None
     assert platform_mod.get_current_vllm_config() is None
     runtime.close()  # idempotent
-    with _raises(RuntimeError, "Paged attention runtime is already closed"):
-        runtime.ensure_active(3)
+    assert runtime._closed  # ensure_active refuses it: the "runtime closed" case of error_cases.py
 
 
 def test_runtime_can_return_to_prefill(device):
@@ -88,15 +84,17 @@ def test_runtime_can_return_to_prefill(device):
     runtime.close()
 
 
-def test_runtime_step_index_errors_leave_the_phase(device):
-    h, metadata, prepared = _request(device)
-    runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
-    runtime.ensure_active(0)
-    for step in (None, -1, True):
-        with _raises(ValueError, f"Paged attention requires a non-negative denoise step index, got {step!r}"):
-            runtime.ensure_active(step)
-    assert h.adapter._active_batch is prepared[0] and len(prepared) == 1
-    runtime.close()
+@pytest.mark.parametrize("step", [None, -1, True])
+def test_runtime_step_index_errors_leave_the_phase(device, step):
+    """The table's case refuses ``step`` in a runtime's prefill phase: the prefill batch stays
+    active and nothing new is prepared."""
+    case = public_case(f"runtime step index {step!r}", device)
+    h = case.env
+    prepared = _counting(h)
+    h.kept_phase = None
+    check(case)
+    assert h.kept_phase is True and len(prepared) == 1
+    assert h.adapter._active_batch is None  # the case closes its runtime
 
 
 def test_runtime_activate_context_closes(device):
@@ -107,21 +105,16 @@ def test_runtime_activate_context_closes(device):
             assert active is runtime
             runtime.ensure_active(0)
             raise KeyError("model failed")
-    assert runtime._closed and h.adapter._active_batch is None
-    with _raises(RuntimeError, "Paged attention runtime is already closed"):
-        runtime.ensure_active(0)
+    assert runtime._closed and h.adapter._active_batch is None  # refused after: "runtime closed"
 
 
 def test_runtime_prepare_failure_leaves_nothing_active(device):
-    h, metadata, _ = _request(device)
-    runtime = diffkv.DiffusionPagedAttentionRuntime(h.adapter, metadata)
-    runtime.ensure_active(0)
-    h.resolver.bindings.pop(("req", 1, None))
-    with pytest.raises(KeyError):
-        runtime.ensure_active(1)
-    assert h.adapter._active_batch is None
-    assert runtime._active_phase is None and runtime._activation is None
-    runtime.close()
+    """The resolver's KeyError for a denoise row (the table's case) propagates and leaves no
+    batch, phase or activation behind."""
+    case = public_case("runtime denoise rows unresolvable", device)
+    case.env.left_nothing_active = None
+    check(case)
+    assert case.env.left_nothing_active is True
 
 
 # --- layer context --------------------------------------------------------------------------------------
