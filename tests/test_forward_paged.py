@@ -314,69 +314,6 @@ def test_impl_constructor():
     assert diffkv.DiffKVAttentionImpl(4, 64, 0.5, kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({}, TypeError, r"^DiffKVAttentionImpl\(\): softmax_scale \(or its alias scale\) is required$"),
-        (
-            {"scale": 0.1, "softmax_scale": 0.2},
-            ValueError,
-            r"^DiffKVAttentionImpl\(\): scale and softmax_scale must agree, "
-            r"got scale=0.1, softmax_scale=0.2$",
-        ),
-        (
-            {"scale": 0.1, "alibi_slopes": [1.0]},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): alibi_slopes is not supported, got \[1.0\]$",
-        ),
-        (
-            {"scale": 0.1, "sliding_window": 128},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): sliding_window is not supported, got 128$",
-        ),
-        (
-            {"scale": 0.1, "logits_soft_cap": 30.0},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): logits_soft_cap is not supported, got 30.0$",
-        ),
-        (
-            {"scale": 0.1, "kv_sharing_target_layer_name": "l0"},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): kv_sharing_target_layer_name is not supported, got 'l0'$",
-        ),
-        (
-            {"scale": 0.1, "kv_cache_dtype": "fp8"},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): kv_cache_dtype must be one of \['auto', 'float32', 'float', "
-            r"'float16', 'half', 'bfloat16'\] \(an unquantized cache\), got 'fp8'$",
-        ),
-        (
-            {"scale": 0.1, "attn_type": "encoder"},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): attn_type must be 'decoder', got 'encoder'$",
-        ),
-        (
-            {"scale": 0.1, "backend_kwargs": {"x": 1}},
-            NotImplementedError,
-            r"^DiffKVAttentionImpl\(\): backend_kwargs are not supported, got \['x'\]$",
-        ),
-        (
-            {"scale": 0.1, "bogus": 1},
-            TypeError,
-            r"^DiffKVAttentionImpl\(\): unexpected keyword arguments \['bogus'\]$",
-        ),
-        (
-            {"scale": 0.1, "num_kv_heads": 3},
-            ValueError,
-            r"^DiffKVAttentionImpl\(\): num_kv_heads must be positive and divide num_heads=4, got 3$",
-        ),
-    ],
-)
-def test_impl_constructor_errors(kwargs, error, message):
-    with pytest.raises(error, match=message):
-        diffkv.DiffKVAttentionImpl(4, 64, **kwargs)
-
-
 def test_dense_forward_on_other_platforms_is_explicitly_unsupported():
     """forward/forward_cuda run the dense path (tests/test_dense.py); the other platforms'
     entry points say that diffkv does not run there."""
