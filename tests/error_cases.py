@@ -1835,6 +1835,35 @@ def _cases_objects() -> dict[str, list[Case]]:
                 (),
             ),
             bad(
+                "new_with_slots int class",
+                TypeError,
+                "new_with_slots(): cls must be a Python class that object.__new__ creates, got <class 'int'>",
+                _C.new_with_slots,
+                int,
+                (),
+            ),
+            bad(
+                "new_with_slots name for a descriptor",
+                TypeError,
+                "new_with_slots(): descriptors[0] must be a data descriptor, got 'layer'",
+                _C.new_with_slots,
+                context,
+                ("layer",),
+                t,
+            ),
+            bad(
+                "new_with_slots another class's descriptor",
+                TypeError,
+                (
+                    "descriptor 'layer' for 'DiffusionPagedAttentionContext' objects doesn't apply to a "
+                    "'DiffusionPagedAttentionRow' object"
+                ),
+                _C.new_with_slots,
+                diffkv.DiffusionPagedAttentionRow,
+                (fields[0],),
+                t,
+            ),
+            bad(
                 "new_with_slots not a descriptor",
                 TypeError,
                 "new_with_slots(): descriptors[1] must be a data descriptor, got 3",

@@ -126,24 +126,6 @@ def test_new_with_slots_builds_the_context_its_init_would():
         made.query = t
 
 
-def test_new_with_slots_errors():
-    descriptors = (DiffusionPagedAttentionContext.layer,)
-    not_created = "new_with_slots(): cls must be a Python class that object.__new__ creates, got "
-    with _raises(
-        TypeError,
-        "new_with_slots(): arguments must be a class, a tuple of n descriptors and n values, got 4 arguments",
-    ):
-        _C.new_with_slots(DiffusionPagedAttentionContext, descriptors, 1, 2)
-    with _raises(TypeError, not_created + "3"):
-        _C.new_with_slots(3, ())
-    with _raises(TypeError, not_created + "<class 'int'>"):
-        _C.new_with_slots(int, ())
-    with _raises(TypeError, "new_with_slots(): descriptors[0] must be a data descriptor, got 'layer'"):
-        _C.new_with_slots(DiffusionPagedAttentionContext, ("layer",), 1)
-    with pytest.raises(TypeError, match="doesn't apply to a 'DiffusionPagedAttentionRow' object"):
-        _C.new_with_slots(Row, descriptors, 1)
-
-
 def test_resolver_alias_is_exported():
     assert diffkv.DiffusionKVRowResolver is diffkv.adapter.DiffusionKVRowResolver
 
