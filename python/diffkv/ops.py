@@ -6,9 +6,11 @@ Entry points: the operators ``torch.ops.diffkv.kv_write``, ``paged_attention``,
 the same name), ``layer_inputs(context)`` (everything a compiled layer needs from a prepared
 ``DiffusionPagedAttentionContext``), ``forward_paged_layer(query, key, value, inputs)`` (one
 layer through the operators, traceable by Dynamo without graph breaks) and
-``restore_output(context, out)`` (``context.restore_output`` through the operators).
+``restore_output(context, out)`` (``context.restore_output`` through the operators).  Also the
+one description of a layer call every path shares: ``paged_layer_inputs`` (what is assembled)
+and ``forward_paged_arguments`` (in which order the binding and the operator take it).
 
-Eager code does not come here: ``DiffKVAttentionImpl`` calls ``diffkv._C`` directly and takes
+Eager calls take no operator: ``DiffKVAttentionImpl`` calls ``diffkv._C`` directly and takes
 these operators only while ``torch.compiler.is_compiling()``.
 
 What a compiled model must prepare outside the compiled region (Dynamo cannot trace into the
