@@ -201,8 +201,9 @@ dkpy_same_device(const dk_tensor *ref, const dk_tensor *t, const char *op, const
     return 0;
 }
 
-int
-dkpy_want_contiguous_1d(const dk_tensor *t, const char *op, const char *arg)
+/* 1-D with unit stride (dkpy_want's DKPY_VECTOR): 0, or -1 with ValueError. */
+static int
+want_vector(const dk_tensor *t, const char *op, const char *arg)
 {
     if (t->ndim != 1) {
         PyErr_Format(PyExc_ValueError, "%s(): %s must be 1-D, got %d dimensions", op, arg,
@@ -246,7 +247,7 @@ dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want)
     if ((want->device == DKPY_HOST && dkpy_want_cpu(t, op, arg)) ||
         (want->dtype == DKPY_FLOAT ? dkpy_want_float(t, op, arg)
                                    : dkpy_want_dtype(t, (dk_dtype)want->dtype, op, arg)) ||
-        (want->ndim == DKPY_VECTOR ? dkpy_want_contiguous_1d(t, op, arg)
+        (want->ndim == DKPY_VECTOR ? want_vector(t, op, arg)
                                    : dkpy_want_ndim(t, want->ndim, op, arg)) ||
         (want->device != NULL && want->device != DKPY_HOST &&
          dkpy_same_device(want->device, t, op, arg)) ||

@@ -114,8 +114,6 @@ int dkpy_want_ndim(const dk_tensor *t, int ndim, const char *op, const char *arg
 int dkpy_want_cpu(const dk_tensor *t, const char *op, const char *arg);
 /* t on ref's device (TypeError) */
 int dkpy_same_device(const dk_tensor *ref, const dk_tensor *t, const char *op, const char *arg);
-/* 1-D with unit stride */
-int dkpy_want_contiguous_1d(const dk_tensor *t, const char *op, const char *arg);
 /* at least n entries along dimension 0 */
 int dkpy_want_min_len(const dk_tensor *t, int64_t n, const char *op, const char *arg);
 /* What a tensor argument must be, for dkpy_tensor: one description instead of a chain of
