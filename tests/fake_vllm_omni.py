@@ -428,8 +428,14 @@ class OmniFlashAttentionImpl:
         )
         return out.transpose(1, 2)
 
+    paged_contexts: list = []
+
     def forward_paged(self, paged_kv_context):
-        raise AssertionError("Omni's own FlashAttention forward_paged must not run under diffkv")
+        """Omni's own paged path (vLLM's FlashAttention in the real one): records the context and
+        what it read, returns a value only it makes (the query, doubled, in the caller's layout)."""
+        query = paged_kv_context.query
+        OmniFlashAttentionImpl.paged_contexts.append((paged_kv_context, query))
+        return paged_kv_context.restore_output(query * 2)
 
 
 class OmniFlashAttentionBackend(OmniAttentionBackend):

@@ -66,8 +66,14 @@ class FakePlatform:
 
 
 def _layer(non_causal):
+    # impl: a layer adapter always has one; vLLM-Omni 0.30's piecewise path reads its FA version
     return SimpleNamespace(
-        spec=SimpleNamespace(non_causal=non_causal), num_heads=H, num_kv_heads=HKV, head_size=D, head_size_v=D
+        spec=SimpleNamespace(non_causal=non_causal),
+        num_heads=H,
+        num_kv_heads=HKV,
+        head_size=D,
+        head_size_v=D,
+        impl=None,
     )
 
 

@@ -5,6 +5,8 @@ normalisation."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -160,17 +162,45 @@ def test_strided_projection_views_are_kept(gqa):
     context = gqa.adapter.prepare_layer_context("layer0", q, k, v)
     assert context.key_write.data_ptr() == k.data_ptr() and context.key_write.stride() == (8 * D, D, 1)
     assert context.value_write.data_ptr() == v.data_ptr()
-    # vLLM-Omni's adapter copies a strided query (.contiguous()); diffkv's kernels read Q with its real
-    # strides, so a QKV-projection view stays a view (issue: "Q is read with its real strides").
-    assert context.query.data_ptr() == q.data_ptr() and context.query.stride() == (8 * D, D, 1)
-    assert torch.equal(context.query, q)
+    # diffkv's kernel reads the caller's view, strides and all: the context keeps it, and
+    # diffkv's forward_paged makes no copy of it (a read of context.query would have stored one).
+    caller = type(context).query.caller_query
+    assert caller(context).data_ptr() == q.data_ptr() and caller(context).stride() == (8 * D, D, 1)
     out = gqa.layers["layer0"].impl.forward_paged(context)
+    assert caller(context).data_ptr() == q.data_ptr()
+    # context.query is vLLM-Omni 0.30's: a contiguous copy, made on the first read, then kept
+    query = context.query
+    assert query.is_contiguous() and query.data_ptr() != q.data_ptr() and torch.equal(query, q)
+    assert context.query is query and caller(context) is query
     reference = gqa.layers["layer0"].impl.forward_paged(
         gqa.adapter.prepare_layer_context("layer0", q.contiguous(), k.contiguous(), v.contiguous())
     )
     assert torch.equal(out, reference)
     assert context.query_has_head_dims is True
     assert context.restore_output(context.query).shape == (5, 4, D)
+
+
+def test_homogeneous_piecewise_plan_keeps_the_callers_query(device):
+    """vLLM-Omni 0.30 hands a homogeneous piecewise plan's runner the caller's query view
+    (it packs each segment itself); any other plan gets a contiguous query."""
+    bindings = {("req", 0, None): (0, 8), ("req", 1, None): (1, 8)}
+    h = make_adapter(device, num_heads=4, num_kv_heads=2, bindings=bindings)
+    rows = [row(query_len=4, seq_len=8, kv_start_pos=4, sequence_id=i) for i in range(2)]
+    batch = h.adapter.prepare_batch(rows)
+    qkv = torch.randn(8, 8 * D, device=device)
+    q = qkv[:, : 4 * D].view(8, 4, D)
+    k = qkv[:, 4 * D : 6 * D].view(8, 2, D)
+    v = qkv[:, 6 * D :].view(8, 2, D)
+    with h.adapter.activate(batch):
+        spans = SimpleNamespace(full_attn_spans=[[(6, 8)], [(6, 8)]])
+        context = h.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=spans)
+        assert context.piecewise_plan.homogeneous_batch_shape == (2, 4)
+        assert context.query.data_ptr() == q.data_ptr() and context.query.stride() == (8 * D, D, 1)
+    with h.adapter.activate(batch):  # one plan per activation
+        uneven = SimpleNamespace(full_attn_spans=[[(6, 8)], [(5, 8)]])
+        context = h.adapter.prepare_layer_context("layer0", q, k, v, omni_attn_metadata=uneven)
+    assert context.piecewise_plan.homogeneous_batch_shape is None
+    assert context.query.is_contiguous() and torch.equal(context.query, q)
 
 
 def test_unusual_inner_layouts_are_materialised(gqa):

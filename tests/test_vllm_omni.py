@@ -6,6 +6,7 @@ caches in every supported layout, checked against the float64 reference."""
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import SimpleNamespace
 
@@ -34,6 +35,7 @@ def omni(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     fake.VllmFlashAttentionImpl.forward_calls = 0
     fake.OmniFlashAttentionImpl.dense_calls = 0
+    fake.OmniFlashAttentionImpl.paged_contexts = []
     yield modules
     active = integration.installed()
     if active is not None:
@@ -138,6 +140,7 @@ def test_install_patches_and_uninstall_restores(omni):
     flash_attn = registry.DiffusionAttentionBackendEnum.FLASH_ATTN
     before_collaborators = {name: getattr(diffkv_adapter, name) for name in integration._COLLABORATORS}
     before_platform = diffkv_adapter.current_omni_platform
+    assert diffkv_adapter.paged_call_hooks is None
     before_classes = {name: getattr(adapter_mod, name) for name in fake.ADAPTER_CLASS_NAMES}
     assert selector._cached_get_backend_cls(None, D) is fake.OmniFlashAttentionBackend
 
@@ -145,7 +148,7 @@ def test_install_patches_and_uninstall_restores(omni):
     assert integration.installed() is inst and inst.active
     summary = inst.summary()
     assert summary[f"{REGISTRY}.DiffusionAttentionBackendEnum"] == ["FLASH_ATTN"]
-    assert summary["diffkv.adapter"] == [*integration._COLLABORATORS, "current_omni_platform"]
+    assert summary["diffkv.adapter"] == [*integration._COLLABORATORS, "paged_call_hooks"]
     assert summary[ADAPTER] == list(integration._ADAPTER_CLASSES)
     assert summary[RUNNER] == [n for n in integration._ADAPTER_CLASSES if n in fake.RUNNER_IMPORTS]
 
@@ -158,8 +161,9 @@ def test_install_patches_and_uninstall_restores(omni):
     assert selector._cached_get_backend_cls(None, D) is backend  # the cache was cleared
     for name in integration._COLLABORATORS:
         assert getattr(diffkv_adapter, name) is getattr(adapter_mod, name)
-    assert isinstance(diffkv_adapter.current_omni_platform, integration.DiffKVOmniPlatform)
-    assert diffkv_adapter.current_omni_platform.is_cuda()  # other attributes are the platform's
+    # the platform itself, not a proxy: its builders' metadata objects reach the contexts
+    assert diffkv_adapter.current_omni_platform is omni["vllm_omni.platforms"].current_omni_platform
+    assert diffkv_adapter.paged_call_hooks is backend.get_impl_cls()._diffkv_hooks
     assert diffkv_adapter.build_paged_piecewise_plan is diffkv.adapter.build_paged_piecewise_plan
     layer_cls = runner_mod.DiffusionPagedAttentionLayerAdapter
     assert layer_cls is adapter_mod.DiffusionPagedAttentionLayerAdapter
@@ -180,6 +184,7 @@ def test_install_patches_and_uninstall_restores(omni):
         name: getattr(diffkv_adapter, name) for name in integration._COLLABORATORS
     } == before_collaborators
     assert diffkv_adapter.current_omni_platform is before_platform
+    assert diffkv_adapter.paged_call_hooks is None
     assert {name: getattr(adapter_mod, name) for name in fake.ADAPTER_CLASS_NAMES} == before_classes
     assert all(getattr(runner_mod, name) is before_classes[name] for name in fake.RUNNER_IMPORTS)
     assert not hasattr(integration, "DiffKVOmniAttentionBackend")
@@ -413,6 +418,8 @@ def test_full_path_every_layout(omni, device, case):
     # causal, full, causal; denoise: full, causal), none per layer or step.
     assert len(harness.platform.builds) == 2 + 3 + 2
     assert fake.VllmFlashAttentionImpl.forward_calls == 0
+    assert fake.OmniFlashAttentionImpl.paged_contexts == []  # diffkv served every layer
+    assert inst.layer_choices == dict.fromkeys(harness.names, integration.SERVED)
     assert fake.backend_selections[-1]["backend"] is fake.AttentionBackendEnum.FLASH_ATTN
 
 
@@ -449,50 +456,114 @@ def test_full_path_mask_modes(omni, device, case, mode):
     assert native is None  # the runtime closed its activation
 
 
-def test_native_metadata_is_vllm_flash_attention_metadata(omni):
+def test_native_metadata_stays_the_builders_and_diffkv_derives_beside_it(omni):
     integration.install()
     harness = Harness(omni, "cpu", "packed_nhd_lbnhc", num_layers=2)
+    built = []
+    build = harness.platform.build_diffusion_kv_attn_metadata
+
+    def recording_build(**kwargs):
+        built.append(build(**kwargs))
+        return built[-1]
+
+    harness.platform.build_diffusion_kv_attn_metadata = recording_build
     batch = harness.adapter.prepare_batch(harness.metadata.prefill_rows)
+    assert batch.attn_metadata is built[0]  # the builder's dict and objects, untouched
     first, second = (batch.attn_metadata[name] for name in harness.names)
-    assert first is second and isinstance(first, integration.VllmPagedMetadata)
-    assert isinstance(first.native, fake.FlashAttentionMetadata)
-    assert first.block_table is first.native.block_table
-    assert first.block_table.data_ptr() == harness.block_tables.input_block_tables[0].data_ptr()
-    assert first.query_start_loc_cpu.tolist() == [0, 13, 22]
-    assert first.seq_lens_cpu.tolist() == [13, 9]
-    assert first.block_table_cpu[:2, :4].tolist() == [harness.kernel_tables[2], harness.kernel_tables[0]]
+    assert first is second and type(first) is fake.FlashAttentionMetadata
+    paged = integration.vllm_paged_metadata(first)
+    assert paged.native is first and paged.block_table is first.block_table
+    assert paged.block_table.data_ptr() == harness.block_tables.input_block_tables[0].data_ptr()
+    assert paged.query_start_loc_cpu.tolist() == [0, 13, 22]
+    assert paged.seq_lens_cpu.tolist() == [13, 9]
+    assert paged.block_table_cpu[:2, :4].tolist() == [harness.kernel_tables[2], harness.kernel_tables[0]]
+    q = torch.randn(22, H, D)
+    kv = torch.randn(22, 2, HKV, D)
+    with harness.adapter.activate(batch):
+        context = harness.adapter.prepare_layer_context(harness.names[0], q, kv[:, 0], kv[:, 1])
+    assert context.native_metadata is first
 
 
-def test_native_metadata_without_flash_attention_fields(omni, monkeypatch):
+class _OtherMetadata:
+    """Native metadata of another backend or platform: no FlashAttention tables."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_layers_diffkv_cannot_serve_run_omnis_own_forward_paged(omni, caplog):
+    inst = integration.install()
+    harness = Harness(omni, "cpu", "kv_first")
+    others = []
+
+    def build_other(**kwargs):
+        others.append(_OtherMetadata(**kwargs))
+        return dict.fromkeys(harness.names, others[-1])
+
+    harness.platform.build_diffusion_kv_attn_metadata = build_other
+    batch = harness.adapter.prepare_batch(harness.metadata.prefill_rows)  # no TypeError
+    assert set(batch.attn_metadata.values()) == {others[0]}
+    rows = harness.metadata.prefill_rows
+    n = sum(row.query_len for row in rows)
+    qkv = torch.randn(n, (H + 2 * HKV) * D)
+    q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)  # strided projection views
+    caplog.set_level(logging.INFO, logger="diffkv.integrations.vllm_omni")
+    with harness.adapter.activate(batch):
+        out = harness.omni_layers[harness.names[0]](q, k, v)
+    ((context, query_read),) = fake.OmniFlashAttentionImpl.paged_contexts
+    assert context.native_metadata is others[0]
+    assert query_read.is_contiguous() and torch.equal(query_read, q.reshape(n, H, D))
+    assert torch.equal(out, q * 2)  # what Omni's own forward_paged returned
+    assert harness.caches[harness.names[0]].abs().sum() == 0  # diffkv wrote nothing
+    choice = inst.layer_choices[harness.names[0]]
+    assert choice.startswith("handed back to OmniFlashAttentionImpl: native metadata _OtherMetadata")
+    assert "is not vLLM FlashAttention's (no block_table, query_start_loc, seq_lens, causal)" in choice
+    assert f"hands paged attention layer {harness.names[0]!r} back to OmniFlashAttentionImpl" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m: setattr(m, "block_table", m.block_table.long()), "block_table is not a 2-D int32 tensor"),
+        (lambda m: setattr(m, "seq_lens", m.seq_lens[:1]), "has 1 seq_lens, 3 query_start_loc"),
+        (lambda m: setattr(m, "causal", 1), "causal is not a bool"),
+        (lambda m: delattr(m, "seq_lens"), "(no seq_lens)"),
+    ],
+)
+def test_unservable_reason_names_what_is_missing(omni, change, reason):
     integration.install()
     harness = Harness(omni, "cpu", "kv_first")
-    monkeypatch.setattr(
-        harness.platform,
-        "build_diffusion_kv_attn_metadata",
-        lambda **kwargs: {name: SimpleNamespace(block_table=None) for name in harness.names},
-    )
-    with pytest.raises(TypeError) as excinfo:
-        harness.adapter.prepare_batch(harness.metadata.prefill_rows)
-    assert str(excinfo.value) == (
-        "build_diffusion_kv_attn_metadata(): native attention metadata must have ['block_table', "
-        "'query_start_loc', 'seq_lens', 'causal'] (vLLM FlashAttention metadata) for diffkv, got "
-        "SimpleNamespace without ['query_start_loc', 'seq_lens', 'causal']"
-    )
+    batch = harness.adapter.prepare_batch(harness.metadata.prefill_rows)
+    native = batch.attn_metadata[harness.names[0]]
+    assert integration.unservable_reason(native) is None
+    change(native)
+    assert reason in integration.unservable_reason(native)
+    assert integration.vllm_paged_metadata(native) is None
 
 
-def test_forward_paged_rejects_unwrapped_metadata(omni):
-    integration.install()
+def test_a_context_not_prepared_just_now_is_read_from_its_attributes(omni):
+    """A context diffkv's adapter did not just describe (prepared earlier, another layer's call
+    since) runs from its own attributes, with the same result."""
+    inst = integration.install()
     harness = Harness(omni, "cpu", "kv_first")
-    name = harness.names[0]
-    context = SimpleNamespace(layer=harness.native_layers[name], native_metadata=object())
-    with pytest.raises(TypeError, match=r"native_metadata must be a VllmPagedMetadata .* got object$"):
-        harness.omni_layers[name].attention.forward_paged(context)
+    batch = harness.adapter.prepare_batch(harness.metadata.prefill_rows)
+    n = sum(row.query_len for row in harness.metadata.prefill_rows)
+    q, k, v = torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    a, b = harness.names
+    with harness.adapter.activate(batch):
+        first = harness.adapter.prepare_layer_context(a, q, k, v)
+        second = harness.adapter.prepare_layer_context(b, q, k, v)
+        impl = harness.omni_layers[a].attention
+        out_first = impl.forward_paged(first)  # the slot holds second's call
+        out_second = impl.forward_paged(second)
+    assert torch.equal(out_first, out_second)
+    assert inst.layer_choices == {a: integration.SERVED, b: integration.SERVED}
 
 
 def test_ambiguous_cache_layout_needs_install_hint(omni):
     """block_size == num_kv_heads: packed NHD and HND shapes coincide; install() names it."""
     inst = integration.install(kv_cache_layout="packed_hnd")
-    assert inst.backend.get_impl_cls()._diffkv_kv_cache_layout == "packed_hnd"
+    assert inst.backend.get_impl_cls()._diffkv_hooks.kv_cache_layout == "packed_hnd"
     cache = torch.zeros(4, HKV, HKV, 2 * D)
     with pytest.raises(ValueError, match="pass layout= to choose one"):
         integration.kv_cache_view(cache, HKV, D)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _C, ops
-from .backends.diffkv import DiffKVAttentionImpl, prepared_call
+from .backends.diffkv import prepared_call
 from .native import build_slot_mappings_by_layer, get_dcp_local_seq_lens
 from .piecewise import PagedPiecewisePlan, build_paged_piecewise_plan
 from .platform import (
@@ -77,6 +77,13 @@ _KEY_HEADS = _C.LAYOUT_KEY_HEADS
 _VALUE_HEADS = _C.LAYOUT_VALUE_HEADS
 _KEY_CONTIGUOUS = _C.LAYOUT_KEY_CONTIGUOUS
 _VALUE_CONTIGUOUS = _C.LAYOUT_VALUE_CONTIGUOUS
+
+# How prepare_layer_context describes a layer call ahead for a diffkv impl that is not the
+# layer's own impl: None, or an object with _diffkv_cache_view(layer, kv_cache) and
+# _diffkv_paged_metadata(native_metadata) (DiffKVAttentionImpl's contract).  The vLLM-Omni
+# install sets it: there the layer's impl is vLLM's FlashAttention and diffkv runs as the
+# diffusion backend's impl.
+paged_call_hooks: Any = None
 
 _DTYPE_CODES = {
     torch.float32: _C.DTYPE_FLOAT32,
@@ -315,10 +322,16 @@ class PreparedDiffusionPagedAttentionBatch:
 class DiffusionPagedAttentionContext:
     """One layer's native inputs for a paged backend call.
 
-    query ``[N, H, D]`` (contiguous); key_write / value_write ``[N, Hkv, D]`` (possibly
-    token-strided views); slot_mapping int64 ``[N]``; query_token_shape: the caller's leading
-    shape (``(N,)`` or ``(B, T)``); output_scatter_indices: int64 ``[N]`` positions of the
-    packed tokens in the caller's flattened ``(B*T)`` layout, or None.
+    query ``[N, H, D]``, as vLLM-Omni 0.30's adapter hands it over: contiguous, except under a
+    piecewise plan with a ``homogeneous_batch_shape``, where the caller's view is kept (its
+    homogeneous runner packs each segment itself).  A strided caller query (a view of a fused
+    QKV projection) is copied when ``query`` is first read, not before: diffkv's own
+    ``forward_paged`` reads the caller's view, strides and all, and never makes that copy.
+    key_write / value_write ``[N, Hkv, D]`` (possibly token-strided views); slot_mapping int64
+    ``[N]``; native_metadata: the object the platform's metadata builder returned for this
+    layer; query_token_shape: the caller's leading shape (``(N,)`` or ``(B, T)``);
+    output_scatter_indices: int64 ``[N]`` positions of the packed tokens in the caller's
+    flattened ``(B*T)`` layout, or None.
     """
 
     layer: DiffusionPagedAttentionLayerAdapter
@@ -368,6 +381,44 @@ class DiffusionPagedAttentionContext:
 _CONTEXT_FIELDS = tuple(
     getattr(DiffusionPagedAttentionContext, f.name) for f in fields(DiffusionPagedAttentionContext)
 )
+
+
+class _ContextQuery:
+    """``DiffusionPagedAttentionContext.query``: the slot holds the caller's ``[N, H, D]`` view;
+    reading ``query`` gives vLLM-Omni 0.30's contiguous query (``.contiguous()`` unless the
+    piecewise plan is homogeneous), copied on the first read and kept in the slot, so that a
+    context diffkv's own kernel consumes (``caller_query``) is never copied."""
+
+    __slots__ = ("_slot",)
+
+    def __init__(self, slot: Any) -> None:
+        self._slot = slot
+
+    def __get__(self, context: Any, owner: type | None = None) -> Any:
+        if context is None:
+            return self
+        query = self._slot.__get__(context, owner)
+        if not query.is_contiguous():
+            plan = context.piecewise_plan
+            if plan is None or plan.homogeneous_batch_shape is None:
+                query = query.contiguous()
+                self._slot.__set__(context, query)
+        return query
+
+    # Reached only through object.__setattr__ (the dataclass __init__, replace()); the frozen
+    # class's own __setattr__ refuses assignments before they get here.
+    def __set__(self, context: Any, value: Any) -> None:
+        self._slot.__set__(context, value)
+
+    def __delete__(self, context: Any) -> None:
+        self._slot.__delete__(context)
+
+    def caller_query(self, context: Any) -> torch.Tensor:
+        """The caller's view as prepare_layer_context made it (no copy)."""
+        return self._slot.__get__(context, type(context))
+
+
+DiffusionPagedAttentionContext.query = _ContextQuery(DiffusionPagedAttentionContext.query)
 
 
 class DiffusionPagedAttentionRuntime:
@@ -468,6 +519,8 @@ class DiffusionPagedAttentionAdapter:
         # per layer: what its last described call was made from, and _C.forward_paged's
         # arguments (ops.forward_paged_arguments) made from it
         self._active_calls: dict[str, tuple] = {}
+        # per activation and native metadata object: (it, its diffkv impl's view of it)
+        self._active_paged: dict[int, tuple[Any, Any]] = {}
         self._causal_by_group = self._resolve_group_causality()
         self._reorder_batch_threshold = self._resolve_reorder_batch_threshold()
 
@@ -635,6 +688,7 @@ class DiffusionPagedAttentionAdapter:
         self._active_slot_views = {}
         self._active_segment_metadata = {}
         self._active_calls = {}
+        self._active_paged = {}
 
     def _device_key(self) -> tuple[int, int]:
         """(DLPack device type, index) of the adapter's device, "cuda" meaning the current one."""
@@ -801,6 +855,17 @@ class DiffusionPagedAttentionAdapter:
                 slot_mappings=slot_mappings,
                 causal=(row_segments[0].mode == "causal"),
             )
+            # vLLM-Omni 0.30: FlashAttention-2's automatic split policy would pick SplitKV for
+            # these short per-segment calls; one split selects its single-pass kernel.  Other
+            # native backends, and metadata without the control, are left as built.
+            for layer_name, native_metadata in segment_metadata.items():
+                layer = self.layers.get(layer_name)
+                if (
+                    layer is not None
+                    and getattr(layer.impl, "vllm_flash_attn_version", None) == 2
+                    and hasattr(native_metadata, "max_num_splits")
+                ):
+                    native_metadata.max_num_splits = 1
             # All segments are prepared before any runs: a builder that reuses one persistent
             # scheduler buffer would otherwise leave every segment a view of the last build.
             snapshotted: set[int] = set()
@@ -965,8 +1030,11 @@ class DiffusionPagedAttentionAdapter:
             output_scatter_indices,
         )
         kv_cache = getattr(layer, "kv_cache", None)  # a foreign layer object may have neither
-        if kv_cache is not None and type(getattr(layer, "impl", None)) is DiffKVAttentionImpl:
-            # Describe the call now, from what is at hand, so that diffkv's forward_paged runs
+        impl = getattr(layer, "impl", None)
+        hooks = impl if getattr(type(impl), "_diffkv_runs_prepared_calls", False) else paged_call_hooks
+        if kv_cache is not None and hooks is not None:
+            # A diffkv impl will run the call (the layer's DiffKVAttentionImpl, or the vLLM-Omni
+            # install's): describe it now, from what is at hand, so that its forward_paged runs
             # it without reading the context back.
             scale = getattr(layer, "softmax_scale", None)
             described = self._active_calls.get(layer_name)
@@ -977,9 +1045,10 @@ class DiffusionPagedAttentionAdapter:
                 or described[2] is not native_metadata
                 or described[3] is not slot_mapping
                 or described[4] != scale
+                or described[7] is not hooks
             ):
                 described = self._describe_call(
-                    layer_name, layer, kv_cache, scale, slot_mapping, native_metadata, piecewise_plan
+                    layer_name, layer, hooks, kv_cache, scale, slot_mapping, native_metadata, piecewise_plan
                 )
                 if described is None:
                     return context
@@ -1004,6 +1073,7 @@ class DiffusionPagedAttentionAdapter:
         self,
         layer_name: str,
         layer: Any,
+        hooks: Any,
         kv_cache: torch.Tensor,
         scale: Any,
         slot_mapping: torch.Tensor,
@@ -1013,25 +1083,44 @@ class DiffusionPagedAttentionAdapter:
         """What prepare_layer_context keeps per layer and activation to describe its calls:
         (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale -- what it was made
         from --, then _C.forward_paged's arguments after query, key and value with None in out's
-        place, and the [N, H*Dv] output shape), or None when the metadata or layer cannot be read
-        this way (forward_paged then reads the context itself and raises what it raises)."""
+        place, the [N, H*Dv] output shape, and the hooks), or None when diffkv cannot serve the
+        metadata (``hooks._diffkv_paged_metadata`` gives None) or the metadata or layer cannot
+        be read this way (forward_paged then reads the context itself and does or raises what
+        it does).  diffkv's view of the metadata is made once per activation and metadata
+        object: the layers of one cache group share it."""
         try:
+            paged = self._active_paged.get(id(native_metadata))
+            if paged is None or paged[0] is not native_metadata:
+                paged = (native_metadata, hooks._diffkv_paged_metadata(native_metadata))
+                self._active_paged[id(native_metadata)] = paged
+            metadata = paged[1]
+            if metadata is None:
+                return None
             inputs = ops.paged_layer_inputs(
                 layer,
-                kv_cache,
+                hooks._diffkv_cache_view(layer, kv_cache),
                 slot_mapping,
-                native_metadata,
+                metadata,
                 piecewise_plan,
                 (),
                 None,
-                ops.eager_host_copies(native_metadata),
+                ops.eager_host_copies(metadata),
             )
             flat_shape = (self._active_batch.num_tokens, layer.num_heads * layer.head_size_v)
         except Exception:
             return None
         head, tail = ops.forward_paged_arguments(inputs)
         arguments = (*head, None, *tail)  # _C.forward_paged's after key and value; None: out
-        described = (piecewise_plan, kv_cache, native_metadata, slot_mapping, scale, arguments, flat_shape)
+        described = (
+            piecewise_plan,
+            kv_cache,
+            native_metadata,
+            slot_mapping,
+            scale,
+            arguments,
+            flat_shape,
+            hooks,
+        )
         self._active_calls[layer_name] = described
         return described
 

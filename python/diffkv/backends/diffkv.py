@@ -205,27 +205,35 @@ class DiffKVAttentionImpl(AttentionImpl):
             return
         _C.kv_write(key, value, kv_cache, slot_mapping)
 
+    # How diffkv's adapter describes this impl's layer calls ahead (prepare_layer_context): the
+    # impl consumes prepared_call, its layer's cache as diffkv reads it, its native metadata as
+    # ops.paged_layer_inputs reads it (device tables, causal, host copies) or None where diffkv
+    # cannot serve it.  The vLLM-Omni install's impl (diffkv.integrations.vllm_omni) overrides
+    # the last two.
+    _diffkv_runs_prepared_calls = True
+
+    def _diffkv_cache_view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
+        del layer
+        return kv_cache
+
+    @staticmethod
+    def _diffkv_paged_metadata(native_metadata: Any) -> Any | None:
+        return native_metadata
+
     def forward_paged(self, paged_kv_context: Any) -> torch.Tensor:
         """Runs one layer of paged diffusion attention from a ``DiffusionPagedAttentionContext``:
-        writes ``key_write``/``value_write`` into the layer's cache, attends from ``query``
-        ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token key
-        limits; else causal or not per the native metadata) and returns the output in the
+        writes ``key_write``/``value_write`` into the layer's cache, attends from the caller's
+        query ``[N, H, D]`` over each row's ``[0, seq_len)`` keys (piecewise spans -> per-token
+        key limits; else causal or not per the native metadata) and returns the output in the
         caller's layout (``context.restore_output``; padded rows are zeros).
 
         A context that diffkv's ``prepare_layer_context`` has just made arrives with its call
         already described (``prepared_call``), which runs while its layer keeps that cache and an
         impl; any other context is described here from its attributes (``run_forward_paged``,
         which also raises the errors of a layer without its cache or impl)."""
-        if not torch.compiler.is_compiling():
-            prepared = prepared_call[0]
-            if prepared is not None and prepared[0] is paged_kv_context:
-                prepared_call[0] = None
-                _, layer, kv_cache, query, arguments, out_shape, restored = prepared
-                if layer.kv_cache is kv_cache and layer.impl is not None:
-                    out = _empty_like(query) if out_shape is None else query.new_empty(out_shape)
-                    arguments[_OUT] = out
-                    _C.forward_paged(*arguments)
-                    return out if restored else paged_kv_context.restore_output(out)
+        out = run_prepared_call(paged_kv_context)
+        if out is not None:
+            return out
         return run_forward_paged(paged_kv_context)
 
     # --- dense path (diffkv.dense: the same kernels over contiguous K/V) ---------------------
@@ -277,18 +285,47 @@ _empty_like = torch.empty_like
 _OUT = 11  # out's place among _C.forward_paged's arguments
 
 
+def run_prepared_call(paged_kv_context: Any) -> torch.Tensor | None:
+    """The layer call diffkv's ``prepare_layer_context`` described for ``paged_kv_context``
+    (``prepared_call``), run: the output in the caller's layout; None, running nothing, when
+    the slot holds another context's call, the layer has since been given another cache or no
+    impl, or torch.compile is tracing."""
+    if torch.compiler.is_compiling():
+        return None
+    prepared = prepared_call[0]
+    if prepared is None or prepared[0] is not paged_kv_context:
+        return None
+    prepared_call[0] = None
+    _, layer, kv_cache, query, arguments, out_shape, restored = prepared
+    if layer.kv_cache is not kv_cache or layer.impl is None:
+        return None
+    out = _empty_like(query) if out_shape is None else query.new_empty(out_shape)
+    arguments[_OUT] = out
+    _C.forward_paged(*arguments)
+    return out if restored else paged_kv_context.restore_output(out)
+
+
+def caller_query(paged_kv_context: Any) -> torch.Tensor:
+    """The query as the caller's ``[N, H, D]`` view, strides and all: what diffkv's kernels
+    read.  ``DiffusionPagedAttentionContext.query`` is vLLM-Omni's contiguous copy of it
+    (made when first read); other context objects give their ``query``."""
+    read = getattr(getattr(type(paged_kv_context), "query", None), "caller_query", None)
+    return paged_kv_context.query if read is None else read(paged_kv_context)
+
+
 def run_forward_paged(
     paged_kv_context: Any,
     *,
     cache_view: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-    check_metadata: Callable[[Any], None] | None = None,
+    metadata: Any | None = None,
 ) -> torch.Tensor:
-    """The DIFFKV ``forward_paged``, shared by ``DiffKVAttentionImpl`` and the vLLM-Omni install
-    (``diffkv.integrations.vllm_omni``): the Omni backend's binding checks, one ``_C``
-    call (KV write + attention; the ``diffkv::forward_paged`` operator while compiling) and the
-    output back in the caller's layout.  ``cache_view(layer, kv_cache)`` maps a foreign cache
-    layout onto ``(2, num_blocks, block_size, Hkv, D)``; ``check_metadata`` vets the native
-    metadata type."""
+    """The DIFFKV ``forward_paged`` from a context's attributes, shared by
+    ``DiffKVAttentionImpl`` and the vLLM-Omni install (``diffkv.integrations.vllm_omni``): the
+    Omni backend's binding checks, one ``_C`` call (KV write + attention; the
+    ``diffkv::forward_paged`` operator while compiling) and the output back in the caller's
+    layout.  ``cache_view(layer, kv_cache)`` maps a foreign cache layout onto
+    ``(2, num_blocks, block_size, Hkv, D)``; ``metadata`` stands in for the context's native
+    metadata (what the install derives from vLLM's)."""
     layer = getattr(paged_kv_context, "layer", None)
     if layer is None:
         raise TypeError("paged_kv_context must expose a native diffusion attention layer")
@@ -304,9 +341,8 @@ def run_forward_paged(
         )
     if cache_view is not None:
         kv_cache = cache_view(layer, kv_cache)
-    metadata = paged_kv_context.native_metadata
-    if check_metadata is not None:
-        check_metadata(metadata)
+    if metadata is None:
+        metadata = paged_kv_context.native_metadata
     compiling = torch.compiler.is_compiling()
     inputs = ops.paged_layer_inputs(
         layer,
@@ -318,7 +354,7 @@ def run_forward_paged(
         None,
         ops.graph_host_copies(metadata) if compiling else ops.eager_host_copies(metadata),
     )
-    query = paged_kv_context.query
+    query = caller_query(paged_kv_context)
     key = paged_kv_context.key_write
     value = paged_kv_context.value_write
     if compiling:

@@ -10,8 +10,16 @@ Entry points:
 - ``kv_cache_view(kv_cache, num_kv_heads, head_size, *, layout=None)``: a strided view, never a
   copy, of one layer's vLLM KV cache in diffkv's canonical shape
   ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
-- ``VllmPagedMetadata``: vLLM's native (FlashAttention) metadata plus the host copies diffkv's
-  bounds checks read, built once per batch, never per layer.
+- ``VllmPagedMetadata`` / ``vllm_paged_metadata(native)`` / ``unservable_reason(native)``:
+  what diffkv reads from vLLM's native (FlashAttention) metadata, derived beside it once per
+  activation and metadata object, or why it cannot be.
+
+What ``install()`` leaves alone: the platform and what its metadata builders return (the
+objects ``prepare_batch`` stores and contexts carry are the builder's own), vLLM-Omni's own
+classes and functions (its ``FlashAttentionImpl.forward_paged`` still runs a context diffkv's
+adapter made), and every layer diffkv cannot serve: a layer whose native metadata is not vLLM
+FlashAttention's runs vLLM-Omni's own ``forward_paged`` (``Installation.layer_choices`` and a log
+line say so), and a layer of another backend never reaches diffkv.
 
 What ``install()`` changes (each one recorded in ``Installation.patches``):
 
@@ -25,10 +33,9 @@ What ``install()`` changes (each one recorded in ``Installation.patches``):
 2. ``diffkv.adapter``'s module-level collaborators are pointed at the ones vLLM-Omni's own
    adapter module uses (``set_current_vllm_config``, ``get_attn_backend``,
    ``AttentionBackendEnum``, ``build_slot_mappings_by_layer``, ``get_dcp_local_seq_lens``,
-   ``override_paged_kv_adapter``, ``cdiv``) and ``current_omni_platform`` at a proxy of Omni's
-   platform whose ``build_diffusion_kv_attn_metadata`` wraps each native metadata object in a
-   ``VllmPagedMetadata``.  diffkv keeps its own ``build_paged_piecewise_plan`` (its key limits
-   run every mask mode in one launch).
+   ``override_paged_kv_adapter``, ``cdiv``, ``current_omni_platform``).  diffkv keeps its own
+   ``build_paged_piecewise_plan`` (the same plans; its key limits run every mask mode in one
+   launch).
 3. The adapter classes (``DiffusionPagedAttentionAdapter``, ``...LayerAdapter``, ``...Row``,
    ...) in ``vllm_omni.diffusion.diffusion_kv.paged_attention_adapter`` and in every loaded
    ``vllm_omni`` module that imported them by name are replaced by diffkv's; the layer adapter
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -48,17 +56,21 @@ from typing import Any
 import torch
 
 from .. import adapter as _adapter
-from ..backends.diffkv import DiffKVAttentionBackend, run_forward_paged
+from ..backends.diffkv import DiffKVAttentionBackend, run_forward_paged, run_prepared_call
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "KV_CACHE_LAYOUTS",
-    "DiffKVOmniPlatform",
+    "SERVED",
     "Installation",
     "Patch",
     "VllmPagedMetadata",
     "install",
     "installed",
     "kv_cache_view",
+    "unservable_reason",
+    "vllm_paged_metadata",
 ]
 
 # Modules of vLLM-Omni that install() needs.
@@ -76,6 +88,7 @@ _COLLABORATORS = (
     "get_dcp_local_seq_lens",
     "override_paged_kv_adapter",
     "cdiv",
+    "current_omni_platform",
 )
 
 # Adapter classes replaced by diffkv's wherever Omni bound them.
@@ -184,13 +197,14 @@ _NATIVE_FIELDS = ("block_table", "query_start_loc", "seq_lens", "causal")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VllmPagedMetadata:
-    """vLLM's native metadata of one cache group (``native``, e.g. FlashAttentionMetadata) and
-    what diffkv's paged attention reads from it.
+    """What diffkv's paged attention reads from vLLM's native metadata of one cache group
+    (``native``, e.g. FlashAttentionMetadata), derived beside it: the native object itself is
+    left as the platform's builder made it.
 
     block_table int32 ``[num_reqs, cols]`` (kernel block ids, vLLM's persistent input table);
     query_start_loc int32 ``[num_reqs + 1]``; seq_lens int32 ``[num_reqs]``; causal bool;
-    ``*_cpu``: host copies of the same values (the same tensors on a CPU device), taken once per
-    batch for the kernels' bounds checks.
+    ``*_cpu``: host copies of the same values, taken in one device-to-host copy, for the
+    kernels' bounds checks.
     """
 
     native: Any
@@ -203,65 +217,53 @@ class VllmPagedMetadata:
     seq_lens_cpu: torch.Tensor
 
 
-def _wrap_native_metadata(
-    native: Any, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor
-) -> VllmPagedMetadata:
-    op = "build_diffusion_kv_attn_metadata()"
+def unservable_reason(native: Any) -> str | None:
+    """Why diffkv cannot serve a layer whose native metadata is ``native`` (it is not vLLM
+    FlashAttention's: a field is missing or not the int32 tables diffkv reads), or None when
+    it can.  Cannot fail."""
     missing = [name for name in _NATIVE_FIELDS if not hasattr(native, name)]
     if missing:
-        raise TypeError(
-            f"{op}: native attention metadata must have {list(_NATIVE_FIELDS)} (vLLM FlashAttention "
-            f"metadata) for diffkv, got {type(native).__name__} without {missing}"
+        return (
+            f"native metadata {type(native).__name__} is not vLLM FlashAttention's (no {', '.join(missing)})"
         )
-    query_start_loc = native.query_start_loc
-    seq_lens = native.seq_lens
-    if tuple(query_start_loc.shape) != tuple(query_start_loc_cpu.shape) or tuple(seq_lens.shape) != tuple(
-        seq_lens_cpu.shape
-    ):
-        raise ValueError(
-            f"{op}: native metadata query_start_loc/seq_lens must have the batch's shapes "
-            f"{tuple(query_start_loc_cpu.shape)}/{tuple(seq_lens_cpu.shape)}, got "
-            f"{tuple(query_start_loc.shape)}/{tuple(seq_lens.shape)}"
+    tables = (("block_table", 2), ("query_start_loc", 1), ("seq_lens", 1))
+    for name, ndim in tables:
+        value = getattr(native, name)
+        if not isinstance(value, torch.Tensor) or value.dim() != ndim or value.dtype != torch.int32:
+            return f"native metadata {type(native).__name__}.{name} is not a {ndim}-D int32 tensor"
+    block_table, query_start_loc, seq_lens = native.block_table, native.query_start_loc, native.seq_lens
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+        return (
+            f"native metadata {type(native).__name__} has {seq_lens.shape[0]} seq_lens, "
+            f"{query_start_loc.shape[0]} query_start_loc and {block_table.shape[0]} block_table rows"
         )
-    block_table = native.block_table
+    if not (block_table.device == query_start_loc.device == seq_lens.device):
+        return f"native metadata {type(native).__name__}'s tables are on different devices"
+    if type(native.causal) is not bool:
+        return f"native metadata {type(native).__name__}.causal is not a bool"
+    return None
+
+
+def vllm_paged_metadata(native: Any) -> VllmPagedMetadata | None:
+    """diffkv's view of vLLM's native metadata (``VllmPagedMetadata``), or None when
+    ``unservable_reason(native)`` names a reason.  Copies the three tables to the host in one
+    transfer (a device synchronisation): diffkv's adapter makes it once per activation and
+    native object, and the layers of a cache group share it."""
+    if unservable_reason(native) is not None:
+        return None
+    block_table, query_start_loc, seq_lens = native.block_table, native.query_start_loc, native.seq_lens
+    host = torch.cat((block_table.reshape(-1), query_start_loc, seq_lens)).cpu()
+    n_table, n_starts = block_table.numel(), query_start_loc.shape[0]
     return VllmPagedMetadata(
         native=native,
         block_table=block_table,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        causal=bool(native.causal),
-        block_table_cpu=block_table.cpu(),
-        query_start_loc_cpu=query_start_loc_cpu.to(device="cpu", dtype=torch.int32).contiguous(),
-        seq_lens_cpu=seq_lens_cpu.to(device="cpu", dtype=torch.int32).contiguous(),
+        causal=native.causal,
+        block_table_cpu=host[:n_table].view(block_table.shape),
+        query_start_loc_cpu=host[n_table : n_table + n_starts],
+        seq_lens_cpu=host[n_table + n_starts :],
     )
-
-
-class DiffKVOmniPlatform:
-    """Omni's ``current_omni_platform`` as diffkv's adapter sees it: every attribute is the
-    platform's, except that ``build_diffusion_kv_attn_metadata`` returns, per layer, a
-    ``VllmPagedMetadata`` around the platform's native metadata (layers sharing one native
-    object share one wrapper)."""
-
-    def __init__(self, platform: Any) -> None:
-        self._platform = platform
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._platform, name)
-
-    def build_diffusion_kv_attn_metadata(self, **kwargs: Any) -> dict[str, VllmPagedMetadata]:
-        native_by_layer = self._platform.build_diffusion_kv_attn_metadata(**kwargs)
-        wrapped: dict[int, VllmPagedMetadata] = {}
-        out: dict[str, VllmPagedMetadata] = {}
-        for name, native in native_by_layer.items():
-            wrapper = wrapped.get(id(native))
-            if wrapper is None:
-                wrapper = _wrap_native_metadata(native, kwargs["query_start_loc_cpu"], kwargs["seq_lens_cpu"])
-                wrapped[id(native)] = wrapper
-            out[name] = wrapper
-        return out
-
-    def __repr__(self) -> str:
-        return f"DiffKVOmniPlatform({self._platform!r})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,45 +271,92 @@ class DiffKVOmniPlatform:
 # ------------------------------------------------------------------------------------------------
 
 
+class _VllmCallHooks:
+    """How diffkv reads a layer's vLLM inputs (``diffkv.adapter.paged_call_hooks`` while
+    installed; the impl's own calls use it too): the cache through ``kv_cache_view`` (cached
+    per bound tensor), the native metadata through ``vllm_paged_metadata``."""
+
+    def __init__(self, kv_cache_layout: str | None) -> None:
+        self.kv_cache_layout = kv_cache_layout
+        # per layer: (layer, the cache it had bound, the view) -- the cache the layer holds anyway
+        self._views: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def _diffkv_cache_view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's per-layer cache as diffkv's (2, nb, bs, Hkv, D) view."""
+        cached = self._views.get(id(layer))
+        if cached is None or cached[0] is not layer or cached[1] is not kv_cache:
+            view = kv_cache_view(
+                kv_cache, int(layer.num_kv_heads), int(layer.head_size), layout=self.kv_cache_layout
+            )
+            cached = (layer, kv_cache, view)
+            self._views[id(layer)] = cached
+        return cached[2]
+
+    @staticmethod
+    def _diffkv_paged_metadata(native_metadata: Any) -> VllmPagedMetadata | None:
+        return vllm_paged_metadata(native_metadata)
+
+
 class _DiffKVPagedMixin:
-    """``forward_paged`` on diffkv's hot path, mixed in front of the dense impl it stands in for.
+    """``forward_paged`` on diffkv's hot path, mixed in front of the impl it stands in for
+    (``_diffkv_native_impl``, vLLM-Omni's FlashAttention impl), which keeps the dense path and
+    gets back every layer diffkv cannot serve."""
 
-    Reads the layer's vLLM cache through ``kv_cache_view`` (cached per bound tensor) and the
-    batch's ``VllmPagedMetadata``; one call into C writes K/V and attends."""
-
-    _diffkv_kv_cache_layout: str | None = None
-    _diffkv_view_source: torch.Tensor | None = None
-    _diffkv_view: torch.Tensor | None = None
+    _diffkv_hooks: _VllmCallHooks = _VllmCallHooks(None)
+    _diffkv_native_impl: type = object
 
     def forward_paged(self, paged_kv_context: Any) -> torch.Tensor:
         """Runs one layer from a ``DiffusionPagedAttentionContext``: writes ``key_write`` /
         ``value_write`` ``[N, Hkv, D]`` into the layer's vLLM cache at ``slot_mapping``, attends
-        from ``query`` ``[N, H, D]`` over each row's ``[0, seq_len)`` keys in the layer's mask mode
-        and returns the output in the caller's layout (padded rows are zeros)."""
+        from the caller's query ``[N, H, D]`` over each row's ``[0, seq_len)`` keys in the
+        layer's mask mode and returns the output in the caller's layout (padded rows are
+        zeros).  The call diffkv's adapter described when it made the context runs as is; any
+        other context is read here (its metadata's tables copied to the host once per call).
+        A layer whose native metadata diffkv cannot serve (``unservable_reason``) is handed to
+        the native impl's own ``forward_paged``, as vLLM-Omni runs it without diffkv;
+        ``Installation.layer_choices`` and a log line say which way each layer went."""
+        out = run_prepared_call(paged_kv_context)
+        if out is not None:
+            _record_choice(paged_kv_context, None)
+            return out
+        native = getattr(paged_kv_context, "native_metadata", None)
+        reason = unservable_reason(native)
+        if reason is not None:
+            _record_choice(paged_kv_context, f"{self._diffkv_native_impl.__qualname__}: {reason}")
+            native_forward = getattr(super(), "forward_paged", None)
+            if native_forward is None:
+                raise NotImplementedError(
+                    f"DiffKVOmniAttentionImpl.forward_paged(): diffkv cannot serve this layer "
+                    f"({reason}) and {self._diffkv_native_impl.__qualname__} has no forward_paged"
+                )
+            return native_forward(paged_kv_context)
+        _record_choice(paged_kv_context, None)
+        hooks = self._diffkv_hooks
         return run_forward_paged(
-            paged_kv_context, cache_view=self._diffkv_cache_view, check_metadata=_require_vllm_metadata
-        )
-
-    def _diffkv_cache_view(self, layer: Any, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's per-layer cache as diffkv's (2, nb, bs, Hkv, D) view, cached per cache tensor."""
-        if kv_cache is not self._diffkv_view_source:
-            self._diffkv_view = kv_cache_view(
-                kv_cache, int(layer.num_kv_heads), int(layer.head_size), layout=self._diffkv_kv_cache_layout
-            )
-            self._diffkv_view_source = kv_cache
-        return self._diffkv_view
-
-
-def _require_vllm_metadata(metadata: Any) -> None:
-    if not isinstance(metadata, VllmPagedMetadata):
-        raise TypeError(
-            f"DiffKVOmniAttentionImpl.forward_paged(): native_metadata must be a VllmPagedMetadata "
-            f"(built by diffkv's adapter after diffkv.integrations.vllm_omni.install()), got "
-            f"{type(metadata).__name__}"
+            paged_kv_context, cache_view=hooks._diffkv_cache_view, metadata=vllm_paged_metadata(native)
         )
 
 
-def _build_backend(dense_backend: type, kv_cache_layout: str | None) -> type:
+SERVED = "diffkv"
+
+
+def _record_choice(paged_kv_context: Any, handed_back: str | None) -> None:
+    """Notes in the active installation's ``layer_choices`` who ran a layer's forward_paged
+    (``SERVED``, or the native impl and why), logging each layer's first choice and changes."""
+    installation = _active
+    if installation is None:
+        return
+    name = getattr(getattr(paged_kv_context, "layer", None), "layer_name", None)
+    choice = SERVED if handed_back is None else f"handed back to {handed_back}"
+    if installation.layer_choices.get(name) != choice:
+        installation.layer_choices[name] = choice
+        if handed_back is None:
+            _log.info("diffkv serves paged attention layer %r", name)
+        else:
+            _log.info("diffkv hands paged attention layer %r back to %s", name, handed_back)
+
+
+def _build_backend(dense_backend: type, hooks: _VllmCallHooks) -> type:
     """``DiffKVOmniAttentionBackend``: a ``DiffKVAttentionBackend`` that keeps ``dense_backend``'s
     name, capabilities and dense impl and serves ``forward_paged`` with diffkv."""
     dense_impl = dense_backend.get_impl_cls()
@@ -317,7 +366,8 @@ def _build_backend(dense_backend: type, kv_cache_layout: str | None) -> type:
         {
             "__module__": __name__,
             "__doc__": f"{dense_impl.__qualname__} with diffkv's forward_paged.",
-            "_diffkv_kv_cache_layout": kv_cache_layout,
+            "_diffkv_hooks": hooks,
+            "_diffkv_native_impl": dense_impl,
         },
     )
 
@@ -363,11 +413,16 @@ _active: Installation | None = None
 
 
 class Installation:
-    """What ``install()`` changed (``patches``, in order) and the registered backend class."""
+    """What ``install()`` changed (``patches``, in order), the registered backend class, and
+    ``layer_choices``: for each layer whose ``forward_paged`` ran through the registered
+    backend, who ran its latest call -- ``SERVED`` ("diffkv") or "handed back to <native impl>:
+    <why>" (its native metadata is not vLLM FlashAttention's); each first choice and each
+    change is also logged (logger ``diffkv.integrations.vllm_omni``, INFO)."""
 
     def __init__(self, patches: tuple[Patch, ...], backend: type, on_undo: Callable[[], None]) -> None:
         self.patches = patches
         self.backend = backend
+        self.layer_choices: dict[str | None, str] = {}
         self._on_undo = on_undo
         self._uninstalled = False
 
@@ -484,12 +539,12 @@ def install(*, kv_cache_layout: str | None = None) -> Installation:
         register = _require(registry, "register_diffusion_backend")
         flash_attn = _require(backend_enum, "FLASH_ATTN")
         collaborators = {name: _require(omni_adapter, name) for name in _COLLABORATORS}
-        platform = _require(omni_adapter, "current_omni_platform")
         originals = {name: getattr(omni_adapter, name, _MISSING) for name in _ADAPTER_CLASSES}
 
         # Everything that can fail is resolved before the first patch.
         dense_backend = flash_attn.get_class()
-        backend = _build_backend(dense_backend, kv_cache_layout)
+        hooks = _VllmCallHooks(kv_cache_layout)
+        backend = _build_backend(dense_backend, hooks)
         replacements = {name: getattr(_adapter, name) for name in _ADAPTER_CLASSES}
         replacements["DiffusionPagedAttentionLayerAdapter"] = _layer_adapter_class(
             getattr(omni_adapter, "AttentionLayerBase", None)
@@ -520,7 +575,7 @@ def install(*, kv_cache_layout: str | None = None) -> Installation:
             )
             for name, value in collaborators.items():
                 patches.append(_set_attr(_adapter, name, value))
-            patches.append(_set_attr(_adapter, "current_omni_platform", DiffKVOmniPlatform(platform)))
+            patches.append(_set_attr(_adapter, "paged_call_hooks", hooks))
             for module_name, module in list(sys.modules.items()):
                 if module is None or not (module_name == "vllm_omni" or module_name.startswith("vllm_omni.")):
                     continue
