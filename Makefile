@@ -50,7 +50,7 @@ test-vllm: inplace
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	@$(VLLM_VENV)/bin/python -c "import vllm_omni, pytest, hypothesis" 2>/dev/null \
 		|| $(VLLM_VENV)/bin/pip install --quiet "vllm==$(VLLM_OMNI_VERSION)" "vllm-omni==$(VLLM_OMNI_VERSION)" pytest hypothesis numpy
-	PYTHONPATH=python $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_vllm_real.py tests/test_vllm_omni.py $(PYTEST_ARGS)
+	PYTHONPATH=python $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_vllm_real.py tests/test_vllm_omni.py tests/test_vllm_side_by_side.py $(PYTEST_ARGS)
 
 bench: install
 	mkdir -p out

@@ -405,9 +405,14 @@ class Harness:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_full_path_every_layout(omni, device, case):
+def test_full_path_every_layout(omni, device, case, monkeypatch):
     inst = integration.install()
     harness = Harness(omni, device, case)
+    derived = []
+    derive = integration.vllm_paged_metadata
+    monkeypatch.setattr(
+        integration, "vllm_paged_metadata", lambda native: derived.append(native) or derive(native)
+    )
     impl = harness.omni_layers[harness.names[0]].attention
     assert isinstance(impl, inst.backend.get_impl_cls())
     with harness.runtime.activate():
@@ -420,6 +425,9 @@ def test_full_path_every_layout(omni, device, case):
     assert fake.VllmFlashAttentionImpl.forward_calls == 0
     assert fake.OmniFlashAttentionImpl.paged_contexts == []  # diffkv served every layer
     assert inst.layer_choices == dict.fromkeys(harness.names, integration.SERVED)
+    # diffkv's view of vLLM's metadata (a host copy of its tables): once per activation (prefill,
+    # denoise) and metadata object, shared by the layers and steps; every call was described ahead
+    assert len(derived) == 2 and len({id(native) for native in derived}) == 2
     assert fake.backend_selections[-1]["backend"] is fake.AttentionBackendEnum.FLASH_ATTN
 
 
