@@ -164,14 +164,17 @@ def test_strided_projection_views_are_kept(gqa):
     assert context.value_write.data_ptr() == v.data_ptr()
     # diffkv's kernel reads the caller's view, strides and all: the context keeps it, and
     # diffkv's forward_paged makes no copy of it (a read of context.query would have stored one).
-    caller = type(context).query.caller_query
-    assert caller(context).data_ptr() == q.data_ptr() and caller(context).stride() == (8 * D, D, 1)
+    assert context._caller_query.data_ptr() == q.data_ptr() and context._caller_query.stride() == (
+        8 * D,
+        D,
+        1,
+    )
     out = gqa.layers["layer0"].impl.forward_paged(context)
-    assert caller(context).data_ptr() == q.data_ptr()
+    assert context._caller_query.data_ptr() == q.data_ptr()
     # context.query is vLLM-Omni 0.30's: a contiguous copy, made on the first read, then kept
     query = context.query
     assert query.is_contiguous() and query.data_ptr() != q.data_ptr() and torch.equal(query, q)
-    assert context.query is query and caller(context) is query
+    assert context.query is query and context._caller_query is query
     reference = gqa.layers["layer0"].impl.forward_paged(
         gqa.adapter.prepare_layer_context("layer0", q.contiguous(), k.contiguous(), v.contiguous())
     )

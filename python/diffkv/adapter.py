@@ -384,41 +384,39 @@ _CONTEXT_FIELDS = tuple(
 
 
 class _ContextQuery:
-    """``DiffusionPagedAttentionContext.query``: the slot holds the caller's ``[N, H, D]`` view;
-    reading ``query`` gives vLLM-Omni 0.30's contiguous query (``.contiguous()`` unless the
-    piecewise plan is homogeneous), copied on the first read and kept in the slot, so that a
-    context diffkv's own kernel consumes (``caller_query``) is never copied."""
+    """``DiffusionPagedAttentionContext.query``: the slot holds the caller's ``[N, H, D]`` view
+    (prepare_layer_context's); reading ``query`` gives vLLM-Omni 0.30's contiguous query
+    (``.contiguous()`` unless the piecewise plan is homogeneous), copied on the first read and
+    kept in the slot.  ``context._caller_query`` reads the slot itself: the caller's view until
+    someone reads ``query``, which is what diffkv's forward_paged reads (so when diffkv serves
+    the layer, no copy is ever made).  ``_caller_query`` is the slot's own member descriptor
+    under a second name, which torch.compile traces like any slot."""
 
-    __slots__ = ("_slot",)
-
-    def __init__(self, slot: Any) -> None:
-        self._slot = slot
+    __slots__ = ()
 
     def __get__(self, context: Any, owner: type | None = None) -> Any:
         if context is None:
             return self
-        query = self._slot.__get__(context, owner)
+        query = context._caller_query
         if not query.is_contiguous():
             plan = context.piecewise_plan
             if plan is None or plan.homogeneous_batch_shape is None:
                 query = query.contiguous()
-                self._slot.__set__(context, query)
+                _QUERY_SLOT.__set__(context, query)
         return query
 
     # Reached only through object.__setattr__ (the dataclass __init__, replace()); the frozen
     # class's own __setattr__ refuses assignments before they get here.
     def __set__(self, context: Any, value: Any) -> None:
-        self._slot.__set__(context, value)
+        _QUERY_SLOT.__set__(context, value)
 
     def __delete__(self, context: Any) -> None:
-        self._slot.__delete__(context)
-
-    def caller_query(self, context: Any) -> torch.Tensor:
-        """The caller's view as prepare_layer_context made it (no copy)."""
-        return self._slot.__get__(context, type(context))
+        _QUERY_SLOT.__delete__(context)
 
 
-DiffusionPagedAttentionContext.query = _ContextQuery(DiffusionPagedAttentionContext.query)
+_QUERY_SLOT = DiffusionPagedAttentionContext.query
+DiffusionPagedAttentionContext._caller_query = _QUERY_SLOT
+DiffusionPagedAttentionContext.query = _ContextQuery()
 
 
 class DiffusionPagedAttentionRuntime:

@@ -306,11 +306,11 @@ def run_prepared_call(paged_kv_context: Any) -> torch.Tensor | None:
 
 
 def caller_query(paged_kv_context: Any) -> torch.Tensor:
-    """The query as the caller's ``[N, H, D]`` view, strides and all: what diffkv's kernels
-    read.  ``DiffusionPagedAttentionContext.query`` is vLLM-Omni's contiguous copy of it
-    (made when first read); other context objects give their ``query``."""
-    read = getattr(getattr(type(paged_kv_context), "query", None), "caller_query", None)
-    return paged_kv_context.query if read is None else read(paged_kv_context)
+    """The query diffkv's kernels read: a ``DiffusionPagedAttentionContext``'s slot (the
+    caller's ``[N, H, D]`` view, strides and all, unless ``query`` was read and copied it);
+    other context objects give their ``query``."""
+    query = getattr(paged_kv_context, "_caller_query", None)
+    return paged_kv_context.query if query is None else query
 
 
 def run_forward_paged(
