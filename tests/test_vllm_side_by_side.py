@@ -535,3 +535,61 @@ def test_install_serves_flash_attention_metadata_without_touching_it(monkeypatch
         scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
         expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double())
         torch.testing.assert_close(out.reshape(-1, H, D)[lo:hi].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _register_with_the_model_runner(runner_mod):
+    """vLLM-Omni's DiffusionKVModelRunnerBackend.register_kv_cache_layers on CPU doubles: the
+    layer adapters it builds, the specs it returns, what it sets on the config."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    geometry = []
+    config = fake.fake_vllm_config(torch.float32, BLOCK)
+    config.compilation_config = SimpleNamespace(static_forward_context={})
+    config.model_config.set_attention_geometry = lambda **kwargs: geometry.append(kwargs)
+    backend = runner_mod.DiffusionKVModelRunnerBackend(
+        vllm_config=config,
+        od_config=SimpleNamespace(parallel_config=SimpleNamespace(ulysses_degree=1)),
+        device=torch.device("cpu"),
+    )
+    omni_layer = SimpleNamespace(
+        attn_backend=SimpleNamespace(supports_paged_kv=True, get_name=lambda: "FLASH_ATTN"),
+        num_heads=H,
+        softmax_scale=0.25,
+    )
+    spec = FullAttentionSpec(BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    specs = backend.register_kv_cache_layers({name: (omni_layer, spec) for name in NAMES})
+    context = config.compilation_config.static_forward_context
+    return specs, context, geometry, config.attention_config.use_non_causal
+
+
+def test_model_runner_registers_the_same_layers(monkeypatch):
+    """vLLM-Omni's model runner builds its layer adapters the same way, vLLM-Omni's or (after
+    install()) diffkv's: the same specs, forward-context entries, native impls and geometry."""
+    runner_mod = importlib.import_module("vllm_omni.diffusion.diffusion_kv.model_runner_backend")
+    w1 = World(theirs, monkeypatch)  # its doubles stand in for vLLM's backend selection
+    platform = SimpleNamespace(
+        get_diffusion_kv_block_tables_cls=lambda: fake.BlockTables,
+        build_diffusion_kv_attn_metadata=w1.platform.build_diffusion_kv_attn_metadata,
+    )
+    monkeypatch.setattr(runner_mod, "current_omni_platform", platform)
+    monkeypatch.setattr(runner_mod, "set_current_vllm_config", fake.set_current_vllm_config)
+    start = len(w1.selections)
+    specs1, context1, geometry1, non_causal1 = _register_with_the_model_runner(runner_mod)
+    middle = len(w1.selections)
+    inst = integration.install()
+    try:
+        specs2, context2, geometry2, non_causal2 = _register_with_the_model_runner(runner_mod)
+        layer_cls = runner_mod.DiffusionPagedAttentionLayerAdapter
+    finally:
+        inst.uninstall()
+    assert specs1 == specs2 and geometry1 == geometry2 == [
+        {"num_heads": H, "num_kv_heads": HKV, "head_size": D}
+    ]
+    assert non_causal1 == non_causal2 is False
+    assert list(context1) == list(context2) == list(NAMES)
+    assert w1.selections[start:middle] == w1.selections[middle:]
+    for name in NAMES:
+        a, b = context1[name], context2[name]
+        assert type(a) is theirs.DiffusionPagedAttentionLayerAdapter and type(b) is layer_cls
+        assert issubclass(layer_cls, ours.DiffusionPagedAttentionLayerAdapter)
+        assert a.impl.kwargs == b.impl.kwargs and a.spec == b.spec
