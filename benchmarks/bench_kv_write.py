@@ -12,6 +12,12 @@ blocks), three ways to move the same bytes, timed in the same run:
   scatter, two launches).
 
 Bytes moved = read K + V + write K + V = 4 * N * Hkv * D * elt (the 8-byte slots not counted).
+
+The quantizing write into a float8_e4m3fn cache of the same shape is timed beside them, per
+tensor scales: diffkv ``_C.kv_write(..., k_scale, v_scale)`` (one launch) against torch's
+``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` then ``index_copy_`` (the
+caches compared bit for bit); its bytes are read K + V (bf16) + write K + V (1 byte each) =
+6 * N * Hkv * D.
 GPU times come from the profiler's kernel records (median of reps, L2 flushed before each), so
 host work and synchronisation inside a call are not counted.  The caches written by diffkv and
 by index_copy are compared bit for bit.
@@ -57,6 +63,20 @@ def _case(
     def diffkv_write():
         _C.kv_write(key, value, cache, slots)
 
+    cache8 = torch.zeros(cache_shape, device=device, dtype=torch.float8_e4m3fn)
+    torch_cache8 = torch.zeros(cache_shape, device=device, dtype=torch.float8_e4m3fn)
+    flat8 = torch_cache8.view(torch.uint8).view(2, num_blocks * block_size, kv_heads, head_size)
+    k_scale = torch.tensor([0.03], device=device)
+    v_scale = torch.tensor([0.02], device=device)
+
+    def diffkv_fp8():
+        _C.kv_write(key, value, cache8, slots, k_scale, v_scale)
+
+    def torch_fp8():
+        for i, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+            quantized = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            flat8[i].index_copy_(0, slots, quantized.view(torch.uint8))
+
     def copy():
         dst.copy_(src)
 
@@ -73,6 +93,8 @@ def _case(
                 "diffkv": device_times_us(diffkv_write, device, match="kv_write", **timing),
                 "copy": device_times_us(copy, device, **timing),
                 "index_copy": device_times_us(index_copy, device, **timing),
+                "fp8": device_times_us(diffkv_fp8, device, match="kv_write", **timing),
+                "torch_fp8": device_times_us(torch_fp8, device, **timing),
             }
         except RuntimeError as exc:
             # Reported in the output and the JSON: diffkv's figure then includes its host check.
@@ -83,6 +105,8 @@ def _case(
             "diffkv": time_us(diffkv_write, device, **timing),
             "copy": time_us(copy, device, **timing),
             "index_copy": time_us(index_copy, device, **timing),
+            "fp8": time_us(diffkv_fp8, device, **timing),
+            "torch_fp8": time_us(torch_fp8, device, **timing),
         }
     call = time_us(diffkv_write, device, **timing) if device.type == "cuda" else times["diffkv"]
     nbytes = 4 * num_tokens * kv_heads * head_size * key.element_size()
@@ -98,14 +122,21 @@ def _case(
         "bit_exact_vs_index_copy": bool(torch.equal(cache, torch_cache)),
         "diffkv_call_us": call["median_us"],
     }
+    nbytes8 = 2 * num_tokens * kv_heads * head_size * (key.element_size() + 1)
+    result["fp8_bytes"] = nbytes8
+    result["fp8_bit_exact_vs_torch"] = bool(
+        torch.equal(cache8.view(torch.uint8), torch_cache8.view(torch.uint8))
+    )
     for name, t in times.items():
         result[f"{name}_us"] = t["median_us"]
         result[f"{name}_samples_us"] = t["samples_us"]
-        result[f"{name}_gbps"] = nbytes / (t["median_us"] * 1e-6) / 1e9
+        moved = nbytes8 if name in ("fp8", "torch_fp8") else nbytes
+        result[f"{name}_gbps"] = moved / (t["median_us"] * 1e-6) / 1e9
         if "kernels" in t:
             result[f"{name}_kernels"] = t["kernels"]
     result["diffkv_vs_copy"] = result["diffkv_gbps"] / result["copy_gbps"]
     result["diffkv_vs_index_copy"] = result["diffkv_gbps"] / result["index_copy_gbps"]
+    result["fp8_vs_torch"] = result["fp8_gbps"] / result["torch_fp8_gbps"]
     return result
 
 
@@ -163,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         "vs index_copy",
         "call us",
         "exact",
+        "fp8 us",
+        "fp8 GB/s",
+        "fp8 vs torch",
+        "fp8 exact",
     ]
     rows = [
         [
@@ -177,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             fmt(r["diffkv_vs_index_copy"], 2),
             fmt(r["diffkv_call_us"]),
             "yes" if r["bit_exact_vs_index_copy"] else "NO",
+            fmt(r["fp8_us"]),
+            fmt(r["fp8_gbps"], 0),
+            fmt(r["fp8_vs_torch"], 2),
+            "yes" if r["fp8_bit_exact_vs_torch"] else "NO",
         ]
         for r in results
     ]
@@ -184,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(headers, rows, left=0)
     print()
     print("GB/s = (read K+V + write K+V) / time; vs copy / vs index_copy = diffkv GB/s / theirs")
+    print(
+        "fp8: the quantizing write into a float8_e4m3fn cache, GB/s = (read bf16 K+V + write 1-byte K+V) / "
+        "time; vs torch = against (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn) + index_copy_"
+    )
     if device.type == "cuda":
         print(
             "call us = the whole _C.kv_write call on the stream (includes its host range check of the slots: "
@@ -191,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for method in sorted({r["timing_method"] for r in results}):
         print(f"timing: {method}")
-    ok = all(r["bit_exact_vs_index_copy"] for r in results)
+    ok = all(r["bit_exact_vs_index_copy"] and r["fp8_bit_exact_vs_torch"] for r in results)
     if args.json:
         big = [r for r in results if r["num_tokens"] >= 8192]
         write_json(
@@ -206,11 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                     "all_bit_exact": ok,
                     "min_diffkv_gbps_8k_plus": min(r["diffkv_gbps"] for r in big) if big else None,
                     "min_copy_gbps_8k_plus": min(r["copy_gbps"] for r in big) if big else None,
+                    "min_fp8_gbps_8k_plus": min(r["fp8_gbps"] for r in big) if big else None,
                 },
             },
         )
     if not ok:
-        print("MISMATCH: diffkv's cache differs from torch index_copy_'s", file=sys.stderr)
+        print("MISMATCH: a diffkv cache differs from torch's", file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -3,11 +3,13 @@
  * element counts and the fp16/bf16 <-> fp32 conversions of the CPU reference.
  *
  * Entry points: dk_fail, dk_dtype_size, dk_dtype_name, dk_tensor_numel, dk_f16_to_f32,
- * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16, dk_attention_kernel_choice,
+ * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16, dk_f32_to_e4m3, dk_e4m3_to_f32,
+ * dk_attention_kernel_choice,
  * dk_set_attention_kernel.
  */
 #include "diffkv.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -83,6 +85,7 @@ dk_dtype_size(dk_dtype dtype)
     case DK_U8:
     case DK_BOOL:
     case DK_I8:
+    case DK_F8E4M3:
         return 1;
     default:
         return 0;
@@ -113,6 +116,8 @@ dk_dtype_name(dk_dtype dtype)
         return "int8";
     case DK_I16:
         return "int16";
+    case DK_F8E4M3:
+        return "float8_e4m3fn";
     default:
         return "unsupported dtype";
     }
@@ -211,4 +216,53 @@ dk_f32_to_f16(float f)
     /* Normal: rebias the exponent and round the 13 dropped mantissa bits to even. */
     uint32_t rounded = absu + 0xfffu + ((absu >> 13) & 1u);
     return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+uint8_t
+dk_f32_to_e4m3(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    const uint32_t mag = bits & 0x7FFFFFFFu;
+    if (mag > 0x7F800000u) {
+        return (uint8_t)(sign | 0x7Fu); /* NaN */
+    }
+    if (mag >= 0x43E00000u) {
+        return (uint8_t)(sign | 0x7Eu); /* >= 448 (inf included): the largest finite, 448 */
+    }
+    if (mag < 0x3C800000u) {
+        /* below 2^-6, the smallest normal: multiples of 2^-9, 0..8 of them (8 is 2^-6 itself,
+         * code 0x08); the scaling is exact and rintf rounds half to even */
+        float a;
+        memcpy(&a, &mag, sizeof(a));
+        return (uint8_t)(sign | (uint8_t)rintf(a * 512.0f));
+    }
+    /* normal: 3 of the 23 mantissa bits kept, the rest rounded half to even */
+    uint32_t exponent = (mag >> 23) - 127u + 7u; /* 1..15 */
+    uint32_t keep = (mag >> 20) & 7u;
+    const uint32_t rest = mag & 0xFFFFFu;
+    if (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) {
+        keep++;
+        if (keep == 8u) {
+            keep = 0;
+            exponent++;
+        }
+    }
+    return (uint8_t)(sign | (exponent << 3) | keep); /* < 448 rounds to at most 0x7E */
+}
+
+float
+dk_e4m3_to_f32(uint8_t b)
+{
+    const float sign = (b & 0x80u) ? -1.0f : 1.0f;
+    const uint32_t exponent = (b >> 3) & 15u;
+    const uint32_t mantissa = b & 7u;
+    if (exponent == 15u && mantissa == 7u) {
+        return sign * NAN;
+    }
+    if (exponent == 0) {
+        return sign * ldexpf((float)mantissa, -9);
+    }
+    return sign * ldexpf((float)(8u + mantissa), (int)exponent - 10);
 }

@@ -65,7 +65,8 @@ typedef enum dk_dtype {
     DK_BOOL = 7,
     DK_I8 = 8,
     DK_I16 = 9,
-    DK_OTHER = 10
+    DK_OTHER = 10,
+    DK_F8E4M3 = 11 /* float8_e4m3fn: a KV cache's quantized element (no inf; 0x7F is NaN) */
 } dk_dtype;
 
 typedef enum dk_device_type {
@@ -102,6 +103,10 @@ float dk_f16_to_f32(uint16_t h);
 uint16_t dk_f32_to_f16(float f);
 float dk_bf16_to_f32(uint16_t h);
 uint16_t dk_f32_to_bf16(float f);
+/* float8_e4m3fn, as torch converts: round to nearest even; a NaN becomes 0x7F with its sign;
+ * |f| >= 448 (infinities included) saturates to +-448 (torch: clamp(-448, 448) first). */
+uint8_t dk_f32_to_e4m3(float f);
+float dk_e4m3_to_f32(uint8_t b);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Slot mapping (csrc/batch.c, cuda/slots.cu)                                                  */
@@ -352,7 +357,15 @@ typedef struct dk_kv_write_args {
     int64_t head_size;
     int64_t block_size;
     int64_t num_blocks;
-    dk_dtype dtype; /* DK_F32, DK_F16 or DK_BF16, shared by inputs and cache */
+    dk_dtype dtype; /* DK_F32, DK_F16 or DK_BF16: key and value */
+    /* The cache's element: dtype (a bit copy), or DK_F8E4M3 (quantized: the stored value is
+     * dk_f32_to_e4m3(x / scale), the division in fp32, scale = k_scale / v_scale[h *
+     * scale_stride_head], fp32 on the inputs' device, finite and > 0 -- checked by the caller;
+     * scale_stride_head 0 for one scale per tensor). */
+    dk_dtype cache_dtype;
+    const float *k_scale;
+    const float *v_scale;
+    int64_t scale_stride_head;
 } dk_kv_write_args;
 
 /* Checks every slot first (slot < num_blocks * block_size), then writes.  Host memory.

@@ -131,6 +131,52 @@ store_row(void *base, int64_t off, int64_t stride, int64_t n, dk_dtype dtype, co
 /* KV write                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
+/* One [num_heads, head_size] token of src (dtype, element offsets) into the float8_e4m3fn
+ * cache at dst_off: dk_f32_to_e4m3(x / scale[h * scale_stride]). */
+static void
+quantize_token(uint8_t *dst, int64_t dst_off, int64_t dst_stride_head, int64_t dst_stride_dim,
+               const char *src, int64_t src_off, int64_t src_stride_head, int64_t src_stride_dim,
+               dk_dtype dtype, const float *scale, int64_t scale_stride, int64_t num_heads,
+               int64_t head_size)
+{
+    float row[DK_REF_MAX_HEAD_SIZE];
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float s = scale[h * scale_stride];
+        uint8_t *d = dst + dst_off + h * dst_stride_head;
+        for (int64_t k0 = 0; k0 < head_size; k0 += DK_REF_MAX_HEAD_SIZE) {
+            const int64_t n =
+                head_size - k0 < DK_REF_MAX_HEAD_SIZE ? head_size - k0 : DK_REF_MAX_HEAD_SIZE;
+            load_row(src, src_off + h * src_stride_head + k0 * src_stride_dim, src_stride_dim, n,
+                     dtype, row);
+            for (int64_t k = 0; k < n; k++) {
+                d[(k0 + k) * dst_stride_dim] = dk_f32_to_e4m3(row[k] / s);
+            }
+        }
+    }
+}
+
+/* The quantizing write (cache_dtype DK_F8E4M3) of every token whose slot is in the cache. */
+static void
+quantize_tokens(const dk_kv_write_args *a, int64_t num_slots)
+{
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t slot = a->slot_mapping[t * a->slot_stride];
+        if (slot < 0 || slot >= num_slots) {
+            continue;
+        }
+        const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block +
+                                (slot % a->block_size) * a->cache_stride_token;
+        quantize_token((uint8_t *)a->key_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
+                       (const char *)a->key, t * a->key_stride_token, a->key_stride_head,
+                       a->key_stride_dim, a->dtype, a->k_scale, a->scale_stride_head,
+                       a->num_kv_heads, a->head_size);
+        quantize_token((uint8_t *)a->value_cache, dst_off, a->cache_stride_head,
+                       a->cache_stride_dim, (const char *)a->value, t * a->value_stride_token,
+                       a->value_stride_head, a->value_stride_dim, a->dtype, a->v_scale,
+                       a->scale_stride_head, a->num_kv_heads, a->head_size);
+    }
+}
+
 dk_status
 dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
 {
@@ -160,6 +206,16 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
                            "%lld (or < 0 to skip), got %lld",
                            (long long)t, (long long)num_slots, (long long)slot);
         }
+    }
+    if (a->cache_dtype == DK_F8E4M3) {
+        quantize_tokens(a, num_slots);
+        return DK_OK;
+    }
+    if (a->cache_dtype != a->dtype) {
+        return dk_fail(
+            err, DK_ERR_UNSUPPORTED,
+            "kv_write(): the cache must hold the inputs' dtype %s or float8_e4m3fn, got %s",
+            dk_dtype_name(a->dtype), dk_dtype_name(a->cache_dtype));
     }
     const size_t es = dk_dtype_size(a->dtype);
     for (int64_t t = 0; t < a->num_tokens; t++) {

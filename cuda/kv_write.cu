@@ -9,6 +9,12 @@
  *     before the stores, K and V of a unit in the same thread;
  *   - kv_write_kernel otherwise: one element at a time with any strides.
  *
+ * A float8_e4m3fn cache (cache_dtype DK_F8E4M3) stores each element quantized, x / scale in
+ * fp32 rounded to e4m3 (dk_f32_to_e4m3's rounding, bit for bit):
+ *   - kv_write_fp8_vec_kernel under the fast path's conditions (the cache side aligned to its
+ *     units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
+ *   - kv_write_fp8_kernel otherwise: one element at a time with any strides.
+ *
  * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
  * dk_cuda_layer: cuda/launch.cu).
  */
@@ -16,6 +22,8 @@
 
 #include "cuda_common.cuh"
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <stdint.h>
@@ -130,6 +138,168 @@ kv_write_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_h
     }
 }
 
+/* x / scale as float8_e4m3fn, bit for bit dk_f32_to_e4m3(x / scale): the IEEE division with
+ * subnormals (div.rn.f32 itself: --use_fast_math would make __fdiv_rn flush them to zero, and
+ * a subnormal input over a tiny scale can land in e4m3's range), then round to nearest even
+ * saturating at +-448; a NaN keeps its sign (0x7F / 0xFF), as torch's conversion gives it. */
+static __device__ __forceinline__ uint8_t
+quantize_e4m3(float x, float scale)
+{
+    float q;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(scale));
+    if (isnan(q)) {
+        return (uint8_t)(0x7Fu | ((__float_as_uint(q) >> 24) & 0x80u));
+    }
+    return (uint8_t)__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+}
+
+/* Element j of a 16-byte unit of DT (DK_F32, DK_F16 or DK_BF16) values, as fp32. */
+template <int DT>
+static __device__ __forceinline__ float
+unit_element(const uint4 &u, int j)
+{
+    if (DT == DK_F32) {
+        return __uint_as_float((&u.x)[j]);
+    }
+    const uint16_t bits = (uint16_t)((&u.x)[j / 2] >> (16 * (j % 2)));
+    if (DT == DK_BF16) {
+        return __uint_as_float((uint32_t)bits << 16);
+    }
+    return __half2float(__ushort_as_half(bits));
+}
+
+/* Element src[i] of DT values as fp32. */
+template <int DT>
+static __device__ __forceinline__ float
+load_element(const char *src, int64_t i)
+{
+    if (DT == DK_F32) {
+        return ((const float *)src)[i];
+    }
+    const uint16_t bits = ((const uint16_t *)src)[i];
+    if (DT == DK_BF16) {
+        return __uint_as_float((uint32_t)bits << 16);
+    }
+    return __half2float(__ushort_as_half(bits));
+}
+
+/*
+ * The fast path into a float8_e4m3fn cache: kv_write_vec_kernel's tiling and loads (16-byte
+ * units of DT, elems_per_unit = 16 / sizeof(DT) elements), each unit quantized with its head's
+ * scales and stored as elems_per_unit bytes (8: a uint2, 4: a uint32).
+ */
+template <int DT>
+static __global__ void
+kv_write_fp8_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                        int32_t elems_per_unit)
+{
+    constexpr int E = DT == DK_F32 ? 4 : 8;
+    (void)elems_per_unit; /* E */
+    const int32_t units = (int32_t)a.num_kv_heads * units_per_head;
+    const int64_t capacity = a.num_blocks * a.block_size;
+    const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * KV_WRITE_TOKENS + threadIdx.y;
+    const char *key = (const char *)a.key;
+    const char *value = (const char *)a.value;
+    uint8_t *key_cache = (uint8_t *)a.key_cache;
+    uint8_t *value_cache = (uint8_t *)a.value_cache;
+    int64_t slot[KV_WRITE_TOKENS];
+#pragma unroll
+    for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+        int64_t t = t0 + (int64_t)i * blockDim.y;
+        slot[i] = t < a.num_tokens ? __ldg(a.slot_mapping + t * a.slot_stride) : -1;
+    }
+    for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
+        const int64_t h = u / units_per_head;
+        const int64_t d = (int64_t)(u % units_per_head) * E;
+        const int64_t key_off = h * a.key_stride_head + d;
+        const int64_t value_off = h * a.value_stride_head + d;
+        const int64_t cache_off = h * a.cache_stride_head + d;
+        const float ks = __ldg(a.k_scale + h * a.scale_stride_head);
+        const float vs = __ldg(a.v_scale + h * a.scale_stride_head);
+        uint4 k[KV_WRITE_TOKENS];
+        uint4 v[KV_WRITE_TOKENS];
+#pragma unroll
+        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+            int64_t t = t0 + (int64_t)i * blockDim.y;
+            k[i] = make_uint4(0, 0, 0, 0);
+            v[i] = make_uint4(0, 0, 0, 0);
+            if (t < a.num_tokens) {
+                k[i] = __ldg((const uint4 *)(key + (t * a.key_stride_token + key_off) * elem_size));
+                v[i] = __ldg(
+                    (const uint4 *)(value + (t * a.value_stride_token + value_off) * elem_size));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+            if (slot[i] >= 0 && slot[i] < capacity) {
+                int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
+                              (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
+                /* bytes packed little-endian into words: element j at byte j */
+                uint32_t qk[2] = {0, 0}, qv[2] = {0, 0};
+#pragma unroll
+                for (int j = 0; j < E; j++) {
+                    qk[j / 4] |= (uint32_t)quantize_e4m3(unit_element<DT>(k[i], j), ks)
+                                 << (8 * (j % 4));
+                    qv[j / 4] |= (uint32_t)quantize_e4m3(unit_element<DT>(v[i], j), vs)
+                                 << (8 * (j % 4));
+                }
+                if (E == 8) {
+                    *(uint2 *)(key_cache + off) = make_uint2(qk[0], qk[1]);
+                    *(uint2 *)(value_cache + off) = make_uint2(qv[0], qv[1]);
+                }
+                else {
+                    *(uint32_t *)(key_cache + off) = qk[0];
+                    *(uint32_t *)(value_cache + off) = qv[0];
+                }
+            }
+        }
+    }
+}
+
+/* The strided path into a float8_e4m3fn cache: kv_write_kernel's walk, one element at a time
+ * (units_per_head = head_size), each quantized with its head's scale. */
+template <int DT>
+static __global__ void
+kv_write_fp8_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                    int32_t elems_per_unit)
+{
+    (void)elem_size;
+    (void)elems_per_unit;
+    int64_t t = blockIdx.x;
+    int64_t slot = a.slot_mapping[t * a.slot_stride];
+    if (slot < 0 || slot >= a.num_blocks * a.block_size) {
+        return;
+    }
+    int64_t cache_base =
+        (slot / a.block_size) * a.cache_stride_block + (slot % a.block_size) * a.cache_stride_token;
+    int32_t per_tensor = (int32_t)a.num_kv_heads * units_per_head;
+    for (int32_t i = (int32_t)threadIdx.x; i < 2 * per_tensor; i += (int32_t)blockDim.x) {
+        bool is_value = i >= per_tensor;
+        int32_t r = is_value ? i - per_tensor : i;
+        int64_t h = r / units_per_head;
+        int64_t d = r % units_per_head;
+        float x;
+        float scale;
+        uint8_t *dst;
+        if (is_value) {
+            x = load_element<DT>((const char *)a.value, t * a.value_stride_token +
+                                                            h * a.value_stride_head +
+                                                            d * a.value_stride_dim);
+            scale = a.v_scale[h * a.scale_stride_head];
+            dst = (uint8_t *)a.value_cache;
+        }
+        else {
+            x = load_element<DT>((const char *)a.key, t * a.key_stride_token +
+                                                          h * a.key_stride_head +
+                                                          d * a.key_stride_dim);
+            scale = a.k_scale[h * a.scale_stride_head];
+            dst = (uint8_t *)a.key_cache;
+        }
+        dst[cache_base + h * a.cache_stride_head + d * a.cache_stride_dim] =
+            quantize_e4m3(x, scale);
+    }
+}
+
 static bool
 aligned16(int64_t bytes)
 {
@@ -140,6 +310,54 @@ static bool
 ptr_aligned16(const void *p)
 {
     return (uintptr_t)p % 16 == 0;
+}
+
+/* The fp8 write's launch (sizes checked by the caller): the vec kernel when the inputs meet
+ * the fast path's conditions and the cache its units of E = 16 / element-size bytes. */
+static dk_status
+prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
+{
+    const int64_t es = (int64_t)dk_dtype_size(a->dtype);
+    const int64_t e = 16 / es; /* elements (= cache bytes) per unit */
+    const bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 &&
+                     a->cache_stride_dim == 1 && aligned16(a->head_size * es) &&
+                     ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
+                     aligned16(a->key_stride_token * es) && aligned16(a->key_stride_head * es) &&
+                     aligned16(a->value_stride_token * es) &&
+                     aligned16(a->value_stride_head * es) && (uintptr_t)a->key_cache % e == 0 &&
+                     (uintptr_t)a->value_cache % e == 0 && a->cache_stride_block % e == 0 &&
+                     a->cache_stride_token % e == 0 && a->cache_stride_head % e == 0;
+    p->kv = *a;
+    p->elem_size = es;
+    p->grid[1] = p->grid[2] = p->block[1] = p->block[2] = 1;
+    if (vec) {
+        p->elems_per_unit = (int32_t)e;
+        p->units_per_head = (int32_t)(a->head_size / e);
+        int64_t units = a->num_kv_heads * p->units_per_head;
+        int64_t bx = units;
+        int64_t by = KV_WRITE_MAX_THREADS / units;
+        if (units >= KV_WRITE_MAX_THREADS) {
+            int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
+            bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
+            by = 1;
+        }
+        p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
+        p->block[0] = (uint32_t)bx;
+        p->block[1] = (uint32_t)by;
+        p->func = a->dtype == DK_F32   ? (const void *)kv_write_fp8_vec_kernel<DK_F32>
+                  : a->dtype == DK_F16 ? (const void *)kv_write_fp8_vec_kernel<DK_F16>
+                                       : (const void *)kv_write_fp8_vec_kernel<DK_BF16>;
+        return DK_OK;
+    }
+    p->elems_per_unit = 1;
+    p->units_per_head = (int32_t)a->head_size;
+    int64_t threads = dk_cdiv(2 * a->num_kv_heads * a->head_size, 32) * 32;
+    p->grid[0] = (uint32_t)a->num_tokens;
+    p->block[0] = (uint32_t)(threads > KV_WRITE_MAX_THREADS ? KV_WRITE_MAX_THREADS : threads);
+    p->func = a->dtype == DK_F32   ? (const void *)kv_write_fp8_kernel<DK_F32>
+              : a->dtype == DK_F16 ? (const void *)kv_write_fp8_kernel<DK_F16>
+                                   : (const void *)kv_write_fp8_kernel<DK_BF16>;
+    return DK_OK;
 }
 
 extern "C" dk_status
@@ -167,6 +385,15 @@ dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_err
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "kv_write(): num_kv_heads * head_size must be at most %lld, got %lld",
                        (long long)(INT32_MAX / 2), (long long)(a->num_kv_heads * a->head_size));
+    }
+    if (a->cache_dtype == DK_F8E4M3) {
+        return prepare_fp8(a, p);
+    }
+    if (a->cache_dtype != a->dtype) {
+        return dk_fail(
+            err, DK_ERR_UNSUPPORTED,
+            "kv_write(): the cache must hold the inputs' dtype %s or float8_e4m3fn, got %s",
+            dk_dtype_name(a->dtype), dk_dtype_name(a->cache_dtype));
     }
     int64_t es = (int64_t)dk_dtype_size(a->dtype);
     bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 && a->cache_stride_dim == 1 &&

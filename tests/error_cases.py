@@ -94,6 +94,10 @@ def error_cases() -> list[tuple[str, Case]]:
 
 F32 = torch.float32
 I32 = torch.int32
+_NEEDS_SCALES = (
+    "a float8_e4m3fn kv_cache needs k_scale and v_scale (float32 tensors of 1 or num_kv_heads = 1 "
+    "entries), got "
+)
 I64 = torch.int64
 H, HKV, D, BS, NB = 2, 1, 2, 2, 3  # heads, kv heads, head size, block size, blocks: tiny
 HUGE = 2**70
@@ -1353,6 +1357,11 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     value = torch.randn(2, HKV, D)
     cache = torch.zeros(2, NB, BS, HKV, D)
     slots = torch.tensor([4, 5], dtype=I64)
+    cache8 = torch.zeros(2, NB, BS, HKV, D, dtype=torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([2.0])
+    shared = torch.zeros(cache8.numel() + 4, dtype=torch.uint8)  # a scale inside the cache's bytes
+    cache8_shared = shared[: cache8.numel()].view(torch.float8_e4m3fn).view(cache8.shape)
+    scale_in_cache = shared[cache8.numel() - 4 :].view(torch.float32)[:1]
     bt = torch.tensor([[2, 0]], dtype=I32)
     bt_bad = torch.tensor([[5, 0]], dtype=I32)
     qsl = torch.tensor([0, 2], dtype=I32)
@@ -1376,8 +1385,8 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
         return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1, 0)
 
-    def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None, o=out):
-        return (q, k, v, cache, sm, b, qsl, sl, kl, mask, 0.5, o, b, qsl, sl)
+    def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None, o=out, c=cache):
+        return (q, k, v, c, sm, b, qsl, sl, kl, mask, 0.5, o, b, qsl, sl)
 
     src = torch.randn(3, H, D)
     gather_index = torch.tensor([2, 0], dtype=I64)
@@ -1465,6 +1474,132 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 value,
                 None,
                 slots,
+            ),
+            # the quantizing write into a float8_e4m3fn cache
+            ok("kv_write fp8", _C.kv_write, key, value, cache8, slots, k_scale, v_scale),
+            ok("kv_write scales none", _C.kv_write, key, value, cache, slots, None, None),
+            *[
+                bad(
+                    "kv_write fp8 " + name,
+                    exc,
+                    "kv_write(): " + message,
+                    _C.kv_write,
+                    key,
+                    value,
+                    c,
+                    slots,
+                    *sc,
+                )
+                for name, exc, message, c, sc in (
+                    ("no scales", TypeError, f"{_NEEDS_SCALES}neither", cache8, ()),
+                    ("no k_scale", TypeError, f"{_NEEDS_SCALES}no k_scale", cache8, (None, v_scale)),
+                    ("no v_scale", TypeError, f"{_NEEDS_SCALES}no v_scale", cache8, (k_scale, None)),
+                    (
+                        "scales unquantized",
+                        ValueError,
+                        "k_scale and v_scale apply to a float8_e4m3fn kv_cache only; kv_cache is float32",
+                        cache,
+                        (k_scale, v_scale),
+                    ),
+                    (
+                        "k_scale 0",
+                        ValueError,
+                        "k_scale must be finite and positive, got k_scale[0] = 0.0",
+                        cache8,
+                        (torch.zeros(1), v_scale),
+                    ),
+                    (
+                        "k_scale negative",
+                        ValueError,
+                        "k_scale must be finite and positive, got k_scale[0] = -1.0",
+                        cache8,
+                        (-torch.ones(1), v_scale),
+                    ),
+                    (
+                        "v_scale nan",
+                        ValueError,
+                        "v_scale must be finite and positive, got v_scale[0] = nan",
+                        cache8,
+                        (k_scale, torch.full((1,), float("nan"))),
+                    ),
+                    (
+                        "k_scale inf",
+                        ValueError,
+                        "k_scale must be finite and positive, got k_scale[0] = inf",
+                        cache8,
+                        (torch.full((1,), float("inf")), v_scale),
+                    ),
+                    (
+                        "k_scale float64",
+                        TypeError,
+                        "k_scale must be float32, got float64",
+                        cache8,
+                        (k_scale.double(), v_scale),
+                    ),
+                    (
+                        "k_scale entries",
+                        ValueError,
+                        "k_scale must have 1 (per tensor) or num_kv_heads = 1 (per KV head) entries, got 2",
+                        cache8,
+                        (torch.ones(2), v_scale),
+                    ),
+                    (
+                        "k_scale 2-D",
+                        ValueError,
+                        "k_scale must be 1-D, got 2 dimensions",
+                        cache8,
+                        (k_scale.view(1, 1), v_scale),
+                    ),
+                    (
+                        "k_scale float",
+                        TypeError,
+                        "k_scale must be a torch.Tensor, got float",
+                        cache8,
+                        (0.5, v_scale),
+                    ),
+                    (
+                        "e5m2 cache",
+                        TypeError,
+                        "kv_cache must be float32 (the key's dtype) or float8_e4m3fn, got unsupported dtype",
+                        cache8.to(torch.float8_e5m2),
+                        (k_scale, v_scale),
+                    ),
+                )
+            ],  # fmt: skip
+            bad(
+                "kv_write fp8 key",
+                TypeError,
+                "kv_write(): key must be float32, float16 or bfloat16, got float8_e4m3fn",
+                _C.kv_write,
+                key.to(torch.float8_e4m3fn),
+                value.to(torch.float8_e4m3fn),
+                cache8,
+                slots,
+                k_scale,
+                v_scale,
+            ),
+            bad(
+                "kv_write fp8 scale overlaps cache",
+                ValueError,
+                "kv_write(): kv_cache must not overlap v_scale in memory, got views sharing bytes",
+                _C.kv_write,
+                key,
+                value,
+                cache8_shared,
+                slots,
+                k_scale,
+                scale_in_cache,
+            ),
+            bad(
+                "kv_write 5 arguments",
+                TypeError,
+                "kv_write() takes 6 arguments, got 5",
+                _C.kv_write,
+                key,
+                value,
+                cache8,
+                slots,
+                k_scale,
             ),
         ],
         "paged_attention": [
@@ -1680,6 +1815,14 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),
+            bad(
+                "forward_paged fp8 cache",
+                NotImplementedError,
+                "forward_paged(): attention over a float8_e4m3fn kv_cache is not implemented (kv_write() "
+                "fills one)",
+                _C.forward_paged,
+                *fwd(c=cache8),
+            ),
             ok("forward_paged limits", _C.forward_paged, *fwd(mask=_C.MASK_LIMITS, kl=limits)),
             ok("forward_paged flat out", _C.forward_paged, *fwd(o=out.reshape(out.shape[0], -1))),
             bad(

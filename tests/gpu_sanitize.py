@@ -62,19 +62,28 @@ def _attention_case(dtype, head, block, mask, strided, sequential=False, seq_len
     assert err < 3e-2, f"attention {dtype} d{head} b{block} mask{mask}: {err}"
 
 
-def _kv_write_case(dtype, strided):
+def _kv_write_case(dtype, strided, fp8=False):
+    """The write (fp8: quantizing into a float8_e4m3fn cache, per-head scales; strided: K/V
+    views of a fused projection, and with fp8 a dim stride of 2 -- the element-wise kernel)."""
     g = torch.Generator().manual_seed(7)
     tokens, kv_heads, head, block, nb = 45, 2, 64, 16, 6
-    src = torch.randn(tokens, 3, kv_heads, head, generator=g).to(dtype)
+    src = torch.randn(tokens, 3, kv_heads, 2 * head if fp8 else head, generator=g).to(dtype)
+    if fp8:
+        src = src[..., ::2] if strided else src[..., :head]
     key, value = (src[:, 1], src[:, 2]) if strided else (src[:, 1].contiguous(), src[:, 2].contiguous())
     slots = torch.randperm(nb * block, generator=g)[:tokens]
     slots[::7] = -1
+    scales = (torch.tensor([0.5, 3.0]), torch.tensor([0.25, 1.0])) if fp8 else ()
     caches = []
     for device in ("cpu", "cuda"):
-        cache = torch.zeros(2, nb, block, kv_heads, head, dtype=dtype, device=device)
-        _C.kv_write(key.to(device), value.to(device), cache, slots.to(device))
-        caches.append(cache.cpu())
-    assert torch.equal(caches[0], caches[1]), f"kv_write {dtype} strided={strided}"
+        cache = torch.zeros(
+            2, nb, block, kv_heads, head, dtype=torch.float8_e4m3fn if fp8 else dtype, device=device
+        )
+        _C.kv_write(
+            key.to(device), value.to(device), cache, slots.to(device), *(s.to(device) for s in scales)
+        )
+        caches.append(cache.cpu().view(torch.uint8) if fp8 else cache.cpu())
+    assert torch.equal(caches[0], caches[1]), f"kv_write {dtype} strided={strided} fp8={fp8}"
 
 
 def _slots_and_rows_case():
@@ -164,6 +173,8 @@ def main():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _kv_write_case(dtype, strided=False)
         _kv_write_case(dtype, strided=True)
+        _kv_write_case(dtype, strided=False, fp8=True)
+        _kv_write_case(dtype, strided=True, fp8=True)
     for dtype, head in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64)):
         # on Hopper: 16 and 32 TMA boxes (head 64/128), 16 sequential the flat map's boxes
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):

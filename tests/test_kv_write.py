@@ -125,7 +125,10 @@ def test_kv_write_argument_errors(device):
     cache = torch.zeros(2, 4, 4, 2, 64, device=device, dtype=torch.float16)
     key = torch.randn(3, 2, 64, device=device, dtype=torch.float16)
     slots = torch.tensor([0, 1, 2], dtype=torch.int64, device=device)
-    with pytest.raises(TypeError, match=r"^kv_write\(\): kv_cache must be float32, got float16$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^kv_write\(\): kv_cache must be float32 \(the key's dtype\) or float8_e4m3fn, got float16$",
+    ):
         _C.kv_write(key.float(), key.float(), cache, slots)
     with pytest.raises(TypeError, match=r"^kv_write\(\): slot_mapping must be int64, got int32$"):
         _C.kv_write(key, key, cache, slots.to(torch.int32))

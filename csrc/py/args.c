@@ -245,8 +245,9 @@ dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want)
 {
     const char *arg = want->arg;
     if ((want->device == DKPY_HOST && dkpy_want_cpu(t, op, arg)) ||
-        (want->dtype == DKPY_FLOAT ? dkpy_want_float(t, op, arg)
-                                   : dkpy_want_dtype(t, (dk_dtype)want->dtype, op, arg)) ||
+        (want->dtype == DKPY_FLOAT       ? dkpy_want_float(t, op, arg)
+         : want->dtype == DKPY_ANY_DTYPE ? 0
+                                         : dkpy_want_dtype(t, (dk_dtype)want->dtype, op, arg)) ||
         (want->ndim == DKPY_VECTOR ? want_vector(t, op, arg)
                                    : dkpy_want_ndim(t, want->ndim, op, arg)) ||
         (want->device != NULL && want->device != DKPY_HOST &&

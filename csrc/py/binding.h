@@ -122,13 +122,14 @@ int dkpy_want_min_len(const dk_tensor *t, int64_t n, const char *op, const char 
  * another tensor, the length. */
 typedef struct dkpy_want {
     const char *arg;         /* the argument's name in messages */
-    int dtype;               /* a dk_dtype, or DKPY_FLOAT: float32, float16 or bfloat16 */
+    int dtype;               /* a dk_dtype, DKPY_FLOAT: float32, float16 or bfloat16, or
+                                DKPY_ANY_DTYPE: checked by the caller */
     int ndim;                /* its rank, or DKPY_VECTOR: 1-D with unit stride */
     int64_t min_len;         /* at least this many entries along dimension 0; 0: any */
     const dk_tensor *device; /* on this tensor's device, DKPY_HOST: a CPU tensor, NULL: any */
 } dkpy_want;
 
-enum { DKPY_FLOAT = -1, DKPY_VECTOR = -1 };
+enum { DKPY_FLOAT = -1, DKPY_VECTOR = -1, DKPY_ANY_DTYPE = -2 };
 extern const dk_tensor dkpy_host;
 #define DKPY_HOST (&dkpy_host)
 

@@ -7,6 +7,8 @@
  */
 #include "binding.h"
 
+#include <math.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,12 +41,19 @@ dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_
                     &k) ||
         dkpy_tensor(module, args[1], op,
                     &(dkpy_want){.arg = "value", .dtype = k.dtype, .ndim = 3, .device = &k}, &v) ||
-        dkpy_tensor(module, args[2], op,
-                    &(dkpy_want){.arg = "kv_cache", .dtype = k.dtype, .ndim = 5, .device = &k},
-                    &c) ||
+        dkpy_tensor(
+            module, args[2], op,
+            &(dkpy_want){.arg = "kv_cache", .dtype = DKPY_ANY_DTYPE, .ndim = 5, .device = &k},
+            &c) ||
         dkpy_tensor(module, args[3], op,
                     &(dkpy_want){.arg = "slot_mapping", .dtype = DK_I64, .ndim = 1, .device = &k},
                     &sm)) {
+        return -1;
+    }
+    if (c.dtype != k.dtype && c.dtype != DK_F8E4M3) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): kv_cache must be %s (the key's dtype) or float8_e4m3fn, got %s", op,
+                     dk_dtype_name(k.dtype), dk_dtype_name(c.dtype));
         return -1;
     }
     if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
@@ -70,7 +79,7 @@ dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_
         dkpy_no_overlap(&c, "kv_cache", &sm, "slot_mapping", op)) {
         return -1;
     }
-    size_t es = dk_dtype_size(k.dtype);
+    size_t es = dk_dtype_size(c.dtype); /* the cache's element */
     memset(a, 0, sizeof(*a));
     a->key = k.data;
     a->value = v.data;
@@ -94,10 +103,99 @@ dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_
     a->block_size = c.shape[2];
     a->num_blocks = c.shape[1];
     a->dtype = k.dtype;
+    a->cache_dtype = c.dtype;
     views[0] = k;
     views[1] = v;
     views[2] = c;
     views[3] = sm;
+    return 0;
+}
+
+/* kv_write's k_scale / v_scale (None, or float32 vectors of 1 or num_kv_heads entries on the
+ * key's device) into *a: required exactly when the cache is float8_e4m3fn.  Their values are
+ * checked by check_scale_values. */
+static int
+parse_kv_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *op,
+                dk_kv_write_args *a, const dk_tensor *views, dk_tensor *scales)
+{
+    const dk_tensor *k = &views[0], *cache = &views[2];
+    if (a->cache_dtype != DK_F8E4M3) {
+        if (k_obj != Py_None || v_obj != Py_None) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): k_scale and v_scale apply to a float8_e4m3fn kv_cache only; "
+                         "kv_cache is %s",
+                         op, dk_dtype_name(a->cache_dtype));
+            return -1;
+        }
+        return 0;
+    }
+    if (k_obj == Py_None || v_obj == Py_None) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): a float8_e4m3fn kv_cache needs k_scale and v_scale (float32 tensors of "
+                     "1 or num_kv_heads = %lld entries), got %s",
+                     op, (long long)a->num_kv_heads,
+                     k_obj == Py_None && v_obj == Py_None ? "neither"
+                     : k_obj == Py_None                   ? "no k_scale"
+                                                          : "no v_scale");
+        return -1;
+    }
+    if (dkpy_tensor(
+            module, k_obj, op,
+            &(dkpy_want){.arg = "k_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = k},
+            &scales[0]) ||
+        dkpy_tensor(
+            module, v_obj, op,
+            &(dkpy_want){.arg = "v_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = k},
+            &scales[1])) {
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) {
+        int64_t n = scales[i].shape[0];
+        if (n != 1 && n != a->num_kv_heads) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have 1 (per tensor) or num_kv_heads = %lld (per KV head) "
+                         "entries, got %lld",
+                         op, i == 0 ? "k_scale" : "v_scale", (long long)a->num_kv_heads,
+                         (long long)n);
+            return -1;
+        }
+    }
+    if (dkpy_no_overlap(cache, "kv_cache", &scales[0], "k_scale", op) ||
+        dkpy_no_overlap(cache, "kv_cache", &scales[1], "v_scale", op)) {
+        return -1;
+    }
+    if (scales[0].shape[0] != scales[1].shape[0]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): k_scale and v_scale must have as many entries, got %lld and %lld", op,
+                     (long long)scales[0].shape[0], (long long)scales[1].shape[0]);
+        return -1;
+    }
+    a->k_scale = (const float *)scales[0].data;
+    a->v_scale = (const float *)scales[1].data;
+    a->scale_stride_head = scales[0].shape[0] == 1 ? 0 : 1;
+    return 0;
+}
+
+/* The scales' values (host copies: n floats each) are finite and positive. */
+static int
+check_scale_values(const float *k_scale, const float *v_scale, int64_t n, const char *op)
+{
+    for (int i = 0; i < 2; i++) {
+        const float *s = i == 0 ? k_scale : v_scale;
+        for (int64_t h = 0; h < n; h++) {
+            if (!(s[h] > 0.0f) || isinf(s[h])) {
+                PyObject *value = PyFloat_FromDouble((double)s[h]);
+                if (value != NULL) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s(): %s must be finite and positive, got %s[%lld] = %R", op,
+                                 i == 0 ? "k_scale" : "v_scale", i == 0 ? "k_scale" : "v_scale",
+                                 (long long)h, value);
+                    Py_DECREF(value);
+                }
+                return -1;
+            }
+        }
+    }
     return 0;
 }
 
@@ -132,17 +230,20 @@ static int
 check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
                    const dk_kv_write_args *a)
 {
-    if (a->num_tokens == 0) {
+    if (a->num_tokens == 0 && a->k_scale == NULL) {
         return 0;
     }
     if (!dk_cuda_compiled()) {
         return dkpy_run_cuda(module, key_obj, k->device_id, launch_kv_write, a);
     }
-    int64_t *host = (int64_t *)malloc((size_t)a->num_tokens * sizeof(int64_t));
+    /* the slots, then (quantizing) the two scales' 1 or num_kv_heads floats */
+    const int64_t n_scales = a->k_scale == NULL ? 0 : (a->scale_stride_head ? a->num_kv_heads : 1);
+    int64_t *host = (int64_t *)malloc((size_t)(a->num_tokens + n_scales + 1) * sizeof(int64_t));
     if (host == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    float *host_scales = (float *)(host + a->num_tokens);
     void *stream = NULL;
     int32_t prev = 0;
     dk_error err = {{0}};
@@ -161,8 +262,21 @@ check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
         s = dk_cuda_copy_to_host(&host[t], a->slot_mapping + t * a->slot_stride, sizeof(int64_t),
                                  stream, &err);
     }
+    if (s == DK_OK && n_scales > 0) {
+        s = dk_cuda_copy_to_host(host_scales, a->k_scale, (size_t)n_scales * sizeof(float), stream,
+                                 &err);
+        if (s == DK_OK) {
+            s = dk_cuda_copy_to_host(host_scales + n_scales, a->v_scale,
+                                     (size_t)n_scales * sizeof(float), stream, &err);
+        }
+    }
     if (s == DK_OK) {
         dk_cuda_device_exit(prev);
+    }
+    if (s == DK_OK && n_scales > 0 &&
+        check_scale_values(host_scales, host_scales + n_scales, n_scales, "kv_write") != 0) {
+        free(host);
+        return -1;
     }
     int64_t capacity = a->num_blocks * a->block_size;
     for (int64_t t = 0; s == DK_OK && t < a->num_tokens; t++) {
@@ -181,16 +295,24 @@ check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
     return 0;
 }
 
+/* kv_write(key, value, kv_cache, slot_mapping[, k_scale, v_scale]) */
 static PyObject *
 py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (dkpy_check_nargs("kv_write", nargs, 4) != 0) {
+    if (nargs != 4 && dkpy_check_nargs("kv_write", nargs, 6) != 0) {
         return NULL;
     }
     dk_kv_write_args a;
-    dk_tensor views[4];
+    dk_tensor views[4], scales[2];
     const dk_tensor *k = &views[0];
-    if (dkpy_parse_kv_write(module, args, "kv_write", &a, views) != 0) {
+    if (dkpy_parse_kv_write(module, args, "kv_write", &a, views) != 0 ||
+        parse_kv_scales(module, nargs == 6 ? args[4] : Py_None, nargs == 6 ? args[5] : Py_None,
+                        "kv_write", &a, views, scales) != 0) {
+        return NULL;
+    }
+    if (k->device_type == DK_CPU && a.k_scale != NULL &&
+        check_scale_values(a.k_scale, a.v_scale, a.scale_stride_head ? a.num_kv_heads : 1,
+                           "kv_write") != 0) {
         return NULL;
     }
     if (k->device_type == DK_CUDA && check_device_slots(module, args[0], k, &a) != 0) {

@@ -44,8 +44,17 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     dk_attention_args a;
     dk_tensor kv[4], q, o;
     const dk_tensor *k = &kv[0];
-    if (dkpy_parse_kv_write(module, kv_args, op, &w, kv) != 0 ||
-        dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1) != 0) {
+    if (dkpy_parse_kv_write(module, kv_args, op, &w, kv) != 0) {
+        return NULL;
+    }
+    if (w.cache_dtype == DK_F8E4M3) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "%s(): attention over a float8_e4m3fn kv_cache is not implemented (kv_write() "
+                     "fills one)",
+                     op);
+        return NULL;
+    }
+    if (dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1) != 0) {
         return NULL;
     }
     if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||

@@ -20,6 +20,7 @@
 #define DLPACK_CODE_FLOAT 2
 #define DLPACK_CODE_BFLOAT 4
 #define DLPACK_CODE_BOOL 6
+#define DLPACK_CODE_FLOAT8_E4M3FN 10 /* DLPack 1.1 */
 
 void
 dk_bridge_clear(dk_bridge *b)
@@ -131,6 +132,9 @@ convert_dltensor(const DLTensor *src, const char *op, const char *arg, dk_tensor
             break;
         case DLPACK_CODE_BOOL:
             dtype = DK_BOOL;
+            break;
+        case DLPACK_CODE_FLOAT8_E4M3FN:
+            dtype = src->dtype.bits == 8 ? DK_F8E4M3 : DK_OTHER;
             break;
         default:
             break;

@@ -199,10 +199,18 @@ def build_plan(
 # --- tensor work -----------------------------------------------------------------------------
 
 def kv_write(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = ...,
+    v_scale: torch.Tensor | None = ...,
 ) -> None:
     """CPU or CUDA.  key/value [N, Hkv, D] (any strides), kv_cache [2, num_blocks, block_size,
-    Hkv, D] (any strides), slot_mapping int64 [>= N] (first N used, < 0 skipped)."""
+    Hkv, D] (any strides), slot_mapping int64 [>= N] (first N used, < 0 skipped).  kv_cache
+    holds the key's dtype (a bit copy) or float8_e4m3fn: then k_scale / v_scale (float32, 1 or
+    Hkv entries, on the key's device, finite and > 0; required) and the stored byte is
+    (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn), bit for bit."""
 
 MASK_NONE: int  # 0
 MASK_CAUSAL: int  # 1
