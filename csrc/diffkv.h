@@ -436,6 +436,14 @@ typedef struct dk_attention_args {
     int64_t max_seq_len;   /* max over rows of seq_lens */
     float scale;           /* softmax scale */
     dk_dtype dtype;        /* DK_F32, DK_F16 or DK_BF16: query, cache and out */
+    /* 1: the cache holds float8_e4m3fn, a key element read as e4m3 * k_scale[h *
+     * scale_stride_head] in fp32 (values likewise with v_scale; fp32 on the query's device,
+     * finite and > 0 -- checked by the caller; scale_stride_head 0: one scale per tensor);
+     * 0: the cache holds dtype.  The CUDA kernels refuse 1 (DK_ERR_UNSUPPORTED) so far. */
+    int32_t kv_fp8;
+    const float *k_scale;
+    const float *v_scale;
+    int64_t scale_stride_head;
     /* Optional output, NULL = not requested (every builder memsets the struct), filled by the
      * CPU reference and the CUDA kernels: lse[t, h] = natural log of the sum over t's visible
      * keys j of exp(scale * q[t, h] . K[j]), fp32; -inf when t sees no key. */

@@ -96,6 +96,16 @@ load_row(const void *base, int64_t off, int64_t stride, int64_t n, dk_dtype dtyp
     }
 }
 
+/* out[k] = e4m3 base[off + k * stride] * scale in fp32, k < n (a float8_e4m3fn cache row). */
+static void
+load_row_e4m3(const void *base, int64_t off, int64_t stride, int64_t n, float scale, float *out)
+{
+    const uint8_t *p = (const uint8_t *)base + off;
+    for (int64_t k = 0; k < n; k++) {
+        out[k] = dk_e4m3_to_f32(p[k * stride]) * scale;
+    }
+}
+
 /* base[off + k * stride] = in[k] rounded to dtype (nearest even), k < n. */
 static void
 store_row(void *base, int64_t off, int64_t stride, int64_t n, dk_dtype dtype, const float *in)
@@ -493,6 +503,13 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                 const int64_t off = (second ? block - a->blocks2 : block) * a->cache_stride_block +
                                     (j % a->block_size) * a->cache_stride_token +
                                     g * a->cache_stride_head;
+                if (a->kv_fp8) {
+                    load_row_e4m3(a->key_cache, off, a->cache_stride_dim, D,
+                                  a->k_scale[g * a->scale_stride_head], kf + j * D);
+                    load_row_e4m3(a->value_cache, off, a->cache_stride_dim, D,
+                                  a->v_scale[g * a->scale_stride_head], vf + j * D);
+                    continue;
+                }
                 load_row(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D,
                          a->dtype, kf + j * D);
                 load_row(second ? a->value_cache2 : a->value_cache, off, a->cache_stride_dim, D,

@@ -212,6 +212,11 @@ extern "C" dk_status
 dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
 {
     const char *op = "paged_attention()";
+    if (a->kv_fp8) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "paged_attention(): attention over a float8_e4m3fn kv_cache runs on the "
+                       "CPU reference only so far");
+    }
     if (a->dtype != DK_F32 && a->dtype != DK_F16 && a->dtype != DK_BF16) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "paged_attention(): dtype must be one of float32, float16, bfloat16, "

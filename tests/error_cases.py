@@ -1593,7 +1593,7 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
             bad(
                 "kv_write 5 arguments",
                 TypeError,
-                "kv_write() takes 6 arguments, got 5",
+                "kv_write() takes 4 or 6 arguments, got 5",
                 _C.kv_write,
                 key,
                 value,
@@ -1604,6 +1604,42 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
         ],
         "paged_attention": [
             ok("paged_attention none", _C.paged_attention, *attn()),
+            ok("paged_attention fp8", _C.paged_attention, *attn(c=cache8), k_scale, v_scale),
+            ok("paged_attention scales none", _C.paged_attention, *attn(), None, None),
+            bad(
+                "paged_attention fp8 no scales",
+                TypeError,
+                "paged_attention(): " + _NEEDS_SCALES + "neither",
+                _C.paged_attention,
+                *attn(c=cache8),
+            ),
+            bad(
+                "paged_attention scales unquantized",
+                ValueError,
+                "paged_attention(): k_scale and v_scale apply to a float8_e4m3fn kv_cache only; kv_cache is "
+                "float32",
+                _C.paged_attention,
+                *attn(),
+                k_scale,
+                v_scale,
+            ),
+            bad(
+                "paged_attention fp8 v_scale 0",
+                ValueError,
+                "paged_attention(): v_scale must be finite and positive, got v_scale[0] = 0.0",
+                _C.paged_attention,
+                *attn(c=cache8),
+                k_scale,
+                torch.zeros(1),
+            ),
+            bad(
+                "paged_attention 13 arguments",
+                TypeError,
+                "paged_attention() takes 12 or 14 arguments, got 13",
+                _C.paged_attention,
+                *attn(c=cache8),
+                k_scale,
+            ),
             ok("paged_attention causal", _C.paged_attention, *attn(mask=_C.MASK_CAUSAL)),
             ok("paged_attention limits", _C.paged_attention, *attn(kl=limits, mask=_C.MASK_LIMITS)),
             bad(
@@ -1675,7 +1711,7 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
             bad(
                 "paged_attention nargs",
                 TypeError,
-                "paged_attention() takes 12 arguments, got 1",
+                "paged_attention() takes 12 or 14 arguments, got 1",
                 _C.paged_attention,
                 q,
             ),

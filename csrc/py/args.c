@@ -47,6 +47,17 @@ dkpy_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t expected)
     return 0;
 }
 
+int
+dkpy_check_nargs_either(const char *op, Py_ssize_t nargs, Py_ssize_t fewer, Py_ssize_t more)
+{
+    if (nargs != fewer && nargs != more) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd arguments, got %zd", op, fewer, more,
+                     nargs);
+        return -1;
+    }
+    return 0;
+}
+
 /* An int argument of an internal call (bool is refused). */
 int
 dkpy_get_i64(PyObject *obj, const char *op, const char *arg, int64_t *out)

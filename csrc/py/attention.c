@@ -52,7 +52,8 @@ heads_of_flat(dk_tensor *o, const dk_tensor *q)
 int
 dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk_attention_args *a,
                      const dk_tensor *written, dk_tensor *q_out, dk_tensor *o_out,
-                     const dk_tensor *dense_kv, int64_t key_block, int out_flat)
+                     const dk_tensor *dense_kv, int64_t key_block, int out_flat,
+                     PyObject *const *scale_objs)
 {
     dk_tensor q, c, bt, qsl, sl, kl, o, hbt, hqsl, hsl;
     int64_t mask = 0;
@@ -84,7 +85,9 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
         dkpy_want_float(&q, op, "query") || dkpy_want_ndim(&q, 3, op, "query") ||
         (dense_kv == NULL &&
          ((written == NULL && dkpy_tensor_arg(module, args[1], op, "kv_cache", &c) != 0) ||
-          dkpy_want_dtype(&c, q.dtype, op, "kv_cache") || dkpy_want_ndim(&c, 5, op, "kv_cache"))) ||
+          (!(c.dtype == DK_F8E4M3 && scale_objs != NULL) &&
+           dkpy_want_dtype(&c, q.dtype, op, "kv_cache")) ||
+          dkpy_want_ndim(&c, 5, op, "kv_cache"))) ||
         (dense_kv != NULL && dkpy_want_dtype(&c, q.dtype, op, "key")) ||
         dkpy_same_device(&q, &c, op, dense_kv != NULL ? "key" : "kv_cache") ||
         dkpy_tensor(module, args[2], op,
@@ -241,8 +244,20 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
         hqsl = qsl;
         hsl = sl;
     }
+    dk_tensor scales[2];
+    const float *k_scale = NULL, *v_scale = NULL;
+    int64_t scale_stride = 0;
+    if (scale_objs != NULL &&
+        dkpy_parse_scales(module, scale_objs[0], scale_objs[1], op, c.dtype == DK_F8E4M3,
+                          c.shape[3], &q, &c, scales, &k_scale, &v_scale, &scale_stride) != 0) {
+        return -1;
+    }
     memset(a, 0, sizeof(*a));
-    size_t es = dk_dtype_size(q.dtype);
+    a->kv_fp8 = k_scale != NULL;
+    a->k_scale = k_scale;
+    a->v_scale = v_scale;
+    a->scale_stride_head = scale_stride;
+    size_t es = dk_dtype_size(c.dtype); /* the cache's element */
     a->query = q.data;
     a->q_stride_token = q.strides[0];
     a->q_stride_head = q.strides[1];
@@ -364,16 +379,34 @@ dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
     return 0;
 }
 
+/* paged_attention(query, kv_cache, ..., host_seq_lens[, k_scale, v_scale]): with scales, a
+ * float8_e4m3fn kv_cache (the CPU reference only, so far). */
 static PyObject *
 py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (dkpy_check_nargs("paged_attention", nargs, 12) != 0) {
+    static const char *op = "paged_attention";
+    if (dkpy_check_nargs_either(op, nargs, 12, 14) != 0) {
         return NULL;
     }
+    PyObject *const none[2] = {Py_None, Py_None};
     dk_attention_args a;
     dk_tensor q, o;
-    if (dkpy_parse_attention(module, args, "paged_attention", &a, NULL, &q, &o, NULL, 1, 0) != 0 ||
-        dkpy_run_attention(module, args[0], &q, &a) != 0) {
+    if (dkpy_parse_attention(module, args, op, &a, NULL, &q, &o, NULL, 1, 0,
+                             nargs == 14 ? args + 12 : none) != 0) {
+        return NULL;
+    }
+    if (a.kv_fp8 && q.device_type != DK_CPU) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "%s(): attention over a float8_e4m3fn kv_cache runs on the CPU reference only "
+                     "so far, got a %s query",
+                     op, q.device_type == DK_CUDA ? "CUDA" : "non-CPU");
+        return NULL;
+    }
+    if (a.kv_fp8 && dkpy_check_scale_values(a.k_scale, a.v_scale,
+                                            a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
+        return NULL;
+    }
+    if (dkpy_run_attention(module, args[0], &q, &a) != 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -468,7 +501,7 @@ py_paged_attention_lse(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *result = NULL;
     dk_attention_args a;
     dk_tensor q, o, lse, in;
-    if (dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL, 1, 0) != 0 ||
+    if (dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, NULL, 1, 0, NULL) != 0 ||
         dkpy_short_rows_set_mask(module, args[5], op, mask, &q, &o, &a) != 0) {
         goto done;
     }

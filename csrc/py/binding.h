@@ -83,6 +83,8 @@ extern PyMethodDef dkpy_layer_methods[];
 PyObject *dkpy_raise_status(PyObject *module, dk_status status, const dk_error *err);
 /* TypeError unless an internal call got exactly `expected` arguments: 0 or -1. */
 int dkpy_check_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t expected);
+/* Likewise for a call taking either of two argument counts (an optional tail). */
+int dkpy_check_nargs_either(const char *op, Py_ssize_t nargs, Py_ssize_t fewer, Py_ssize_t more);
 /* *out = an int argument (bool refused: TypeError; beyond int64: ValueError): 0 or -1. */
 int dkpy_get_i64(PyObject *obj, const char *op, const char *arg, int64_t *out);
 /* Python's `type(obj) is int`.  Cannot fail. */
@@ -169,16 +171,27 @@ int dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op,
 /* Runs a checked KV write on k's device (CPU reference or CUDA): 0 or -1. */
 int dkpy_run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k,
                       const dk_kv_write_args *a);
+/* k_scale / v_scale of a call over cache (fp8: its dtype is float8_e4m3fn): None both when
+ * !fp8, else float32 vectors of 1 or num_kv_heads entries on device's device that do not
+ * overlap cache, into scales[0..1], *k_scale, *v_scale and *stride (0: one entry).  Their
+ * values are dkpy_check_scale_values's.  0, or -1 with the exception set. */
+int dkpy_parse_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *op, int fp8,
+                      int64_t num_kv_heads, const dk_tensor *device, const dk_tensor *cache,
+                      dk_tensor *scales, const float **k_scale, const float **v_scale,
+                      int64_t *stride);
+/* Host copies of n scales each are finite and positive: 0, or -1 with ValueError. */
+int dkpy_check_scale_values(const float *k_scale, const float *v_scale, int64_t n, const char *op);
 
 /* ---- attention.c: the attention, shared with dense.c and the layer call --------------------- */
 
 /* Checks paged_attention's 12 arguments (query .. host_seq_lens) and fills *a, *q_out, *o_out;
- * written, dense_kv, key_block and out_flat are described at the definition: 0 or -1.
- * Writes nothing. */
+ * written, dense_kv, key_block and out_flat are described at the definition; scale_objs: NULL
+ * (the cache holds the query's dtype), or k_scale and v_scale (both None: likewise; tensors: a
+ * float8_e4m3fn cache).  0 or -1.  Writes nothing. */
 int dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op,
                          dk_attention_args *a, const dk_tensor *written, dk_tensor *q_out,
                          dk_tensor *o_out, const dk_tensor *dense_kv, int64_t key_block,
-                         int out_flat);
+                         int out_flat, PyObject *const *scale_objs);
 /* Runs a checked attention on q's device: 0 or -1. */
 int dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
                        const dk_attention_args *a);

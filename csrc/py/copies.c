@@ -111,20 +111,17 @@ dkpy_parse_kv_write(PyObject *module, PyObject *const *args, const char *op, dk_
     return 0;
 }
 
-/* kv_write's k_scale / v_scale (None, or float32 vectors of 1 or num_kv_heads entries on the
- * key's device) into *a: required exactly when the cache is float8_e4m3fn.  Their values are
- * checked by check_scale_values. */
-static int
-parse_kv_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *op,
-                dk_kv_write_args *a, const dk_tensor *views, dk_tensor *scales)
+int
+dkpy_parse_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *op, int fp8,
+                  int64_t num_kv_heads, const dk_tensor *device, const dk_tensor *cache,
+                  dk_tensor *scales, const float **k_scale, const float **v_scale, int64_t *stride)
 {
-    const dk_tensor *k = &views[0], *cache = &views[2];
-    if (a->cache_dtype != DK_F8E4M3) {
+    if (!fp8) {
         if (k_obj != Py_None || v_obj != Py_None) {
             PyErr_Format(PyExc_ValueError,
                          "%s(): k_scale and v_scale apply to a float8_e4m3fn kv_cache only; "
                          "kv_cache is %s",
-                         op, dk_dtype_name(a->cache_dtype));
+                         op, dk_dtype_name(cache->dtype));
             return -1;
         }
         return 0;
@@ -133,7 +130,7 @@ parse_kv_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *
         PyErr_Format(PyExc_TypeError,
                      "%s(): a float8_e4m3fn kv_cache needs k_scale and v_scale (float32 tensors of "
                      "1 or num_kv_heads = %lld entries), got %s",
-                     op, (long long)a->num_kv_heads,
+                     op, (long long)num_kv_heads,
                      k_obj == Py_None && v_obj == Py_None ? "neither"
                      : k_obj == Py_None                   ? "no k_scale"
                                                           : "no v_scale");
@@ -141,22 +138,21 @@ parse_kv_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *
     }
     if (dkpy_tensor(
             module, k_obj, op,
-            &(dkpy_want){.arg = "k_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = k},
+            &(dkpy_want){.arg = "k_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = device},
             &scales[0]) ||
         dkpy_tensor(
             module, v_obj, op,
-            &(dkpy_want){.arg = "v_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = k},
+            &(dkpy_want){.arg = "v_scale", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = device},
             &scales[1])) {
         return -1;
     }
     for (int i = 0; i < 2; i++) {
         int64_t n = scales[i].shape[0];
-        if (n != 1 && n != a->num_kv_heads) {
+        if (n != 1 && n != num_kv_heads) {
             PyErr_Format(PyExc_ValueError,
                          "%s(): %s must have 1 (per tensor) or num_kv_heads = %lld (per KV head) "
                          "entries, got %lld",
-                         op, i == 0 ? "k_scale" : "v_scale", (long long)a->num_kv_heads,
-                         (long long)n);
+                         op, i == 0 ? "k_scale" : "v_scale", (long long)num_kv_heads, (long long)n);
             return -1;
         }
     }
@@ -170,15 +166,14 @@ parse_kv_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const char *
                      (long long)scales[0].shape[0], (long long)scales[1].shape[0]);
         return -1;
     }
-    a->k_scale = (const float *)scales[0].data;
-    a->v_scale = (const float *)scales[1].data;
-    a->scale_stride_head = scales[0].shape[0] == 1 ? 0 : 1;
+    *k_scale = (const float *)scales[0].data;
+    *v_scale = (const float *)scales[1].data;
+    *stride = scales[0].shape[0] == 1 ? 0 : 1;
     return 0;
 }
 
-/* The scales' values (host copies: n floats each) are finite and positive. */
-static int
-check_scale_values(const float *k_scale, const float *v_scale, int64_t n, const char *op)
+int
+dkpy_check_scale_values(const float *k_scale, const float *v_scale, int64_t n, const char *op)
 {
     for (int i = 0; i < 2; i++) {
         const float *s = i == 0 ? k_scale : v_scale;
@@ -274,7 +269,7 @@ check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
         dk_cuda_device_exit(prev);
     }
     if (s == DK_OK && n_scales > 0 &&
-        check_scale_values(host_scales, host_scales + n_scales, n_scales, "kv_write") != 0) {
+        dkpy_check_scale_values(host_scales, host_scales + n_scales, n_scales, "kv_write") != 0) {
         free(host);
         return -1;
     }
@@ -299,20 +294,21 @@ check_device_slots(PyObject *module, PyObject *key_obj, const dk_tensor *k,
 static PyObject *
 py_kv_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 && dkpy_check_nargs("kv_write", nargs, 6) != 0) {
+    if (dkpy_check_nargs_either("kv_write", nargs, 4, 6) != 0) {
         return NULL;
     }
     dk_kv_write_args a;
     dk_tensor views[4], scales[2];
     const dk_tensor *k = &views[0];
     if (dkpy_parse_kv_write(module, args, "kv_write", &a, views) != 0 ||
-        parse_kv_scales(module, nargs == 6 ? args[4] : Py_None, nargs == 6 ? args[5] : Py_None,
-                        "kv_write", &a, views, scales) != 0) {
+        dkpy_parse_scales(module, nargs == 6 ? args[4] : Py_None, nargs == 6 ? args[5] : Py_None,
+                          "kv_write", a.cache_dtype == DK_F8E4M3, a.num_kv_heads, k, &views[2],
+                          scales, &a.k_scale, &a.v_scale, &a.scale_stride_head) != 0) {
         return NULL;
     }
     if (k->device_type == DK_CPU && a.k_scale != NULL &&
-        check_scale_values(a.k_scale, a.v_scale, a.scale_stride_head ? a.num_kv_heads : 1,
-                           "kv_write") != 0) {
+        dkpy_check_scale_values(a.k_scale, a.v_scale, a.scale_stride_head ? a.num_kv_heads : 1,
+                                "kv_write") != 0) {
         return NULL;
     }
     if (k->device_type == DK_CUDA && check_device_slots(module, args[0], k, &a) != 0) {

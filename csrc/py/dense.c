@@ -163,7 +163,7 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
                                none_mask, args[8], args[9], args[10], args[11], args[12]};
     dk_attention_args a;
-    int rc = dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0);
+    int rc = dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0, NULL);
     Py_DECREF(none_mask);
     if (rc != 0) {
         return NULL;

@@ -54,7 +54,7 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      op);
         return NULL;
     }
-    if (dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1) != 0) {
+    if (dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1, NULL) != 0) {
         return NULL;
     }
     if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||
