@@ -1851,13 +1851,23 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
         ],
         "forward_paged": [
             ok("forward_paged causal", _C.forward_paged, *fwd()),
+            ok("forward_paged fp8", _C.forward_paged, *fwd(c=cache8), k_scale, v_scale),
+            ok("forward_paged scales none", _C.forward_paged, *fwd(), None, None),
             bad(
-                "forward_paged fp8 cache",
-                NotImplementedError,
-                "forward_paged(): attention over a float8_e4m3fn kv_cache is not implemented (kv_write() "
-                "fills one)",
+                "forward_paged fp8 no scales",
+                TypeError,
+                "forward_paged(): " + _NEEDS_SCALES + "neither",
                 _C.forward_paged,
                 *fwd(c=cache8),
+            ),
+            bad(
+                "forward_paged fp8 k_scale nan",
+                ValueError,
+                "forward_paged(): k_scale must be finite and positive, got k_scale[0] = nan",
+                _C.forward_paged,
+                *fwd(c=cache8),
+                torch.full((1,), float("nan")),
+                v_scale,
             ),
             ok("forward_paged limits", _C.forward_paged, *fwd(mask=_C.MASK_LIMITS, kl=limits)),
             ok("forward_paged flat out", _C.forward_paged, *fwd(o=out.reshape(out.shape[0], -1))),
@@ -1895,7 +1905,7 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
             bad(
                 "forward_paged nargs",
                 TypeError,
-                "forward_paged() takes 15 arguments, got 1",
+                "forward_paged() takes 15 or 17 arguments, got 1",
                 _C.forward_paged,
                 q,
             ),

@@ -109,3 +109,52 @@ def test_cuda_refuses_an_fp8_cache_before_running():
             table, starts, lens, one, one,
         )  # fmt: skip
     assert not out.any()
+
+
+def _layer_call_inputs(device):
+    gen = torch.Generator().manual_seed(21)
+    cache = _cache(6, 16, 2, 64, "contiguous", gen).to(device)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    starts, lens = torch.tensor([0, 6, 10], dtype=torch.int32), torch.tensor([38, 41], dtype=torch.int32)
+    query = torch.randn(10, 4, 64, generator=gen).to(device)
+    key = (torch.randn(10, 2, 64, generator=gen) * 3).to(device)
+    value = torch.randn(10, 2, 64, generator=gen).to(device)
+    # the queries are each row's last tokens: row 0 positions 32..37 (its block 0), row 1 37..40
+    slots = torch.tensor([0 * 16 + p % 16 for p in range(32, 38)] + [3 * 16 + p % 16 for p in range(37, 41)])
+    slots = slots.to(device)
+    scales = (torch.tensor([0.02, 0.05]).to(device), torch.tensor([0.01, 0.03]).to(device))
+    return query, key, value, cache, slots, table, starts, lens, scales
+
+
+def test_the_fp8_layer_call_is_its_write_then_its_attention():
+    """forward_paged over a float8_e4m3fn cache (CPU): the quantizing write with the layer's
+    scales, then the attention dequantizing with the same ones -- bit for bit kv_write then
+    paged_attention."""
+    query, key, value, cache, slots, table, starts, lens, (k_scale, v_scale) = _layer_call_inputs("cpu")
+    separate = cache.clone()
+    _C.kv_write(key, value, separate, slots, k_scale, v_scale)
+    expected = torch.empty_like(query)
+    _C.paged_attention(
+        query, separate, table, starts, lens, None, _C.MASK_CAUSAL, 0.125, expected, table, starts, lens,
+        k_scale, v_scale,
+    )  # fmt: skip
+    out = torch.empty_like(query)
+    _C.forward_paged(
+        query, key, value, cache, slots, table, starts, lens, None, _C.MASK_CAUSAL, 0.125, out, table, starts,
+        lens, k_scale, v_scale,
+    )  # fmt: skip
+    assert torch.equal(cache.view(torch.uint8), separate.view(torch.uint8))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_the_fp8_layer_call_before_writing():
+    query, key, value, cache, slots, table, starts, lens, scales = _layer_call_inputs("cuda")
+    before = cache.clone()
+    out = torch.zeros_like(query)
+    with pytest.raises(NotImplementedError, match="runs on the CPU reference only so far, got a CUDA query"):
+        _C.forward_paged(
+            query, key, value, cache, slots, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL,
+            0.125, out, table, starts, lens, *scales,
+        )  # fmt: skip
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8)) and not out.any()

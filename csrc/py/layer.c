@@ -26,17 +26,21 @@ launch_layer(const void *l, void *stream, dk_error *err)
 
 /* forward_paged(query, key, value, kv_cache, slot_mapping, block_table, query_start_loc,
  * seq_lens, key_limits, mask, scale, out, host_block_table, host_query_start_loc,
- * host_seq_lens): every check of both steps, then the KV write and the attention (on CUDA one
- * submission).  out may be [N, H, Dv] or [N, H * Dv], written through its [N, H, Dv] view. */
+ * host_seq_lens[, k_scale, v_scale]): every check of both steps, then the KV write and the
+ * attention (on CUDA one submission).  out may be [N, H, Dv] or [N, H * Dv], written through
+ * its [N, H, Dv] view.  With scales, a float8_e4m3fn kv_cache: the write quantizes and the
+ * attention dequantizes with them (the CPU reference only, so far). */
 static PyObject *
 py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "forward_paged";
-    if (dkpy_check_nargs(op, nargs, 15) != 0) {
+    if (dkpy_check_nargs_either(op, nargs, 15, 17) != 0) {
         return NULL;
     }
     /* args: query, key, value, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens,
-     *       key_limits, mask, scale, out, host_block_table, host_query_start_loc, host_seq_lens */
+     *       key_limits, mask, scale, out, host_block_table, host_query_start_loc, host_seq_lens
+     *       [, k_scale, v_scale: a float8_e4m3fn kv_cache's] */
+    PyObject *const none[2] = {Py_None, Py_None};
     PyObject *kv_args[4] = {args[1], args[2], args[3], args[4]};
     PyObject *attn_args[12] = {args[0], args[3],  args[5],  args[6],  args[7],  args[8],
                                args[9], args[10], args[11], args[12], args[13], args[14]};
@@ -47,15 +51,26 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dkpy_parse_kv_write(module, kv_args, op, &w, kv) != 0) {
         return NULL;
     }
-    if (w.cache_dtype == DK_F8E4M3) {
-        PyErr_Format(PyExc_NotImplementedError,
-                     "%s(): attention over a float8_e4m3fn kv_cache is not implemented (kv_write() "
-                     "fills one)",
-                     op);
+    if (dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1,
+                             nargs == 17 ? args + 15 : none) != 0) {
         return NULL;
     }
-    if (dkpy_parse_attention(module, attn_args, op, &a, &kv[2], &q, &o, NULL, 1, 1, NULL) != 0) {
-        return NULL;
+    if (a.kv_fp8) {
+        /* the write quantizes with the scales the attention dequantizes with */
+        w.k_scale = a.k_scale;
+        w.v_scale = a.v_scale;
+        w.scale_stride_head = a.scale_stride_head;
+        if (q.device_type != DK_CPU) {
+            PyErr_Format(PyExc_NotImplementedError,
+                         "%s(): a float8_e4m3fn kv_cache runs on the CPU reference only so far, "
+                         "got a %s query",
+                         op, q.device_type == DK_CUDA ? "CUDA" : "non-CPU");
+            return NULL;
+        }
+        if (dkpy_check_scale_values(a.k_scale, a.v_scale, a.scale_stride_head ? a.num_kv_heads : 1,
+                                    op) != 0) {
+            return NULL;
+        }
     }
     if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||
         dkpy_no_overlap(&o, "out", &kv[1], "value", op) ||

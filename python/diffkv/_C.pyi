@@ -236,10 +236,14 @@ def paged_attention(
     host_block_table: torch.Tensor,
     host_query_start_loc: torch.Tensor,
     host_seq_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = ...,
+    v_scale: torch.Tensor | None = ...,
 ) -> None:
     """CPU or CUDA.  query/out [N, H, D], block_table int32 [R, cols], query_start_loc int32
     [R+1], seq_lens int32 [R], key_limits int32 [N] (mask == MASK_LIMITS).  host_* are CPU
-    copies used for the bounds check (the same tensors when on CPU)."""
+    copies used for the bounds check (the same tensors when on CPU).  A float8_e4m3fn kv_cache
+    needs k_scale / v_scale (float32, 1 or Hkv entries) and is read as e4m3 * scale (the CPU
+    reference only, so far: NotImplementedError on CUDA)."""
 
 def paged_attention_lse(
     query: torch.Tensor,
@@ -315,6 +319,8 @@ def forward_paged(
     host_block_table: torch.Tensor,
     host_query_start_loc: torch.Tensor,
     host_seq_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = ...,
+    v_scale: torch.Tensor | None = ...,
 ) -> None:
     """kv_write then paged_attention in one call; every check runs before the write.  out is
     [N, H, Dv], or [N, H * Dv] written through its [N, H, Dv] view (the layer call of an
