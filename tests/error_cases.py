@@ -2381,10 +2381,18 @@ def _cases_layer_adapter() -> dict[str, list[Case]]:
         bad(
             "get_attn_backend kv_cache_dtype",
             ValueError,
-            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
-            "'bfloat16' (unquantized cache), got 'fp8'",
+            "get_attn_backend(): kv_cache_dtype must be 'auto', the activation dtype 'bfloat16' "
+            "(unquantized cache) or 'fp8' / 'fp8_e4m3', got 'int8'",
             select,
-            dict(kv_cache_dtype="fp8"),
+            dict(kv_cache_dtype="int8"),
+        ),
+        bad(
+            "get_attn_backend fp8_e5m2",
+            NotImplementedError,
+            "get_attn_backend(): kv_cache_dtype 'fp8_e5m2' is not supported; diffkv's fp8 KV cache is "
+            "e4m3 ('fp8' or 'fp8_e4m3')",
+            select,
+            dict(kv_cache_dtype="fp8_e5m2"),
         ),
         bad(
             "get_attn_backend attn_type",
@@ -3356,6 +3364,7 @@ def _cases_runtime(device: Any) -> dict[str, list[Case]]:
 def _cases_configs() -> dict[str, list[Case]]:
     spec = diffkv.AttentionSpec(16, 2, 64, torch.float16)
     dtypes = "['bfloat16', 'float', 'float16', 'float32', 'half']"
+    cache_dtypes = "['bfloat16', 'float', 'float16', 'float32', 'fp8', 'fp8_e4m3', 'half']"
     bare = object()
     group = diffkv.KVCacheGroup(["a", "b"], spec)
     return {
@@ -3447,7 +3456,7 @@ def _cases_configs() -> dict[str, list[Case]]:
             bad(
                 "AttentionSpec dtype None",
                 TypeError,
-                f"AttentionSpec(): dtype must be a torch.dtype or one of {dtypes}, got None",
+                f"AttentionSpec(): dtype must be a torch.dtype or one of {cache_dtypes}, got None",
                 diffkv.AttentionSpec,
                 16,
                 1,
@@ -3992,7 +4001,7 @@ def _cases_allocation() -> dict[str, list[Case]]:
                 "allocate dtype int8",
                 ValueError,
                 "allocate_kv_caches(): dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
-                "got torch.int8",
+                "torch.float8_e4m3fn, got torch.int8",
                 allocate,
                 cfg,
                 dtype=torch.int8,
@@ -4121,11 +4130,12 @@ def _cases_impl() -> dict[str, list[Case]]:
             {"kv_sharing_target_layer_name": "l0"},
         ),
         (
-            "fp8 cache",
+            "fp8_e5m2 cache",
             NotImplementedError,
             "kv_cache_dtype must be one of ['auto', 'float32', 'float', 'float16', 'half', 'bfloat16'] "
-            "(an unquantized cache), got 'fp8'",
-            {"kv_cache_dtype": "fp8"},
+            "(an unquantized cache) or ['fp8', 'fp8_e4m3'] (float8_e4m3fn, the CPU reference only so "
+            "far), got 'fp8_e5m2'",
+            {"kv_cache_dtype": "fp8_e5m2"},
         ),
         (
             "encoder",

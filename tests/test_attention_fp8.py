@@ -8,11 +8,14 @@ dequantization fails."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import diffkv as dk
 from diffkv import _C
-from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_none, ref_attention
+from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_none, mask_spans, ref_attention
 
 F8 = torch.float8_e4m3fn
 # |out - exact| <= REL * max|exact| + ABS: the output's rounding to its dtype, fp32 sums
@@ -158,3 +161,87 @@ def test_cuda_refuses_the_fp8_layer_call_before_writing():
             0.125, out, table, starts, lens, *scales,
         )  # fmt: skip
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8)) and not out.any()
+
+
+def test_an_fp8_cache_through_the_adapter_api():
+    """vLLM's way, on the CPU reference: CacheConfig(cache_dtype="fp8", calculate_kv_scales=True),
+    an fp8 AttentionSpec, allocate_kv_caches in float8_e4m3fn, a piecewise denoise loop.  The
+    first KV write sets the layer's scales (amax / 200, amax / 100); the cache holds torch's
+    bytes for each write; each output matches float64 over the dequantized cache."""
+    dt, prefix, image, heads, kv_heads, size = torch.bfloat16, 20, 37, 4, 2, 64
+    spec = dk.AttentionSpec(block_size=16, num_kv_heads=kv_heads, head_size=size, dtype="fp8")
+    assert spec.dtype == F8 and spec.page_size_bytes == 16 * kv_heads * 2 * size
+    kv = dk.KVCacheConfig(num_blocks=16, kv_cache_groups=[dk.KVCacheGroup(["attn"], spec)])
+    cfg = dk.DiffusionConfig(
+        dk.ModelConfig(dt), dk.CacheConfig(16, cache_dtype="fp8", calculate_kv_scales=True)
+    )
+    tables = dk.BlockTables([16], 1, 512, [8], "cpu")
+    layer = dk.DiffusionPagedAttentionLayerAdapter(
+        layer_name="attn", layer=SimpleNamespace(num_heads=heads, softmax_scale=0.125), spec=spec,
+        vllm_config=cfg, device="cpu",
+    )  # fmt: skip
+    assert layer.impl.kv_cache_dtype == "fp8" and layer.calculate_kv_scales
+    assert dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "cpu")
+    assert not dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "cuda")
+    caches = dk.allocate_kv_caches(kv, dtype=F8, device="cpu", layers={"attn": layer})
+    assert caches["attn"].dtype == F8 and layer.kv_cache is caches["attn"]
+    tables.append_block_ids(0, [dk.BlockPool(16).allocate(4)])
+    adapter = dk.DiffusionPagedAttentionAdapter(
+        vllm_config=cfg, device="cpu", kv_cache_config=kv, block_tables=tables,
+        attn_groups=[[dk.AttentionGroup(["attn"])]], layers={"attn": layer},
+        resolve_row=lambda *identity: dk.DiffusionPagedAttentionRowBinding(0, prefix + image),
+    )  # fmt: skip
+    rows = dk.DiffusionPagedAttentionMetadata(
+        prefill_rows=(dk.DiffusionPagedAttentionRow("img", prefix + image, prefix + image, sequence_id=0),),
+        denoise_rows=(dk.DiffusionPagedAttentionRow("img", image, prefix + image, prefix, sequence_id=0),),
+    )
+    spans = [(prefix, prefix + image)]
+    gen = torch.Generator().manual_seed(8)
+    written = torch.zeros(prefix + image, 2, kv_heads, size, dtype=dt)
+    with dk.DiffusionPagedAttentionRuntime(adapter, rows).activate() as runtime:
+        for step in range(3):
+            n = prefix + image if step == 0 else image
+            q = torch.randn(n, heads * size, generator=gen).to(dt)
+            k = (torch.randn(n, kv_heads * size, generator=gen) * 5).to(dt)
+            v = torch.randn(n, kv_heads * size, generator=gen).to(dt)
+            ctx = runtime.ensure_active(step).prepare_layer_context(
+                "attn", q, k, v, omni_attn_metadata=dk.AttentionMetadata(full_attn_spans=[spans])
+            )
+            out = layer.impl.forward_paged(ctx)
+            if step == 0:  # the first write set the scales
+                assert not layer.calculate_kv_scales
+                assert layer._k_scale_float == pytest.approx(k.float().abs().max().item() / 200)
+                assert layer._v_scale_float == pytest.approx(v.float().abs().max().item() / 100)
+            start = prefix + image - n
+            written[start:, 0] = k.view(n, kv_heads, size)
+            written[start:, 1] = v.view(n, kv_heads, size)
+            # the cache's e4m3 values (dequantized below)
+            row_table = ctx.native_metadata.block_table_cpu[0]
+            k_cache, v_cache = dense_kv_from_cache(caches["attn"].float(), row_table, prefix + image)
+            expected_k = (written[:, 0].float() / layer._k_scale).clamp(-448, 448).to(F8).float()
+            expected_v = (written[:, 1].float() / layer._v_scale).clamp(-448, 448).to(F8).float()
+            assert torch.equal(k_cache.float(), expected_k) and torch.equal(v_cache.float(), expected_v)
+            positions = list(range(start, prefix + image))
+            k_deq, v_deq = k_cache * layer._k_scale_float, v_cache * layer._v_scale_float
+            visible = mask_spans(positions, prefix + image, spans)
+            exact = ref_attention(q.view(n, heads, size).double(), k_deq, v_deq, visible, 0.125)
+            err = (out.view(n, heads, size).double() - exact).abs().max().item()
+            assert err <= 2.0**-8 * exact.abs().max().item() + 1e-6, (step, err)
+
+
+def test_do_kv_cache_update_quantizes_with_the_layers_scales():
+    impl = dk.DiffKVAttentionImpl(
+        num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8_e4m3"
+    )
+    layer = SimpleNamespace(_k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.01]))
+    gen = torch.Generator().manual_seed(2)
+    key = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    value = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    cache = torch.zeros(2, 2, 16, 2, 64, dtype=F8)
+    slots = torch.tensor([3, 17, 0, 31, 8])
+    impl.do_kv_cache_update(layer, key, value, cache, slots)
+    flat = cache.view(torch.uint8).view(2, 32, 2, 64)
+    assert torch.equal(flat[0][slots], (key.float() / 0.03).clamp(-448, 448).to(F8).view(torch.uint8))
+    assert torch.equal(flat[1][slots], (value.float() / 0.01).clamp(-448, 448).to(F8).view(torch.uint8))
+    with pytest.raises(TypeError, match="a float8_e4m3fn KV cache needs its layer's _k_scale and _v_scale"):
+        impl.do_kv_cache_update(None, key, value, torch.zeros_like(cache), slots)

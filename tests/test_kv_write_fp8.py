@@ -143,16 +143,14 @@ def test_refusals_leave_the_cache_untouched(device):
         assert not cache.view(torch.uint8).any(), args
 
 
-def test_forward_paged_refuses_an_fp8_cache_before_writing(device):
+def test_forward_paged_refuses_an_fp8_cache_without_scales_before_writing(device):
     q = torch.randn(2, 2, 16, device=device)
     key = torch.randn(2, 1, 16, device=device)
     cache = torch.zeros(2, 3, 4, 1, 16, dtype=F8, device=device)
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     starts = torch.tensor([0, 2], dtype=torch.int32)
     lens = torch.tensor([2], dtype=torch.int32)
-    with pytest.raises(
-        NotImplementedError, match="attention over a float8_e4m3fn kv_cache is not implemented"
-    ):
+    with pytest.raises(TypeError, match="a float8_e4m3fn kv_cache needs k_scale and v_scale"):
         _C.forward_paged(
             q, key, key, cache, torch.tensor([1, 6], device=device), table.to(device), starts.to(device),
             lens.to(device), None, _C.MASK_CAUSAL, 0.25, torch.empty_like(q), table, starts, lens,

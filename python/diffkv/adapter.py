@@ -192,11 +192,16 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
         self.softmax_scale = float(layer.softmax_scale)
         self.attn_backend = attn_backend
         self.kv_cache: torch.Tensor | None = None
-        # The paged path is unquantized: identity scales, as device tensors and host floats.
+        # Identity scales, as device tensors and host floats: an unquantized cache ignores them; a
+        # float8_e4m3fn cache is written and read with _k_scale / _v_scale (set them, or let the
+        # first write set them: calculate_kv_scales below).
         self._q_scale = torch.ones(1, device=device, dtype=torch.float32)
         self._k_scale = torch.ones(1, device=device, dtype=torch.float32)
         self._v_scale = torch.ones(1, device=device, dtype=torch.float32)
         self._q_scale_float = 1.0
+        # vLLM's calculate_kv_scales: a float8_e4m3fn layer's first KV write sets the scales
+        # (backends.diffkv.calculate_kv_scales); otherwise they stay what the caller sets.
+        self.calculate_kv_scales = bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
         self._k_scale_float = 1.0
         self._v_scale_float = 1.0
         with set_current_vllm_config(vllm_config):

@@ -44,8 +44,9 @@ __all__ = [
     "get_dcp_local_seq_lens",
 ]
 
-# dtypes the KV write and attention kernels are built for.
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# dtypes a KV cache may hold: the activation dtypes, or float8_e4m3fn (quantized: each layer's
+# k/v scales; the CPU reference only, so far).
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -54,6 +55,8 @@ _DTYPE_NAMES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# A cache's: an activation dtype, or vLLM's cache_dtype names of a float8_e4m3fn cache.
+_CACHE_DTYPE_NAMES = {**_DTYPE_NAMES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _is_int(value: Any) -> bool:
@@ -84,12 +87,12 @@ def _check_int_list(
     return out
 
 
-def _to_dtype(op: str, name: str, value: Any) -> torch.dtype:
+def _to_dtype(op: str, name: str, value: Any, names: Mapping[str, torch.dtype] = _DTYPE_NAMES) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    if isinstance(value, str) and value in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value]
-    raise TypeError(f"{op}: {name} must be a torch.dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}")
+    if isinstance(value, str) and value in names:
+        return names[value]
+    raise TypeError(f"{op}: {name} must be a torch.dtype or one of {sorted(names)}, got {value!r}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,15 +112,27 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class CacheConfig:
-    """The cache side of ``DiffusionConfig``: manager block size and cache dtype name."""
+    """The cache side of ``DiffusionConfig``: manager block size, cache dtype name ("auto", an
+    activation dtype, or "fp8" / "fp8_e4m3" for a float8_e4m3fn cache) and vLLM's
+    ``calculate_kv_scales`` (an fp8 layer's first KV write sets its scales)."""
 
     block_size: int = 16
     cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         self.block_size = _check_int("CacheConfig()", "block_size", self.block_size, 1)
         if not isinstance(self.cache_dtype, str):
             raise TypeError(f"CacheConfig(): cache_dtype must be a str, got {self.cache_dtype!r}")
+        if self.cache_dtype == "fp8_e5m2":
+            raise NotImplementedError(
+                "CacheConfig(): cache_dtype 'fp8_e5m2' is not supported; diffkv's fp8 KV cache is e4m3 "
+                "('fp8' or 'fp8_e4m3')"
+            )
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(
+                f"CacheConfig(): calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}"
+            )
 
 
 @dataclasses.dataclass
@@ -156,7 +171,7 @@ class AttentionSpec:
         op = "AttentionSpec()"
         for name in ("block_size", "num_kv_heads", "head_size"):
             object.__setattr__(self, name, _check_int(op, name, getattr(self, name), 1))
-        object.__setattr__(self, "dtype", _to_dtype(op, "dtype", self.dtype))
+        object.__setattr__(self, "dtype", _to_dtype(op, "dtype", self.dtype, _CACHE_DTYPE_NAMES))
         if not isinstance(self.non_causal, bool):
             raise TypeError(f"{op}: non_causal must be a bool, got {self.non_causal!r}")
         if self.head_size_v is None:
@@ -619,7 +634,8 @@ def allocate_kv_caches(
         raise TypeError(f"{op}: dtype must be a torch.dtype, got {dtype!r}")
     if dtype not in KV_DTYPES:
         raise ValueError(
-            f"{op}: dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}"
+            f"{op}: dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+            f"torch.float8_e4m3fn, got {dtype}"
         )
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: layout must be 'layer_major' or 'block_major', got {layout!r}")

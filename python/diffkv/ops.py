@@ -208,6 +208,22 @@ class PagedLayerInputs(NamedTuple):
     host_seq_lens: torch.Tensor | None
     output_scatter_indices: torch.Tensor | None
     num_positions: int
+    # a float8_e4m3fn kv_cache's scales (the layer's _k_scale / _v_scale), else None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+def layer_scales(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's ``_k_scale`` and ``_v_scale`` (vLLM's contract: float32 tensors on its device,
+    1 entry, or one per KV head), which a float8_e4m3fn cache is written and read with."""
+    k_scale = getattr(layer, "_k_scale", None)
+    v_scale = getattr(layer, "_v_scale", None)
+    if not isinstance(k_scale, torch.Tensor) or not isinstance(v_scale, torch.Tensor):
+        raise TypeError(
+            "a float8_e4m3fn KV cache needs its layer's _k_scale and _v_scale (float32 tensors), got "
+            f"{type(k_scale).__name__} and {type(v_scale).__name__} on {type(layer).__name__}"
+        )
+    return k_scale, v_scale
 
 
 def graph_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
@@ -243,6 +259,9 @@ def paged_layer_inputs(
     for size in query_token_shape:
         num_positions *= size
     host_block_table, host_query_start_loc, host_seq_lens = host_copies
+    k_scale = v_scale = None
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        k_scale, v_scale = layer_scales(layer)
     return PagedLayerInputs(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
@@ -257,6 +276,8 @@ def paged_layer_inputs(
         host_seq_lens=host_seq_lens,
         output_scatter_indices=output_scatter_indices,
         num_positions=num_positions,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -282,7 +303,10 @@ def forward_paged_arguments(
         inputs.mask,
         inputs.scale,
     )
-    return head, (inputs.host_block_table, inputs.host_query_start_loc, inputs.host_seq_lens)
+    tail = (inputs.host_block_table, inputs.host_query_start_loc, inputs.host_seq_lens)
+    if inputs.k_scale is not None:
+        tail = (*tail, inputs.k_scale, inputs.v_scale)  # a float8_e4m3fn cache's
+    return head, tail
 
 
 def layer_inputs(context: Any) -> PagedLayerInputs:
@@ -327,6 +351,8 @@ def forward_paged_packed(
 ) -> torch.Tensor:
     """``torch.ops.diffkv.forward_paged`` over packed ``[N, H, D]`` query and ``[N, Hkv, D]``
     key/value: KV write + attention, returns ``[N, H, Dv]``."""
+    if inputs.k_scale is not None:
+        raise NotImplementedError("torch.compile over a float8_e4m3fn KV cache is not implemented yet")
     head, tail = forward_paged_arguments(inputs)
     return torch.ops.diffkv.forward_paged(query, key, value, *head, *tail)
 

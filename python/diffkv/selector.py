@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends.diffkv import DiffKVAttentionBackend
+from .backends.diffkv import FP8_CACHE_DTYPES, DiffKVAttentionBackend
 from .platform import AttentionType
 
 __all__ = ["get_attn_backend"]
@@ -43,11 +43,16 @@ def get_attn_backend(
     supported_dtypes = [_DTYPE_NAMES[d] for d in _SUPPORTED_DTYPES]
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"get_attn_backend(): dtype must be one of {supported_dtypes}, got {dtype!r}")
-    allowed_cache_dtypes = (None, "auto", _DTYPE_NAMES[dtype], dtype)
+    if kv_cache_dtype == "fp8_e5m2":
+        raise NotImplementedError(
+            "get_attn_backend(): kv_cache_dtype 'fp8_e5m2' is not supported; diffkv's fp8 KV cache is "
+            "e4m3 ('fp8' or 'fp8_e4m3')"
+        )
+    allowed_cache_dtypes = (None, "auto", _DTYPE_NAMES[dtype], dtype, *FP8_CACHE_DTYPES)
     if kv_cache_dtype not in allowed_cache_dtypes:
         raise ValueError(
-            "get_attn_backend(): kv_cache_dtype must be 'auto' or the activation dtype "
-            f"{_DTYPE_NAMES[dtype]!r} (unquantized cache), got {kv_cache_dtype!r}"
+            "get_attn_backend(): kv_cache_dtype must be 'auto', the activation dtype "
+            f"{_DTYPE_NAMES[dtype]!r} (unquantized cache) or 'fp8' / 'fp8_e4m3', got {kv_cache_dtype!r}"
         )
     if attn_type != AttentionType.DECODER:
         raise ValueError(

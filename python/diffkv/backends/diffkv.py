@@ -25,8 +25,14 @@ __all__ = ["DiffKVAttentionBackend", "DiffKVAttentionImpl", "DiffKVMetadataBuild
 
 _PLATFORM_MESSAGE = "DiffKVAttentionImpl: diffkv runs on CPU and CUDA tensors only, not on {}"
 
-# kv_cache_dtype values meaning "the cache holds the model dtype" (the paged path is unquantized).
+# kv_cache_dtype values meaning "the cache holds the model dtype".
 _UNQUANTIZED_CACHE_DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+# kv_cache_dtype values of a float8_e4m3fn cache (vLLM's names; e5m2 is refused).
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# vLLM's calculate_kv_scales constants: a layer's first KV write sets k_scale = amax|K| / 200
+# and v_scale = amax|V| / 100 (vllm.envs K_SCALE_CONSTANT, V_SCALE_CONSTANT).
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 _MODEL_TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -107,6 +113,10 @@ class DiffKVAttentionImpl(AttentionImpl):
     features diffkv does not implement are rejected with NotImplementedError naming them.
     """
 
+    # vLLM-Omni's backend contract: the quantized cache dtypes each platform handles (an fp8
+    # cache runs on the CPU reference only, so far).
+    _supported_kv_cache_dtypes = {"cpu": set(FP8_CACHE_DTYPES)}
+
     def __init__(
         self,
         num_heads: int,
@@ -165,11 +175,15 @@ class DiffKVAttentionImpl(AttentionImpl):
         if not (
             kv_cache_dtype is None
             or kv_cache_dtype in _MODEL_TORCH_DTYPES
-            or (isinstance(kv_cache_dtype, str) and kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES)
+            or (
+                isinstance(kv_cache_dtype, str)
+                and kv_cache_dtype in (*_UNQUANTIZED_CACHE_DTYPES, *FP8_CACHE_DTYPES)
+            )
         ):
             raise NotImplementedError(
                 f"{op}: kv_cache_dtype must be one of {list(_UNQUANTIZED_CACHE_DTYPES)} (an unquantized "
-                f"cache), got {kv_cache_dtype!r}"
+                f"cache) or {list(FP8_CACHE_DTYPES)} (float8_e4m3fn, the CPU reference only so far), "
+                f"got {kv_cache_dtype!r}"
             )
         if attn_type is not None and _attn_type_name(attn_type) != "decoder":
             raise NotImplementedError(f"{op}: attn_type must be 'decoder', got {attn_type!r}")
@@ -198,8 +212,16 @@ class DiffKVAttentionImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Scatters key/value ``[N, Hkv, D]`` (any strides) into ``kv_cache`` ``(2, num_blocks,
-        block_size, Hkv, D)`` at ``slot_mapping[:N]`` (int64; slots < 0 skipped)."""
-        del layer
+        block_size, Hkv, D)`` at ``slot_mapping[:N]`` (int64; slots < 0 skipped).  A
+        float8_e4m3fn cache is written quantized with ``layer._k_scale`` / ``layer._v_scale``."""
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            # quantized with the layer's scales (vLLM's contract: layer._k_scale, _v_scale)
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(_FP8_COMPILE_MESSAGE)
+            calculate_kv_scales(layer, key, value)
+            k_scale, v_scale = ops.layer_scales(layer)
+            _C.kv_write(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+            return
         if torch.compiler.is_compiling():
             torch.ops.diffkv.kv_write(key, value, kv_cache, slot_mapping)
             return
@@ -272,6 +294,28 @@ class DiffKVAttentionImpl(AttentionImpl):
         raise NotImplementedError(_PLATFORM_MESSAGE.format("MUSA"))
 
 
+_FP8_COMPILE_MESSAGE = "torch.compile over a float8_e4m3fn KV cache is not implemented yet"
+
+
+def calculate_kv_scales(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+    """vLLM's calculate_kv_scales, once: while ``layer.calculate_kv_scales`` is true, sets the
+    layer's scales from the KV being written -- ``_k_scale = amax|key| / K_SCALE_CONSTANT`` and
+    ``_v_scale = amax|value| / V_SCALE_CONSTANT`` (1.0 for an all-zero tensor), in place, with
+    their ``_float`` copies -- and clears the flag.  One device synchronisation, that once."""
+    if not getattr(layer, "calculate_kv_scales", False):
+        return
+    k_scale, v_scale = ops.layer_scales(layer)
+    for scale, x, constant, name in (
+        (k_scale, key, K_SCALE_CONSTANT, "_k"),
+        (v_scale, value, V_SCALE_CONSTANT, "_v"),
+    ):
+        amax = float(x.abs().amax()) if x.numel() else 0.0
+        computed = amax / constant if amax > 0 and amax != float("inf") else 1.0
+        scale.fill_(computed)
+        setattr(layer, f"{name}_scale_float", float(scale[0]))
+    layer.calculate_kv_scales = False
+
+
 # The layer call diffkv's prepare_layer_context described last, until forward_paged takes it
 # (adapter.py fills it): (context, its layer, the cache it was described with, query,
 # _C.forward_paged's arguments as a list -- query, key, value, ops.forward_paged_arguments'
@@ -299,6 +343,8 @@ def run_prepared_call(paged_kv_context: Any) -> torch.Tensor | None:
     _, layer, kv_cache, query, arguments, out_shape, restored = prepared
     if layer.kv_cache is not kv_cache or layer.impl is None:
         return None
+    if len(arguments) > _OUT + 4:  # a float8_e4m3fn cache's scales follow the host copies
+        calculate_kv_scales(layer, arguments[1], arguments[2])
     out = _empty_like(query) if out_shape is None else query.new_empty(out_shape)
     arguments[_OUT] = out
     _C.forward_paged(*arguments)
@@ -357,6 +403,10 @@ def run_forward_paged(
     query = caller_query(paged_kv_context)
     key = paged_kv_context.key_write
     value = paged_kv_context.value_write
+    if inputs.k_scale is not None:
+        if compiling:
+            raise NotImplementedError(_FP8_COMPILE_MESSAGE)
+        calculate_kv_scales(layer, key, value)
     if compiling:
         out = ops.forward_paged_packed(query, key, value, inputs)
         return ops.restore_output(paged_kv_context, out)
