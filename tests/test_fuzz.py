@@ -557,6 +557,55 @@ def test_attention_and_kv_write_correct(p):
     assert torch.equal(p.kv_cache, expected_cache)
 
 
+_FP8_REL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+@FUZZ
+@given(p=attention_problems(), per_head=st.booleans(), data=st.data())
+def test_fp8_cache_write_and_attention_correct(p, per_head, data):
+    """A float8_e4m3fn cache of the problem's shape and strides, random per-tensor or per-head
+    scales: kv_write stores torch's bytes; paged_attention matches float64 over the dequantized
+    cache (e4m3 * scale) up to the output's rounding; forward_paged is the two in one call."""
+    fp8 = torch.float8_e4m3fn
+    heads = p.kv_cache.shape[3] if per_head else 1
+    draw_scales = st.lists(st.floats(0.0009765625, 10.0, width=32), min_size=heads, max_size=heads)
+    k_scale = torch.tensor(data.draw(draw_scales), dtype=torch.float32)
+    v_scale = torch.tensor(data.draw(draw_scales), dtype=torch.float32)
+    cache = torch.empty_strided(p.kv_cache.shape, p.kv_cache.stride(), dtype=fp8)
+    cache.copy_((p.kv_cache.float().nan_to_num(0.0) * 20).clamp(-448, 448).to(fp8))
+    before = cache.clone()
+    expected = cache.clone()
+    block_size = cache.shape[2]
+    for t, slot in enumerate(p.slot_mapping.tolist()):
+        if slot >= 0:
+            for i, (x, scale) in enumerate(((p.key, k_scale), (p.value, v_scale))):
+                quantized = (x[t].float() / scale.view(-1, 1)).clamp(-448, 448).to(fp8)
+                expected[i, slot // block_size, slot % block_size] = quantized
+    with no_hang():
+        _C.kv_write(p.key, p.value, cache, p.slot_mapping, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    args = p.attention_args()
+    args[1] = cache
+    with no_hang():
+        _C.paged_attention(*args, k_scale, v_scale)
+    dequantized = cache.double()
+    dequantized[0] *= k_scale.double().view(-1, 1)
+    dequantized[1] *= v_scale.double().view(-1, 1)
+    exact = ref_paged_attention(p, dequantized)
+    if exact.numel():
+        err = (p.out.double() - exact).abs().max().item()
+        assert err <= _FP8_REL[p.query.dtype] * exact.abs().max().item() + 1e-6
+    separate = p.out.clone()
+    cache.copy_(before)
+    p.out.fill_(3.0)
+    args = p.forward_args()
+    args[3] = cache
+    with no_hang():
+        _C.forward_paged(*args, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(p.out, separate)
+
+
 @FUZZ
 @given(p=attention_problems())
 def test_attention_lse_correct(p):
