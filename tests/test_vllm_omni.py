@@ -599,3 +599,13 @@ def test_with_real_vllm_omni():
         assert issubclass(inst.backend, DiffKVAttentionBackend) and inst.backend.supports_paged_kv
     finally:
         inst.uninstall()
+
+
+def test_kv_cache_view_of_vllms_fp8_storage():
+    """vLLM 0.30 stores a cache_dtype="fp8" cache as uint8: its view is float8_e4m3fn, the same
+    bytes, in every layout."""
+    for case in sorted(CASES):
+        cache = _alloc(case, 4, BLOCK, torch.uint8, "cpu")
+        view = integration.kv_cache_view(cache, HKV, D)
+        assert view.dtype == torch.float8_e4m3fn and view.shape == (2, 4, BLOCK, HKV, D)
+        assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()

@@ -157,9 +157,10 @@ def test_dcp_local_seq_lens_match_vllm():
 NUM_LAYERS, NUM_BLOCKS, BLOCK, HKV, H, D = 3, 6, 8, 2, 4, 16
 
 
-def _vllm_caches(layout, kernel_block_size=None):
-    """vLLM's per-layer ``[B, H, N, 2D]`` cache views of one backing buffer (allocate_kv_cache)."""
-    spec = FullAttentionSpec(BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+def _vllm_caches(layout, kernel_block_size=None, dtype=torch.float32):
+    """vLLM's per-layer ``[B, H, N, 2D]`` cache views of one backing buffer (allocate_kv_cache);
+    dtype torch.uint8 is how vLLM 0.30 stores a cache_dtype="fp8" cache."""
+    spec = FullAttentionSpec(BLOCK, num_kv_heads=HKV, head_size=D, dtype=dtype)
     names = [f"model.layers.{i}.attn" for i in range(NUM_LAYERS)]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, NUM_LAYERS, layout)
     config = KVCacheConfig(
@@ -204,6 +205,30 @@ def test_kv_write_lands_where_vllm_flash_attention_reads(layout):
         untouched = torch.ones(num_slots, dtype=torch.bool)
         untouched[slots] = False
         assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+def test_fp8_kv_write_lands_where_vllm_reads_its_fp8_cache(layout):
+    """vLLM stores a cache_dtype="fp8" cache as uint8; kv_cache_view gives its float8_e4m3fn
+    view, and the quantizing write puts torch's e4m3 bytes where vLLM's FlashAttention reads
+    them (its uint8 cache viewed as float8_e4m3fn)."""
+    caches = _vllm_caches(layout, dtype=torch.uint8)
+    views = [integration.kv_cache_view(cache, HKV, D) for cache in caches]
+    assert all(view.dtype == torch.float8_e4m3fn for view in views)
+    num_slots = NUM_BLOCKS * BLOCK
+    gen = torch.Generator().manual_seed(9)
+    k_scale, v_scale = torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])
+    for cache, view in zip(caches, views, strict=True):
+        slots = torch.randperm(num_slots, generator=gen)[: num_slots - 5].to(torch.int64)
+        key = torch.randn(len(slots), HKV, D, generator=gen).to(torch.bfloat16)
+        value = torch.randn(len(slots), HKV, D, generator=gen).to(torch.bfloat16)
+        _C.kv_write(key, value, view, slots, k_scale, v_scale)
+        k_fa, v_fa = _flash_attention_split(cache.view(torch.float8_e4m3fn))
+        k_bytes = k_fa.reshape(-1, HKV, D).view(torch.uint8)[slots]
+        v_bytes = v_fa.reshape(-1, HKV, D).view(torch.uint8)[slots]
+        quantize = lambda x, s: (x.float() / s.view(-1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+        assert torch.equal(k_bytes, quantize(key, k_scale).view(torch.uint8))
+        assert torch.equal(v_bytes, quantize(value, v_scale).view(torch.uint8))
 
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, KVCacheLayout.LHBNC])

@@ -147,8 +147,10 @@ def kv_cache_view(
     K in ``[..., :D]`` and V in ``[..., D:]``; the physical stride order is free (vLLM 0.29's
     ``KVCacheLayout`` permutations, block-major buffers shared by several layers).  ``layout``
     names the logical layout when the shape alone is ambiguous (e.g. ``num_blocks == 2`` or
-    ``block_size == num_kv_heads``).  Raises TypeError for a non-tensor, ValueError for a shape
-    that no layout (or not the named one) matches, or an ambiguous shape without ``layout``.
+    ``block_size == num_kv_heads``).  A uint8 cache -- vLLM's storage of a
+    ``cache_dtype="fp8"`` cache -- comes back as its float8_e4m3fn view (the same bytes).
+    Raises TypeError for a non-tensor, ValueError for a shape that no layout (or not the named
+    one) matches, or an ambiguous shape without ``layout``.
     """
     op = "kv_cache_view()"
     if not isinstance(kv_cache, torch.Tensor):
@@ -176,6 +178,8 @@ def kv_cache_view(
             f"{op}: kv_cache must be {KV_CACHE_LAYOUTS[layout]} with num_kv_heads={num_kv_heads}, "
             f"head_size={head_size} for layout {layout!r}, got shape={shape}"
         )
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)
     if layout == "kv_first":
         return kv_cache
     if layout == "blocks_first":
