@@ -6,14 +6,37 @@ import sys
 import diffkv.__main__ as cli
 
 
+def _table(out):
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "phase"])
+    assert "max err" in lines[header] and "KV blocks" in lines[header]
+    return lines, header
+
+
 def test_demo_small_cpu(capsys):
     assert cli.main(["demo", "--device", "cpu", "--layers", "2", "--steps", "2"]) == 0
-    out = capsys.readouterr().out
-    lines = out.splitlines()
-    assert "step" in lines[1] and "max err" in lines[1] and "KV blocks" in lines[1]
-    phases = [line.split()[1] for line in lines[2:5]]
+    lines, header = _table(capsys.readouterr().out)
+    phases = [line.split()[1] for line in lines[header + 1 : header + 4]]
     assert phases == ["prefill", "denoise", "denoise"]
+    assert "KV cache:" in lines[header - 1] and "bfloat16" in lines[header - 1]
     assert "(ok:" in lines[-1]
+
+
+def test_demo_fp8_kv_cache_takes_half_the_bytes(capsys):
+    argv = ["demo", "--device", "cpu", "--layers", "2", "--steps", "1", "--kv-cache-dtype", "fp8"]
+    assert cli.main(argv) == 0
+    lines, header = _table(capsys.readouterr().out)
+    kv = lines[header - 1].split()  # KV cache: X MiB of float8_e4m3fn (bfloat16 would take Y MiB)
+    assert kv[:2] == ["KV", "cache:"] and kv[5] == "float8_e4m3fn" and kv[6] == "(bfloat16"
+    assert abs(float(kv[9]) - 2 * float(kv[2])) <= 0.1  # MiB printed to 0.1
+    assert "(ok:" in lines[-1] and "on the unquantized K/V" in lines[-1]
+
+
+def test_demo_fp8_on_cuda_says_it_is_cpu_only_so_far(capsys):
+    if not cli._C.cuda_compiled():
+        return  # a CPU-only build runs the demo on the CPU whatever --device says
+    assert cli.main(["demo", "--device", "cuda", "--kv-cache-dtype", "fp8"]) == 2
+    assert "runs on the CPU reference only so far" in capsys.readouterr().err
 
 
 def test_info_runs():

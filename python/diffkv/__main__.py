@@ -83,8 +83,17 @@ def demo(args):
     if device.type == "cuda" and not _C.cuda_compiled():
         print("diffkv was built without CUDA; running the demo on the CPU", file=sys.stderr)
         device = torch.device("cpu")
+    fp8 = getattr(args, "kv_cache_dtype", "auto") == "fp8"
+    if fp8 and device.type != "cpu":
+        print(
+            "diffkv demo: --kv-cache-dtype fp8 runs on the CPU reference only so far (attention over an "
+            "fp8 cache on CUDA is not implemented yet); pass --device cpu",
+            file=sys.stderr,
+        )
+        return 2
     s = _shape(args, device)
     block_size = 16
+    cache_dtype = torch.float8_e4m3fn if fp8 else s.dtype
     scale = s.head_size**-0.5
     torch.manual_seed(0)
 
@@ -94,12 +103,17 @@ def demo(args):
     layer_names = [f"model.layers.{i}.self_attn" for i in range(s.layers)]
 
     spec = dk.AttentionSpec(
-        block_size=block_size, num_kv_heads=s.kv_heads, head_size=s.head_size, dtype=s.dtype
+        block_size=block_size, num_kv_heads=s.kv_heads, head_size=s.head_size, dtype=cache_dtype
     )
     kv_cache_config = dk.KVCacheConfig(
         num_blocks=num_blocks, kv_cache_groups=[dk.KVCacheGroup(layer_names, spec)]
     )
-    config = dk.DiffusionConfig(dk.ModelConfig(s.dtype), dk.CacheConfig(block_size=block_size))
+    cache_config = (
+        dk.CacheConfig(block_size=block_size, cache_dtype="fp8", calculate_kv_scales=True)
+        if fp8
+        else dk.CacheConfig(block_size=block_size)
+    )
+    config = dk.DiffusionConfig(dk.ModelConfig(s.dtype), cache_config)
     block_tables = dk.BlockTables(
         block_sizes=[block_size],
         max_num_reqs=2,
@@ -114,7 +128,11 @@ def demo(args):
         )
         for name in layer_names
     }
-    dk.allocate_kv_caches(kv_cache_config, dtype=s.dtype, device=device, layers=layers)
+    caches = dk.allocate_kv_caches(kv_cache_config, dtype=cache_dtype, device=device, layers=layers)
+    kv_bytes = sum(cache.numel() * cache.element_size() for cache in caches.values())
+    activation_bytes = (
+        sum(cache.numel() for cache in caches.values()) * torch.empty((), dtype=s.dtype).element_size()
+    )
 
     # The Scheduler's job: blocks from the pool, in a shuffled order, installed per row.
     pool = dk.BlockPool(num_blocks)
@@ -155,12 +173,22 @@ def demo(args):
     dense_k = {name: [None, None] for name in layer_names}
     dense_v = {name: [None, None] for name in layer_names}
     tol = 2e-2 if s.dtype != torch.float32 else 1e-4
+    v_max = 0.0  # with fp8: max |V| written, for the tolerance below
 
     print(
         f"diffkv demo on {device}: {s.layers} layers, heads {s.heads}/{s.kv_heads} x {s.head_size}, "
         f"{str(s.dtype).replace('torch.', '')}, rows with prefixes {list(s.prefixes)} + {s.image_tokens} "
         f"image tokens, block size {block_size}"
     )
+    kv_name = str(cache_dtype).replace("torch.", "")
+    act_name = str(s.dtype).replace("torch.", "")
+    if fp8:
+        print(
+            f"KV cache: {kv_bytes / 2**20:.1f} MiB of {kv_name} ({act_name} would take "
+            f"{activation_bytes / 2**20:.1f} MiB)"
+        )
+    else:
+        print(f"KV cache: {kv_bytes / 2**20:.1f} MiB of {kv_name}")
     print(f"{'step':>4} {'phase':>8} {'tokens':>7} {'ms/step':>9} {'max err':>9} {'KV blocks':>9}")
     runtime = dk.DiffusionPagedAttentionRuntime(adapter, metadata)
     worst = 0.0
@@ -192,6 +220,7 @@ def demo(args):
                     torch.cuda.synchronize(device)
                 elapsed += time.perf_counter() - start
 
+                v_max = max(v_max, v.abs().max().item())
                 qf = q.reshape(-1, s.heads, s.head_size)
                 kf = k.reshape(-1, s.kv_heads, s.head_size)
                 vf = v.reshape(-1, s.kv_heads, s.head_size)
@@ -211,8 +240,17 @@ def demo(args):
             phase = "prefill" if step == 0 else "denoise"
             ms = elapsed * 1e3
             print(f"{step:>4} {phase:>8} {num_tokens:>7} {ms:>9.2f} {step_err:>9.2e} {blocks_used:>9}")
+    if fp8:
+        # K and V are stored rounded to e4m3 (3 mantissa bits: at most 2^-4 relative); an output
+        # is a weighted mean of dequantized V rows (a causal row's first token sees one key: its V
+        # exactly), so V's rounding bounds the error, plus the reference tolerance for K's.
+        tol += v_max * 2.0**-4
     ok = worst <= tol
-    print(f"max error {worst:.2e} ({'ok' if ok else 'FAILED'}: tolerance {tol:.0e} vs a float32 reference)")
+    print(
+        f"max error {worst:.2e} ({'ok' if ok else 'FAILED'}: tolerance {tol:.1e} vs a float32 reference"
+        + (" on the unquantized K/V" if fp8 else "")
+        + ")"
+    )
     return 0 if ok else 1
 
 
@@ -260,6 +298,13 @@ def main(argv=None):
     p_demo.add_argument("--layers", type=int, default=None)
     p_demo.add_argument("--steps", type=int, default=None, help="denoise steps after the prefill step")
     p_demo.add_argument("--small", action="store_true", help="the CPU-sized problem even on a GPU")
+    p_demo.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: a float8_e4m3fn KV cache with scales from the first write (the CPU reference only, "
+        "so far)",
+    )
     sub.add_parser("info", help="versions, build flags, devices")
     p_bench = sub.add_parser(
         "bench",
