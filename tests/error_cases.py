@@ -2316,7 +2316,29 @@ def _cases_layer_adapter() -> dict[str, list[Case]]:
                 layer_kwargs(num_heads=heads, num_kv_heads=kv_heads, ulysses_degree=degree),
             )
         )
+    fp8_spec = layer_kwargs()
+    fp8_spec["spec"] = dataclasses.replace(fp8_spec["spec"], dtype=torch.float8_e4m3fn)
+    fp8_config = layer_kwargs()
+    fp8_config["vllm_config"] = diffkv.DiffusionConfig(
+        diffkv.ModelConfig(torch.float32), diffkv.CacheConfig(block_size=4, cache_dtype="fp8")
+    )
     cases += [
+        layer_case(
+            "layer fp8 spec, unquantized cache_dtype",
+            ValueError,
+            "Paged attention spec dtype torch.float8_e4m3fn does not match cache_config.cache_dtype 'auto': "
+            "an fp8 cache ('fp8', 'fp8_e4m3') needs an fp8 spec (torch.float8_e4m3fn) and an fp8 spec an "
+            "fp8 cache_dtype",
+            fp8_spec,
+        ),
+        layer_case(
+            "layer fp8 cache_dtype, float32 spec",
+            ValueError,
+            "Paged attention spec dtype torch.float32 does not match cache_config.cache_dtype 'fp8': "
+            "an fp8 cache ('fp8', 'fp8_e4m3') needs an fp8 spec (torch.float8_e4m3fn) and an fp8 spec an "
+            "fp8 cache_dtype",
+            fp8_config,
+        ),
         layer_case(
             "layer standalone selection head size",
             ValueError,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _C, ops
-from .backends.diffkv import prepared_call
+from .backends.diffkv import FP8_CACHE_DTYPES, prepared_call
 from .native import build_slot_mappings_by_layer, get_dcp_local_seq_lens
 from .piecewise import PagedPiecewisePlan, build_paged_piecewise_plan
 from .platform import (
@@ -99,6 +99,27 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
     if actual.type != "cuda" or expected.type != "cuda":
         return False
     return _normalized_device(actual) == _normalized_device(expected)
+
+
+# Spec dtypes of an fp8 cache: diffkv's, and vLLM 0.30's uint8 storage of one.
+_FP8_SPEC_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _check_cache_dtype(spec: Any, cache_config: Any) -> None:
+    """diffkv's own rule, after vLLM-Omni's adapter's: the spec's dtype is an fp8 cache's
+    exactly when cache_config.cache_dtype asks for one (else the layer would silently run
+    unquantized, or quantized with identity scales).  Specs without a torch dtype are not
+    checked."""
+    spec_dtype = getattr(spec, "dtype", None)
+    if not isinstance(spec_dtype, torch.dtype):
+        return
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    if (spec_dtype in _FP8_SPEC_DTYPES) != (cache_dtype in FP8_CACHE_DTYPES):
+        raise ValueError(
+            f"Paged attention spec dtype {spec_dtype} does not match cache_config.cache_dtype "
+            f"{cache_dtype!r}: an fp8 cache ('fp8', 'fp8_e4m3') needs an fp8 spec (torch.float8_e4m3fn) "
+            "and an fp8 spec an fp8 cache_dtype"
+        )
 
 
 @dataclass(frozen=True)
@@ -204,6 +225,7 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
         self.calculate_kv_scales = bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
         self._k_scale_float = 1.0
         self._v_scale_float = 1.0
+        _check_cache_dtype(canonical_spec, vllm_config.cache_config)
         with set_current_vllm_config(vllm_config):
             self.impl = self._create_native_impl(vllm_config)
 
