@@ -8,12 +8,14 @@ dequantization fails."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import diffkv as dk
+from _helpers import make_adapter, row
 from diffkv import _C
 from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_none, mask_spans, ref_attention
 
@@ -245,3 +247,21 @@ def test_do_kv_cache_update_quantizes_with_the_layers_scales():
     assert torch.equal(flat[1][slots], (value.float() / 0.01).clamp(-448, 448).to(F8).view(torch.uint8))
     with pytest.raises(TypeError, match="a float8_e4m3fn KV cache needs its layer's _k_scale and _v_scale"):
         impl.do_kv_cache_update(None, key, value, torch.zeros_like(cache), slots)
+
+
+@pytest.mark.parametrize("spec_dtype", [F8, torch.float32], ids=["fp8_spec", "fp32_spec"])
+def test_a_cache_that_contradicts_the_spec_is_refused_before_writing(spec_dtype):
+    """A layer whose bound kv_cache is not what its spec says (an fp8 spec with an fp32 cache, or
+    the reverse) is refused by the layer call, the cache untouched."""
+    h = make_adapter("cpu", num_heads=2, num_kv_heads=1, bindings={("req", 0, None): (0, 8)})
+    layer = h.layers["layer0"]
+    layer.spec = dataclasses.replace(layer.spec, dtype=spec_dtype)
+    wrong = torch.zeros_like(layer.kv_cache, dtype=torch.float32 if spec_dtype == F8 else F8)
+    layer.kv_cache = wrong
+    batch = h.adapter.prepare_batch([row(query_len=4, seq_len=4)])
+    q, kv = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    with h.adapter.activate(batch):
+        context = h.adapter.prepare_layer_context("layer0", q, kv, kv)
+        with pytest.raises(TypeError, match="the layer's kv_cache holds .* but its spec says"):
+            layer.impl.forward_paged(context)
+    assert not wrong.view(torch.uint8).any()

@@ -101,8 +101,7 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
     return _normalized_device(actual) == _normalized_device(expected)
 
 
-# Spec dtypes of an fp8 cache: diffkv's, and vLLM 0.30's uint8 storage of one.
-_FP8_SPEC_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+_FP8_SPEC_DTYPES = ops._FP8_SPEC_DTYPES  # an fp8 cache's spec dtypes (vLLM's uint8 included)
 
 
 def _check_cache_dtype(spec: Any, cache_config: Any) -> None:

@@ -213,6 +213,10 @@ class PagedLayerInputs(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
+# Spec dtypes of an fp8 cache: diffkv's, and vLLM 0.30's uint8 storage of one.
+_FP8_SPEC_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
 def layer_scales(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's ``_k_scale`` and ``_v_scale`` (vLLM's contract: float32 tensors on its device,
     1 entry, or one per KV head), which a float8_e4m3fn cache is written and read with."""
@@ -259,8 +263,15 @@ def paged_layer_inputs(
     for size in query_token_shape:
         num_positions *= size
     host_block_table, host_query_start_loc, host_seq_lens = host_copies
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    spec_dtype = getattr(getattr(layer, "spec", None), "dtype", None)
+    if isinstance(spec_dtype, torch.dtype) and (spec_dtype in _FP8_SPEC_DTYPES) != fp8:
+        raise TypeError(
+            f"the layer's kv_cache holds {kv_cache.dtype} but its spec says {spec_dtype}: an fp8 spec "
+            "needs a float8_e4m3fn cache (allocate_kv_caches with the spec's dtype), and only it"
+        )
     k_scale = v_scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
+    if fp8:
         k_scale, v_scale = layer_scales(layer)
     return PagedLayerInputs(
         kv_cache=kv_cache,
