@@ -165,28 +165,6 @@ quantize_token(uint8_t *dst, int64_t dst_off, int64_t dst_stride_head, int64_t d
     }
 }
 
-/* The quantizing write (cache_dtype DK_F8E4M3) of every token whose slot is in the cache. */
-static void
-quantize_tokens(const dk_kv_write_args *a, int64_t num_slots)
-{
-    for (int64_t t = 0; t < a->num_tokens; t++) {
-        const int64_t slot = a->slot_mapping[t * a->slot_stride];
-        if (slot < 0 || slot >= num_slots) {
-            continue;
-        }
-        const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block +
-                                (slot % a->block_size) * a->cache_stride_token;
-        quantize_token((uint8_t *)a->key_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
-                       (const char *)a->key, t * a->key_stride_token, a->key_stride_head,
-                       a->key_stride_dim, a->dtype, a->k_scale, a->scale_stride_head,
-                       a->num_kv_heads, a->head_size);
-        quantize_token((uint8_t *)a->value_cache, dst_off, a->cache_stride_head,
-                       a->cache_stride_dim, (const char *)a->value, t * a->value_stride_token,
-                       a->value_stride_head, a->value_stride_dim, a->dtype, a->v_scale,
-                       a->scale_stride_head, a->num_kv_heads, a->head_size);
-    }
-}
-
 dk_status
 dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
 {
@@ -217,11 +195,8 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
                            (long long)t, (long long)num_slots, (long long)slot);
         }
     }
-    if (a->cache_dtype == DK_F8E4M3) {
-        quantize_tokens(a, num_slots);
-        return DK_OK;
-    }
-    if (a->cache_dtype != a->dtype) {
+    const int fp8 = a->cache_dtype == DK_F8E4M3;
+    if (!fp8 && a->cache_dtype != a->dtype) {
         return dk_fail(
             err, DK_ERR_UNSUPPORTED,
             "kv_write(): the cache must hold the inputs' dtype %s or float8_e4m3fn, got %s",
@@ -237,6 +212,17 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
         }
         const int64_t dst_off = (slot / a->block_size) * a->cache_stride_block +
                                 (slot % a->block_size) * a->cache_stride_token;
+        if (fp8) {
+            quantize_token((uint8_t *)a->key_cache, dst_off, a->cache_stride_head,
+                           a->cache_stride_dim, (const char *)a->key, t * a->key_stride_token,
+                           a->key_stride_head, a->key_stride_dim, a->dtype, a->k_scale,
+                           a->scale_stride_head, a->num_kv_heads, a->head_size);
+            quantize_token((uint8_t *)a->value_cache, dst_off, a->cache_stride_head,
+                           a->cache_stride_dim, (const char *)a->value, t * a->value_stride_token,
+                           a->value_stride_head, a->value_stride_dim, a->dtype, a->v_scale,
+                           a->scale_stride_head, a->num_kv_heads, a->head_size);
+            continue;
+        }
         copy_token((char *)a->key_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
                    (const char *)a->key, t * a->key_stride_token, a->key_stride_head,
                    a->key_stride_dim, a->num_kv_heads, a->head_size, es);
