@@ -213,6 +213,8 @@ class PagedLayerInputs(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
+FP8_COMPILE_MESSAGE = "torch.compile over a float8_e4m3fn KV cache is not implemented yet"
+
 # Spec dtypes of an fp8 cache: diffkv's, and vLLM 0.30's uint8 storage of one.
 _FP8_SPEC_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -363,7 +365,7 @@ def forward_paged_packed(
     """``torch.ops.diffkv.forward_paged`` over packed ``[N, H, D]`` query and ``[N, Hkv, D]``
     key/value: KV write + attention, returns ``[N, H, Dv]``."""
     if inputs.k_scale is not None:
-        raise NotImplementedError("torch.compile over a float8_e4m3fn KV cache is not implemented yet")
+        raise NotImplementedError(FP8_COMPILE_MESSAGE)
     head, tail = forward_paged_arguments(inputs)
     return torch.ops.diffkv.forward_paged(query, key, value, *head, *tail)
 

@@ -217,7 +217,7 @@ class DiffKVAttentionImpl(AttentionImpl):
         if kv_cache.dtype == torch.float8_e4m3fn:
             # quantized with the layer's scales (vLLM's contract: layer._k_scale, _v_scale)
             if torch.compiler.is_compiling():
-                raise NotImplementedError(_FP8_COMPILE_MESSAGE)
+                raise NotImplementedError(ops.FP8_COMPILE_MESSAGE)
             calculate_kv_scales(layer, key, value)
             k_scale, v_scale = ops.layer_scales(layer)
             _C.kv_write(key, value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -292,9 +292,6 @@ class DiffKVAttentionImpl(AttentionImpl):
 
     def forward_musa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError(_PLATFORM_MESSAGE.format("MUSA"))
-
-
-_FP8_COMPILE_MESSAGE = "torch.compile over a float8_e4m3fn KV cache is not implemented yet"
 
 
 def calculate_kv_scales(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -405,7 +402,7 @@ def run_forward_paged(
     value = paged_kv_context.value_write
     if inputs.k_scale is not None:
         if compiling:
-            raise NotImplementedError(_FP8_COMPILE_MESSAGE)
+            raise NotImplementedError(ops.FP8_COMPILE_MESSAGE)
         calculate_kv_scales(layer, key, value)
     if compiling:
         out = ops.forward_paged_packed(query, key, value, inputs)

@@ -324,8 +324,9 @@ class _DiffKVPagedMixin:
             _record_choice(paged_kv_context, None)
             return out
         native = getattr(paged_kv_context, "native_metadata", None)
-        reason = unservable_reason(native)
-        if reason is not None:
+        paged = vllm_paged_metadata(native)
+        if paged is None:
+            reason = unservable_reason(native)
             _record_choice(paged_kv_context, f"{self._diffkv_native_impl.__qualname__}: {reason}")
             native_forward = getattr(super(), "forward_paged", None)
             if native_forward is None:
@@ -336,9 +337,7 @@ class _DiffKVPagedMixin:
             return native_forward(paged_kv_context)
         _record_choice(paged_kv_context, None)
         hooks = self._diffkv_hooks
-        return run_forward_paged(
-            paged_kv_context, cache_view=hooks._diffkv_cache_view, metadata=vllm_paged_metadata(native)
-        )
+        return run_forward_paged(paged_kv_context, cache_view=hooks._diffkv_cache_view, metadata=paged)
 
 
 SERVED = "diffkv"
