@@ -3426,6 +3426,21 @@ def _cases_configs() -> dict[str, list[Case]]:
                 diffkv.CacheConfig,
                 cache_dtype=None,
             ),
+            kw_case(
+                "CacheConfig cache_dtype fp8_e5m2",
+                NotImplementedError,
+                "CacheConfig(): cache_dtype 'fp8_e5m2' is not supported; diffkv's fp8 KV cache is e4m3 "
+                "('fp8' or 'fp8_e4m3')",
+                diffkv.CacheConfig,
+                cache_dtype="fp8_e5m2",
+            ),
+            kw_case(
+                "CacheConfig calculate_kv_scales 1",
+                TypeError,
+                "CacheConfig(): calculate_kv_scales must be a bool, got 1",
+                diffkv.CacheConfig,
+                calculate_kv_scales=1,
+            ),
             bad(
                 "DiffusionConfig model_config",
                 TypeError,

@@ -9,6 +9,7 @@ dequantization fails."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -108,7 +109,11 @@ def test_cuda_refuses_an_fp8_cache_before_running():
     table = torch.tensor([[1, 0]], dtype=torch.int32)
     starts, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     one = torch.ones(1, device="cuda")
-    with pytest.raises(NotImplementedError, match="runs on the CPU reference only so far, got a CUDA query"):
+    message = (
+        "paged_attention(): attention over a float8_e4m3fn kv_cache runs on the CPU reference only so "
+        "far, got a CUDA query"
+    )
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         _C.paged_attention(
             query, cache, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL, 0.125, out,
             table, starts, lens, one, one,
@@ -157,7 +162,10 @@ def test_cuda_refuses_the_fp8_layer_call_before_writing():
     query, key, value, cache, slots, table, starts, lens, scales = _layer_call_inputs("cuda")
     before = cache.clone()
     out = torch.zeros_like(query)
-    with pytest.raises(NotImplementedError, match="runs on the CPU reference only so far, got a CUDA query"):
+    message = (
+        "forward_paged(): a float8_e4m3fn kv_cache runs on the CPU reference only so far, got a CUDA query"
+    )
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         _C.forward_paged(
             query, key, value, cache, slots, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL,
             0.125, out, table, starts, lens, *scales,
@@ -245,7 +253,11 @@ def test_do_kv_cache_update_quantizes_with_the_layers_scales():
     flat = cache.view(torch.uint8).view(2, 32, 2, 64)
     assert torch.equal(flat[0][slots], (key.float() / 0.03).clamp(-448, 448).to(F8).view(torch.uint8))
     assert torch.equal(flat[1][slots], (value.float() / 0.01).clamp(-448, 448).to(F8).view(torch.uint8))
-    with pytest.raises(TypeError, match="a float8_e4m3fn KV cache needs its layer's _k_scale and _v_scale"):
+    message = (
+        "a float8_e4m3fn KV cache needs its layer's _k_scale and _v_scale (float32 tensors), got NoneType "
+        "and NoneType on NoneType"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         impl.do_kv_cache_update(None, key, value, torch.zeros_like(cache), slots)
 
 
@@ -262,6 +274,10 @@ def test_a_cache_that_contradicts_the_spec_is_refused_before_writing(spec_dtype)
     q, kv = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
     with h.adapter.activate(batch):
         context = h.adapter.prepare_layer_context("layer0", q, kv, kv)
-        with pytest.raises(TypeError, match="the layer's kv_cache holds .* but its spec says"):
+        message = (
+            f"the layer's kv_cache holds {wrong.dtype} but its spec says {spec_dtype}: an fp8 spec needs a "
+            "float8_e4m3fn cache (allocate_kv_caches with the spec's dtype), and only it"
+        )
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
             layer.impl.forward_paged(context)
     assert not wrong.view(torch.uint8).any()

@@ -8,6 +8,8 @@ untouched."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -150,7 +152,11 @@ def test_forward_paged_refuses_an_fp8_cache_without_scales_before_writing(device
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     starts = torch.tensor([0, 2], dtype=torch.int32)
     lens = torch.tensor([2], dtype=torch.int32)
-    with pytest.raises(TypeError, match="a float8_e4m3fn kv_cache needs k_scale and v_scale"):
+    message = (
+        "forward_paged(): a float8_e4m3fn kv_cache needs k_scale and v_scale (float32 tensors of 1 or "
+        "num_kv_heads = 1 entries), got neither"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         _C.forward_paged(
             q, key, key, cache, torch.tensor([1, 6], device=device), table.to(device), starts.to(device),
             lens.to(device), None, _C.MASK_CAUSAL, 0.25, torch.empty_like(q), table, starts, lens,

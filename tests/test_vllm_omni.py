@@ -609,3 +609,27 @@ def test_kv_cache_view_of_vllms_fp8_storage():
         view = integration.kv_cache_view(cache, HKV, D)
         assert view.dtype == torch.float8_e4m3fn and view.shape == (2, 4, BLOCK, HKV, D)
         assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+
+
+def test_a_layer_neither_can_serve_raises_naming_both():
+    """Metadata diffkv cannot serve, and a native impl without its own forward_paged: a
+    NotImplementedError that says why diffkv refused and which impl had nothing to hand back to."""
+
+    class DenseOnlyImpl:
+        pass
+
+    class DenseOnlyBackend:
+        @staticmethod
+        def get_impl_cls():
+            return DenseOnlyImpl
+
+    backend = integration._build_backend(DenseOnlyBackend, integration._VllmCallHooks(None))
+    context = SimpleNamespace(layer=SimpleNamespace(layer_name="l0"), native_metadata=object())
+    message = (
+        "DiffKVOmniAttentionImpl.forward_paged(): diffkv cannot serve this layer (native metadata object is "
+        "not vLLM FlashAttention's (no block_table, query_start_loc, seq_lens, causal)) and "
+        "test_a_layer_neither_can_serve_raises_naming_both.<locals>.DenseOnlyImpl has no forward_paged"
+    )
+    with pytest.raises(NotImplementedError) as excinfo:
+        backend.get_impl_cls()().forward_paged(context)
+    assert str(excinfo.value) == message
