@@ -27,13 +27,14 @@ extern "C" {
 
 typedef enum dk_status {
     DK_OK = 0,
-    DK_ERR_VALUE = 1,       /* bad shape, size or value: ValueError */
-    DK_ERR_TYPE = 2,        /* wrong dtype or device: TypeError */
-    DK_ERR_UNSUPPORTED = 3, /* a size or dtype no kernel is built for: ValueError */
-    DK_ERR_CUDA = 4,        /* a CUDA runtime failure: diffkv.CudaError */
-    DK_ERR_NO_CUDA = 5,     /* a CUDA path called in a CPU-only build: RuntimeError */
-    DK_ERR_NOMEM = 6,       /* host allocation failed: MemoryError */
-    DK_ERR_RUNTIME = 7      /* a state error (exhausted pool, ...): RuntimeError */
+    DK_ERR_VALUE = 1,          /* bad shape, size or value: ValueError */
+    DK_ERR_TYPE = 2,           /* wrong dtype or device: TypeError */
+    DK_ERR_UNSUPPORTED = 3,    /* a size or dtype no kernel is built for: ValueError */
+    DK_ERR_CUDA = 4,           /* a CUDA runtime failure: diffkv.CudaError */
+    DK_ERR_NO_CUDA = 5,        /* a CUDA path called in a CPU-only build: RuntimeError */
+    DK_ERR_NOMEM = 6,          /* host allocation failed: MemoryError */
+    DK_ERR_RUNTIME = 7,        /* a state error (exhausted pool, ...): RuntimeError */
+    DK_ERR_NOT_IMPLEMENTED = 8 /* a configuration no kernel serves yet: NotImplementedError */
 } dk_status;
 
 #define DK_MSG_CAP 512
@@ -549,6 +550,9 @@ void dk_cuda_device_exit(int32_t prev);
 /* Copies n bytes device->host on `stream` and waits for them (setup paths only, never in a
  * layer call).  DK_ERR_CUDA. */
 dk_status dk_cuda_copy_to_host(void *dst, const void *src, size_t n, void *stream, dk_error *err);
+/* Whether work submitted to `stream` now would be captured into a CUDA graph (a query error
+ * reads as yes); 0 in a CPU-only build.  Cannot fail. */
+int dk_cuda_stream_capturing(void *stream);
 /* Number of visible devices and the compute capability of one (0 when unknown). */
 int dk_cuda_device_count(void);
 int dk_cuda_capability(int32_t device);

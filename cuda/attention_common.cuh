@@ -235,8 +235,10 @@ attn_row_limit(const dk_attention_args &a, int r, int64_t q0, int64_t q_start, i
     *wmin = lo;
 }
 
-/* Byte offset of token `tok` of (safe) block `block`, head kv_head, in a 2-byte cache; odd
- * (+1) when the block is the second source's (dense joint tokens): kv_row reads it back. */
+/* Byte offset of token `tok` of (safe) block `block`, head kv_head, in a cache of ES-byte
+ * elements (2, or 1 for e4m3 with 16-byte aligned rows: the offset stays even); odd (+1) when
+ * the block is the second source's (dense joint tokens): kv_row reads it back. */
+template <int ES = 2>
 static __device__ __forceinline__ int64_t
 kv_block_offset(const dk_attention_args &a, int32_t block, uint32_t tok, int64_t kv_head)
 {
@@ -244,7 +246,7 @@ kv_block_offset(const dk_attention_args &a, int32_t block, uint32_t tok, int64_t
     const int64_t b = second ? block - a.blocks2 : block;
     return (b * a.cache_stride_block + (int64_t)tok * a.cache_stride_token +
             kv_head * a.cache_stride_head) *
-               2 +
+               ES +
            (second ? 1 : 0);
 }
 

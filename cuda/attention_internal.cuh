@@ -65,6 +65,18 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
                                 float scale_log2, bool neg_q, bool q_vec, bool o_vec,
                                 cudaStream_t s);
 
+/* attention_sm90_fp8.cu: the e4m3 wgmma kernel over a float8_e4m3fn cache (a->kv_fp8), head 64
+ * or 128, fp16/bf16 queries, K/V rows in 16-byte chunks; 128 query rows per CTA.  *tma: whether
+ * its TMA producer ran (else cp.async rows). */
+cudaError_t attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2,
+                                 bool neg_q, bool q_vec, bool o_vec, cudaStream_t s, bool *tma);
+
+/* sm90_tma_map.cu: the per-chunk maps of a float8_e4m3fn cache for the e4m3 kernel's TMA
+ * producer (one 16-key x 128-byte box per chunk: head 128, blocks of a multiple of 16 keys, one
+ * source, byte strides under 2^40) into *k and *v, through a per-thread cache like
+ * h90_tma_maps's.  Returns whether they exist.  Cannot fail otherwise. */
+bool h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v);
+
 /* sm90_tma_map.cu: encodes (or finds in this host thread's cache of the last 64 caches) the
  * tensor maps that suit the cache of `a` for key tiles of `tile` keys (128 or 176) into *m, with
  * m->k_groups_ok saying whether the per-chunk maps exist, and returns the producer the other

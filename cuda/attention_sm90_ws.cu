@@ -438,7 +438,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * every CTA's way out. */
     const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
     if (o16) {
-        h90_store_o_staged<T, D, BM>(a, sq, cw, wt, h, t0, tile_rows, l, m, scale_log2, o);
+        const float sl2[2] = {scale_log2, scale_log2};
+        h90_store_o_staged<T, D, BM>(a, sq, cw, wt, h, t0, tile_rows, l, m, sl2, o);
     }
     else {
 #pragma unroll

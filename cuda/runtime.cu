@@ -4,8 +4,8 @@
  * every launcher calls.
  *
  * Entry points: dk_cuda_compiled, dk_cuda_device_enter, dk_cuda_device_exit,
- * dk_cuda_copy_to_host, dk_cuda_device_count, dk_cuda_capability, dk_cuda_runtime_version
- * (diffkv.h) and dk_cuda_after_launch (cuda_common.cuh).
+ * dk_cuda_copy_to_host, dk_cuda_stream_capturing, dk_cuda_device_count, dk_cuda_capability,
+ * dk_cuda_runtime_version (diffkv.h) and dk_cuda_after_launch (cuda_common.cuh).
  */
 #include "diffkv.h"
 
@@ -140,4 +140,16 @@ extern "C" int
 dk_cuda_runtime_version(void)
 {
     return CUDART_VERSION;
+}
+
+/* diffkv.h's contract. */
+extern "C" int
+dk_cuda_stream_capturing(void *stream)
+{
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &status) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    return status != cudaStreamCaptureStatusNone;
 }

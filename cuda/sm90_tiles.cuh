@@ -46,14 +46,14 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
  * with 16-byte loads and stores, whole rows per warp instruction (two 256-byte rows at head
  * 128), where the accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte
  * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the LSE
- * as attn_store_row; t0: the packed token of the CTA's first row, tile_rows: its rows inside the
- * batch row.
+ * as attn_store_row, with scale_log2 per row (hf); t0: the packed token of the CTA's first row,
+ * tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.
  */
 template <typename T, int D, int BM>
 static __device__ __forceinline__ void
 h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
-                   int64_t tile_rows, const float (&l)[2], const float (&m)[2], float scale_log2,
-                   const float (&o)[D / 2])
+                   int64_t tile_rows, const float (&l)[2], const float (&m)[2],
+                   const float (&scale_log2)[2], const float (&o)[D / 2])
 {
     const int lane = wt & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll
@@ -65,7 +65,7 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
         const int r = cw * 64 + (wt >> 5) * 16 + hf * 8 + g; /* row of the CTA's tile */
         if (a.lse != NULL && tq == 0 && r < tile_rows) {
             a.lse[(t0 + r) * a.lse_stride_token + h * a.lse_stride_head] =
-                sum > 0.0f ? (__fmul_rn(m[hf], scale_log2) + log2f(sum)) / LOG2E : -INFINITY;
+                sum > 0.0f ? (__fmul_rn(m[hf], scale_log2[hf]) + log2f(sum)) / LOG2E : -INFINITY;
         }
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt++) {
@@ -210,27 +210,28 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 1
 
 /*
  * Online softmax of one S tile in place (s becomes P, fp32): masks keys at or past each row's
- * limit (only on a tile reaching past the warpgroup's smallest limit), updates the running
- * max m (raw scores) and this thread's partial sums l, and returns the factor alpha by which
- * O must be rescaled.  s[4 nt + e]: row g (e < 2) or g + 8, key j0 + 8 nt + 2 tq + (e & 1).
- * p = 2^(s * scale_log2 - m * scale_log2); a row with no visible key so far keeps max -inf
- * and subtracts 0 instead, so that 2^-inf = 0 rather than nan.  Returns whether O needs
- * the rescale: with SKIP, false when no row of the warp raised its max in this tile (every
- * alpha is then exactly 1, as the eager form computes it: skipping is bit-identical); without,
- * always true.
+ * limit (lim0: row g, lim1: row g + 8; only on a tile reaching past the warpgroup's smallest
+ * limit g_min), updates the running max m (raw scores) and this thread's partial sums l, and
+ * returns the factor alpha by which O must be rescaled.  s[4 nt + e]: row g (e < 2) or g + 8,
+ * key j0 + 8 nt + 2 tq + (e & 1).  p = 2^(s * sl2 - m * sl2 + P_LOG2) with the row's multiplier
+ * sl2[hf] (P_LOG2 > 0 scales P by 2^P_LOG2: the e4m3 kernel's, which the row sums carry too); a
+ * row with no visible key so far keeps max -inf and subtracts 0 instead, so that 2^-inf = 0
+ * rather than nan.  Returns whether O needs the rescale: with SKIP, false when no row of the
+ * warp raised its max in this tile (every alpha is then exactly 1, as the eager form computes
+ * it: skipping is bit-identical); without, always true.
  */
-template <int NT, bool SKIP = false>
+template <int NT, bool SKIP, int P_LOG2>
 static __device__ __forceinline__ bool
-h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
-            const h90_rows &r)
+h90_softmax_rows(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
+                 int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sl2)[2])
 {
     bool raised = false;
-    if (j0 + NT * 8 > r.g_min) {
+    if (j0 + NT * 8 > g_min) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                if (j0 + nt * 8 + 2 * r.tq + (e & 1) >= (e < 2 ? r.lim0 : r.lim1)) {
+                if (j0 + nt * 8 + 2 * tq + (e & 1) >= (e < 2 ? lim0 : lim1)) {
                     s[4 * nt + e] = -INFINITY;
                 }
             }
@@ -247,14 +248,15 @@ h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2],
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mn = fmaxf(m[hf], mx);
         raised = raised || mn > m[hf];
-        const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, r.scale_log2);
-        alpha[hf] = fast_exp2(__fmul_rn(m[hf], r.scale_log2) - base);
+        const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, sl2[hf]);
+        alpha[hf] = fast_exp2(__fmul_rn(m[hf], sl2[hf]) - base);
         m[hf] = mn;
+        const float shifted = P_LOG2 == 0 ? base : base - (float)P_LOG2;
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], r.scale_log2, -base));
-            const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], r.scale_log2, -base));
+            const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], sl2[hf], -shifted));
+            const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], sl2[hf], -shifted));
             s[4 * nt + 2 * hf] = p0;
             s[4 * nt + 2 * hf + 1] = p1;
             sum += p0 + p1;
@@ -262,6 +264,16 @@ h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2],
         l[hf] = l[hf] * alpha[hf] + sum;
     }
     return !SKIP || __any_sync(0xffffffffu, raised) != 0; /* warp-uniform */
+}
+
+/* h90_softmax_rows for the fp16/bf16 kernels: r's limits, one multiplier for both rows. */
+template <int NT, bool SKIP = false>
+static __device__ __forceinline__ bool
+h90_softmax(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
+            const h90_rows &r)
+{
+    const float sl2[2] = {r.scale_log2, r.scale_log2};
+    return h90_softmax_rows<NT, SKIP, 0>(s, m, l, alpha, j0, r.lim0, r.lim1, r.g_min, r.tq, sl2);
 }
 
 #endif /* H90_DEVICE_CODE */

@@ -4,7 +4,7 @@
  * 16-key chunk) and keeps them in a per-thread cache keyed by the cache's pointers, shape and
  * strides.
  *
- * Entry points (attention_internal.cuh): h90_tma_maps, h90_tma_encoder_ready.
+ * Entry points (attention_internal.cuh): h90_tma_maps, h8_tma_chunk_maps, h90_tma_encoder_ready.
  */
 #include "attention_internal.cuh"
 #include "sm90_tma_map.cuh"
@@ -265,6 +265,24 @@ struct h90_maps_key {
 
 #define H90_MAPS_CACHE 64 /* caches (layers) remembered per host thread */
 
+/* The key fields every map cache fills from the call (zeros elsewhere, padding included). */
+static h90_maps_key
+h90_cache_key(const dk_attention_args *a)
+{
+    h90_maps_key key;
+    memset(&key, 0, sizeof(key)); /* padding compares equal */
+    key.k = a->key_cache;
+    key.v = a->value_cache;
+    key.block_size = a->block_size;
+    key.num_blocks = a->num_blocks;
+    key.num_kv_heads = a->num_kv_heads;
+    key.head_size = a->head_size;
+    key.stride_token = a->cache_stride_token;
+    key.stride_head = a->cache_stride_head;
+    key.stride_block = a->cache_stride_block;
+    return key;
+}
+
 /* attention_internal.cuh's contract: h90_tma_maps_encode and the per-chunk maps through a
  * per-thread cache of the last H90_MAPS_CACHE caches' maps (hashed by the K pointer and the
  * tile).  A cache the maps cannot serve is remembered too. */
@@ -278,18 +296,8 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         h90_producer producer;
     };
     static thread_local entry cache[H90_MAPS_CACHE];
-    h90_maps_key key;
-    memset(&key, 0, sizeof(key)); /* padding compares equal */
-    key.k = a->key_cache;
-    key.v = a->value_cache;
-    key.block_size = a->block_size;
-    key.num_blocks = a->num_blocks;
-    key.num_kv_heads = a->num_kv_heads;
-    key.head_size = a->head_size;
+    h90_maps_key key = h90_cache_key(a);
     key.bt_cols_one = a->bt_cols == 1;
-    key.stride_token = a->cache_stride_token;
-    key.stride_head = a->cache_stride_head;
-    key.stride_block = a->cache_stride_block;
     key.dtype = (int32_t)a->dtype;
     key.tile = tile;
     key.chunks = (a->keys_consecutive & 2) != 0;
@@ -320,6 +328,66 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     }
     *m = e.maps;
     return e.producer;
+}
+
+/* One per-chunk map of an e4m3 cache (h8_tma_chunk_maps): 4 dims -- the 128 bytes of a key
+ * row, the token within a block, the kv head, the block, each with its own byte stride (any
+ * order: NHD, HND, layer-strided) -- and a box of 128 x 16 x 1 x 1.  Returns whether the driver
+ * encoded it. */
+static bool
+h8_chunk_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
+{
+    const h90_encode_fn encode = h90_encoder();
+    const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
+    const int64_t extent[3] = {a->block_size, a->num_kv_heads, a->num_blocks};
+    if (encode == NULL || a->head_size != 128 || a->cache_stride_dim != 1) {
+        return false;
+    }
+    cuuint64_t gdim[4] = {128, 0, 0, 0};
+    cuuint64_t gstride[3];
+    for (int k = 0; k < 3; k++) {
+        if (stride[k] <= 0 || stride[k] % 16 != 0 || stride[k] >= ((int64_t)1 << 40) ||
+            extent[k] > (int64_t)INT32_MAX) {
+            return false;
+        }
+        gdim[k + 1] = (cuuint64_t)extent[k];
+        gstride[k] = (cuuint64_t)stride[k]; /* one byte per element */
+    }
+    const cuuint32_t box[4] = {128, 16, 1, 1};
+    const cuuint32_t estride[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, (void *)base, gdim, gstride, box, estride,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* attention_internal.cuh's contract. */
+bool
+h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v)
+{
+    struct entry {
+        h90_maps_key key;
+        CUtensorMap k, v;
+        bool used, ok;
+    };
+    static thread_local entry cache[H90_MAPS_CACHE];
+    if (a->key_cache2 != NULL || a->block_size % 16 != 0) {
+        return false;
+    }
+    h90_maps_key key = h90_cache_key(a);
+    key.dtype = DK_F8E4M3; /* the cache's, where the other maps key the query's */
+    const uintptr_t p = (uintptr_t)a->key_cache;
+    entry &e = cache[(p >> 8 ^ p >> 20) % H90_MAPS_CACHE];
+    if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
+        e.ok = h8_chunk_encode(a, &e.k, a->key_cache) && h8_chunk_encode(a, &e.v, a->value_cache);
+        e.key = key;
+        e.used = true;
+    }
+    if (e.ok) {
+        *k = e.k;
+        *v = e.v;
+    }
+    return e.ok;
 }
 
 /* attention_internal.cuh's contract. */

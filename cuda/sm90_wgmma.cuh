@@ -181,6 +181,48 @@ H90_WGMMA_RS(wgmma_rs_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "
 H90_WGMMA_RS(wgmma_rs_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
              "%37")
 
+/* The e4m3 forms (m64nNk32, fp32 accumulators): both operands K-major -- wgmma has no
+ * transposed 8-bit operand, so V comes in transposed (attention_sm90_fp8.cu) -- and no
+ * transpose immediates.  SS: d = A B + (scale_d ? d : 0) from two descriptors; RS: d += A B,
+ * A (m64 x k32) from registers (4 bytes per register, the lowest byte the lowest k). */
+#define H90_WGMMA_SS8(NAME, N, REGS, OUTS, IA, IB, IP)                                             \
+    static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], uint64_t desc_a,               \
+                                                uint64_t desc_b, int scale_d)                      \
+    {                                                                                              \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", " IA      \
+                     ", " IB ", p, 1, 1;\n}\n"                                                     \
+                     : OUTS                                                                        \
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                    \
+    }
+#define H90_WGMMA_RS8(NAME, N, REGS, OUTS, IA0, IA1, IA2, IA3, IB, IP)                             \
+    static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], const uint32_t(&a)[4],         \
+                                                uint64_t desc_b, int scale_d)                      \
+    {                                                                                              \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", {" IA0    \
+                     ", " IA1 ", " IA2 ", " IA3 "}, " IB ", p, 1, 1;\n}\n"                         \
+                     : OUTS                                                                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));     \
+    }
+
+H90_WGMMA_SS8(wgmma_ss_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66")
+H90_WGMMA_RS8(wgmma_rs_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
+              "%69")
+H90_WGMMA_RS8(wgmma_rs_m64n64_e4m3, 64, H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36", "%37")
+
+/* O (m64 x D) += P V in e4m3, D 64 or 128. */
+static __device__ __forceinline__ void
+h90_pv_e4m3(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+{
+    wgmma_rs_m64n128_e4m3(o, p, b, 1);
+}
+static __device__ __forceinline__ void
+h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+{
+    wgmma_rs_m64n64_e4m3(o, p, b, 1);
+}
+
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T. */
 template <typename T> struct h90_mma;
 
@@ -239,6 +281,8 @@ template <> struct h90_mma<__half> {
 #undef H90_R88
 #undef H90_WGMMA_SS
 #undef H90_WGMMA_RS
+#undef H90_WGMMA_SS8
+#undef H90_WGMMA_RS8
 
 /* Registers after setmaxnreg: the producer warpgroup keeps PRODUCER, the consumer warpgroups
  * take the rest of what the CTA was launched with -- 168 per thread at 384 threads, 64,512; a

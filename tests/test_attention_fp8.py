@@ -1,7 +1,8 @@
 """Paged attention over a float8_e4m3fn cache: ``_C.paged_attention(..., k_scale, v_scale)``
 reads each key element as ``e4m3 * k_scale[kv head]`` (values likewise) in fp32.  So far the
 CPU reference runs it (every mask mode, GQA, block sizes, cache layouts, per-tensor and
-per-KV-head scales); on CUDA the call is refused before anything runs.  Checked against the
+per-KV-head scales); CUDA's e4m3 kernel is tested in test_attention_fp8_cuda.py, its refusals
+here.  Checked against the
 float64 reference over the dequantized cache: the only rounding left is the output's to the
 query dtype (and fp32 accumulation), so a wrong scale, a scale of the wrong head or a wrong
 dequantization fails."""
@@ -23,6 +24,11 @@ from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_no
 F8 = torch.float8_e4m3fn
 # |out - exact| <= REL * max|exact| + ABS: the output's rounding to its dtype, fp32 sums
 TOLERANCE = {torch.bfloat16: (2.0**-8, 1e-6), torch.float16: (2.0**-11, 1e-6), torch.float32: (1e-5, 1e-6)}
+
+
+FP32_QUERIES_MESSAGE = (
+    "paged_attention(): a float8_e4m3fn kv_cache takes float16/bfloat16 queries on CUDA, got float32"
+)
 
 
 def _cache(blocks, block, kv_heads, size, layout, gen):
@@ -102,17 +108,14 @@ def test_each_scale_is_its_heads():
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_an_fp8_cache_before_running():
+def test_cuda_refuses_float32_queries_over_an_fp8_cache_before_running():
     cache = torch.zeros(2, 3, 16, 2, 64, dtype=F8, device="cuda")
-    query = torch.randn(3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(3, 4, 64, device="cuda")
     out = torch.zeros_like(query)
     table = torch.tensor([[1, 0]], dtype=torch.int32)
     starts, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     one = torch.ones(1, device="cuda")
-    message = (
-        "paged_attention(): attention over a float8_e4m3fn kv_cache runs on the CPU reference only so "
-        "far, got a CUDA query"
-    )
+    message = FP32_QUERIES_MESSAGE
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         _C.paged_attention(
             query, cache, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL, 0.125, out,
@@ -159,17 +162,18 @@ def test_the_fp8_layer_call_is_its_write_then_its_attention():
 
 @pytest.mark.gpu
 def test_cuda_refuses_the_fp8_layer_call_before_writing():
+    """A refused attention (float32 queries over an fp8 cache) leaves the cache unwritten: the
+    write is launched only with the attention."""
     query, key, value, cache, slots, table, starts, lens, scales = _layer_call_inputs("cuda")
     before = cache.clone()
     out = torch.zeros_like(query)
-    message = (
-        "forward_paged(): a float8_e4m3fn kv_cache runs on the CPU reference only so far, got a CUDA query"
-    )
+    message = FP32_QUERIES_MESSAGE
     with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         _C.forward_paged(
             query, key, value, cache, slots, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL,
             0.125, out, table, starts, lens, *scales,
         )  # fmt: skip
+    torch.cuda.synchronize()
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8)) and not out.any()
 
 
@@ -192,7 +196,8 @@ def test_an_fp8_cache_through_the_adapter_api():
     )  # fmt: skip
     assert layer.impl.kv_cache_dtype == "fp8" and layer.calculate_kv_scales
     assert dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "cpu")
-    assert not dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "cuda")
+    assert dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "cuda")
+    assert not dk.DiffKVAttentionImpl.supports_kv_cache_dtype("fp8", "rocm")
     caches = dk.allocate_kv_caches(kv, dtype=F8, device="cpu", layers={"attn": layer})
     assert caches["attn"].dtype == F8 and layer.kv_cache is caches["attn"]
     tables.append_block_ids(0, [dk.BlockPool(16).allocate(4)])

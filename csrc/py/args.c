@@ -29,6 +29,9 @@ dkpy_raise_status(PyObject *module, dk_status status, const dk_error *err)
     case DK_ERR_NOMEM:
         type = PyExc_MemoryError;
         break;
+    case DK_ERR_NOT_IMPLEMENTED:
+        type = PyExc_NotImplementedError;
+        break;
     default:
         type = PyExc_ValueError;
         break;

@@ -380,7 +380,7 @@ dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
 }
 
 /* paged_attention(query, kv_cache, ..., host_seq_lens[, k_scale, v_scale]): with scales, a
- * float8_e4m3fn kv_cache (the CPU reference only, so far). */
+ * float8_e4m3fn kv_cache (the CPU reference; on CUDA the Hopper e4m3 kernel). */
 static PyObject *
 py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -395,15 +395,8 @@ py_paged_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                              nargs == 14 ? args + 12 : none) != 0) {
         return NULL;
     }
-    if (a.kv_fp8 && q.device_type != DK_CPU) {
-        PyErr_Format(PyExc_NotImplementedError,
-                     "%s(): attention over a float8_e4m3fn kv_cache runs on the CPU reference only "
-                     "so far, got a %s query",
-                     op, q.device_type == DK_CUDA ? "CUDA" : "non-CPU");
-        return NULL;
-    }
-    if (a.kv_fp8 && dkpy_check_scale_values(a.k_scale, a.v_scale,
-                                            a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
+    if (a.kv_fp8 && dkpy_check_scales(module, args + 12, args[0], &q, a.k_scale, a.v_scale,
+                                      a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
         return NULL;
     }
     if (dkpy_run_attention(module, args[0], &q, &a) != 0) {

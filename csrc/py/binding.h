@@ -181,6 +181,16 @@ int dkpy_parse_scales(PyObject *module, PyObject *k_obj, PyObject *v_obj, const 
                       int64_t *stride);
 /* Host copies of n scales each are finite and positive: 0, or -1 with ValueError. */
 int dkpy_check_scale_values(const float *k_scale, const float *v_scale, int64_t n, const char *op);
+/* The values of a call's parsed scales (scale_objs: the two tensors, n entries each) on the
+ * query's device are dkpy_check_scale_values's: read directly on the CPU; on CUDA copied to the
+ * host (one synchronisation of the query's stream) the first time a tensor is seen in its
+ * current state -- the same tensor, data pointer and torch version counter (in-place writes
+ * bump it) -- and not again until that changes.  Not read while the stream captures a CUDA
+ * graph: the graph reads the scales at each replay, whatever they hold then.  0, or -1 with
+ * the exception set. */
+int dkpy_check_scales(PyObject *module, PyObject *const *scale_objs, PyObject *q_obj,
+                      const dk_tensor *q, const float *k_scale, const float *v_scale, int64_t n,
+                      const char *op);
 
 /* ---- attention.c: the attention, shared with dense.c and the layer call --------------------- */
 

@@ -194,6 +194,115 @@ dkpy_check_scale_values(const float *k_scale, const float *v_scale, int64_t n, c
     return 0;
 }
 
+/*
+ * Scale tensors whose device values were checked, and in which state: the tensor (a weak
+ * reference: a dead entry matches nothing, so a new tensor at a recycled address is checked
+ * again), its data pointer and torch's version counter (bumped by every in-place write, as
+ * calculate_kv_scales's copy_ does).  A ring of DKPY_CHECKED_SCALES: a model's layers each
+ * keep their own pair.  Touched with the GIL held.
+ */
+#define DKPY_CHECKED_SCALES 128
+static struct {
+    PyObject *ref;
+    const float *ptr;
+    long long version;
+} checked_scales[DKPY_CHECKED_SCALES];
+static int checked_next;
+
+/* torch's version counter of obj, or -1 when it has none (never remembered then). */
+static long long
+scale_version(PyObject *obj)
+{
+    PyObject *v = PyObject_GetAttrString(obj, "_version");
+    long long version = v != NULL && PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        version = -1;
+    }
+    return version;
+}
+
+static int
+scale_checked(PyObject *obj, const float *ptr, long long version)
+{
+    for (int i = 0; version >= 0 && i < DKPY_CHECKED_SCALES; i++) {
+        if (checked_scales[i].ref != NULL && checked_scales[i].ptr == ptr &&
+            checked_scales[i].version == version &&
+            PyWeakref_GetObject(checked_scales[i].ref) == obj) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void
+scale_remember(PyObject *obj, const float *ptr, long long version)
+{
+    if (version < 0) {
+        return;
+    }
+    PyObject *ref = PyWeakref_NewRef(obj, NULL);
+    if (ref == NULL) {
+        PyErr_Clear(); /* not weak-referenceable: checked again next time */
+        return;
+    }
+    Py_XDECREF(checked_scales[checked_next].ref);
+    checked_scales[checked_next].ref = ref;
+    checked_scales[checked_next].ptr = ptr;
+    checked_scales[checked_next].version = version;
+    checked_next = (checked_next + 1) % DKPY_CHECKED_SCALES;
+}
+
+int
+dkpy_check_scales(PyObject *module, PyObject *const *scale_objs, PyObject *q_obj,
+                  const dk_tensor *q, const float *k_scale, const float *v_scale, int64_t n,
+                  const char *op)
+{
+    if (q->device_type == DK_CPU) {
+        return dkpy_check_scale_values(k_scale, v_scale, n, op);
+    }
+    const long long kv = scale_version(scale_objs[0]), vv = scale_version(scale_objs[1]);
+    if (scale_checked(scale_objs[0], k_scale, kv) && scale_checked(scale_objs[1], v_scale, vv)) {
+        return 0;
+    }
+    void *stream = NULL;
+    if (dk_bridge_stream(&state_of(module)->bridge, q_obj, q->device_id, &stream) != 0) {
+        return -1;
+    }
+    if (dk_cuda_stream_capturing(stream)) {
+        return 0; /* a graph reads them at each replay: see dkpy_check_scales's contract */
+    }
+    float *host = (float *)malloc((size_t)(2 * n) * sizeof(float));
+    if (host == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int32_t prev = 0;
+    dk_error err = {{0}};
+    dk_status s = dk_cuda_device_enter(q->device_id, &prev, &err);
+    if (s == DK_OK) {
+        s = dk_cuda_copy_to_host(host, k_scale, (size_t)n * sizeof(float), stream, &err);
+        if (s == DK_OK) {
+            s = dk_cuda_copy_to_host(host + n, v_scale, (size_t)n * sizeof(float), stream, &err);
+        }
+        dk_cuda_device_exit(prev);
+    }
+    if (s != DK_OK) {
+        free(host);
+        dkpy_raise_status(module, s, &err);
+        return -1;
+    }
+    const int bad = dkpy_check_scale_values(host, host + n, n, op);
+    free(host);
+    if (bad != 0) {
+        return -1;
+    }
+    scale_remember(scale_objs[0], k_scale, kv);
+    scale_remember(scale_objs[1], v_scale, vv);
+    return 0;
+}
+
 int
 dkpy_run_kv_write(PyObject *module, PyObject *key_obj, const dk_tensor *k,
                   const dk_kv_write_args *a)

@@ -29,7 +29,8 @@ launch_layer(const void *l, void *stream, dk_error *err)
  * host_seq_lens[, k_scale, v_scale]): every check of both steps, then the KV write and the
  * attention (on CUDA one submission).  out may be [N, H, Dv] or [N, H * Dv], written through
  * its [N, H, Dv] view.  With scales, a float8_e4m3fn kv_cache: the write quantizes and the
- * attention dequantizes with them (the CPU reference only, so far). */
+ * attention dequantizes with them (on CUDA: the Hopper e4m3 kernel, or a refusal before the
+ * write). */
 static PyObject *
 py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -60,15 +61,8 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         w.k_scale = a.k_scale;
         w.v_scale = a.v_scale;
         w.scale_stride_head = a.scale_stride_head;
-        if (q.device_type != DK_CPU) {
-            PyErr_Format(PyExc_NotImplementedError,
-                         "%s(): a float8_e4m3fn kv_cache runs on the CPU reference only so far, "
-                         "got a %s query",
-                         op, q.device_type == DK_CUDA ? "CUDA" : "non-CPU");
-            return NULL;
-        }
-        if (dkpy_check_scale_values(a.k_scale, a.v_scale, a.scale_stride_head ? a.num_kv_heads : 1,
-                                    op) != 0) {
+        if (dkpy_check_scales(module, args + 15, args[0], &q, a.k_scale, a.v_scale,
+                              a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
             return NULL;
         }
     }

@@ -114,8 +114,8 @@ class DiffKVAttentionImpl(AttentionImpl):
     """
 
     # vLLM-Omni's backend contract: the quantized cache dtypes each platform handles (an fp8
-    # cache runs on the CPU reference only, so far).
-    _supported_kv_cache_dtypes = {"cpu": set(FP8_CACHE_DTYPES)}
+    # cache: the CPU reference, and on CUDA the Hopper e4m3 kernel -- other GPUs refuse the call).
+    _supported_kv_cache_dtypes = {"cpu": set(FP8_CACHE_DTYPES), "cuda": set(FP8_CACHE_DTYPES)}
 
     def __init__(
         self,
@@ -182,7 +182,7 @@ class DiffKVAttentionImpl(AttentionImpl):
         ):
             raise NotImplementedError(
                 f"{op}: kv_cache_dtype must be one of {list(_UNQUANTIZED_CACHE_DTYPES)} (an unquantized "
-                f"cache) or {list(FP8_CACHE_DTYPES)} (float8_e4m3fn, the CPU reference only so far), "
+                f"cache) or {list(FP8_CACHE_DTYPES)} (float8_e4m3fn), "
                 f"got {kv_cache_dtype!r}"
             )
         if attn_type is not None and _attn_type_name(attn_type) != "decoder":

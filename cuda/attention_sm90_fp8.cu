@@ -1,0 +1,721 @@
+/*
+ * attention_sm90_fp8.cu -- the Hopper (sm_90a) paged attention kernel over a float8_e4m3fn
+ * cache ("sm90-fp8"), head 64 or 128, fp16/bf16 queries and output: both products on the e4m3
+ * tensor cores with fp32 accumulation, the warp-specialized pipeline of attention_sm90_ws.cu.
+ *
+ * Three warpgroups, one CTA per SM: warpgroup 0 the producer, warpgroups 1 and 2 the consumers,
+ * 64 query rows each (128 per CTA), key tiles of 128 keys.
+ *
+ *   - Q: each consumer warpgroup loads its 64 rows once and quantizes them to e4m3 with one
+ *     scale per row (its largest magnitude / 448: a row keeps e4m3's full relative precision
+ *     whatever the other rows hold), into a 128-byte swizzled tile (one 128-byte row per query
+ *     row; head 64 leaves the second half of each row unused).  A negative softmax scale negates
+ *     Q here.
+ *   - K: the producer's 128 threads copy a tile's key rows with cp.async into a slot of the
+ *     same layout (h90_qk's one-panel case), and S = Q K^T is wgmma m64n128k32 e4m3, D / 32
+ *     k-steps.  The scores' multiplier is softmax_scale * log2(e) * k_scale * q_scale(row).
+ *   - V: wgmma reads 8-bit B operands K-major only, so P V needs V with the key index
+ *     contiguous.  The producer copies a tile's V rows as they lie into a staging slot, and once
+ *     they landed transposes them into the B slot (one 128-key row per head dim) with byte
+ *     permutes: its threads are otherwise idle, and the transpose costs shared-memory bandwidth,
+ *     not HBM.  The key order within each 32-key step is permuted so that P's fp32 accumulator
+ *     registers are already the A operand's bytes: a thread's S holds keys 8n + 2t, 8n + 2t + 1
+ *     of its rows, and the e4m3 A fragment wants columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3,
+ *     so column 16 hh + 4 t + i of a step holds key 16 hh + 8 (i / 2) + 2 t + i % 2 (h8_perm).
+ *   - P: exp2 of the scaled scores minus the row max plus P_LOG2, i.e. 2^8 p in [0, 256],
+ *     where e4m3 keeps 3 mantissa bits down to 2^-6 / 2^8 of the row max (p itself would fall
+ *     into e4m3's subnormals below 2^-6); the row sums take the same 2^8 p (fp32, before
+ *     rounding), so the factor cancels in O / l and is taken out of the LSE.
+ *   - O is scaled by v_scale once at the end.
+ * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
+ *
+ * Pipeline: K has H8_ST slots, V^T H8_SVT, the staging H8_SR; every slot a "full" and an
+ * "empty" mbarrier (K's full: the producer threads' cp.async arrivals; V^T's full: their
+ * arrivals after the transpose).  The consumers take turns issuing their GEMMs (ping-pong, as
+ * in attention_sm90_ws.cu) and issue tile kt's Q K^T with tile kt - 1's P V.  Keys past the
+ * row's last visible key come in as zeros (cp.async's zero fill), so the last tile's V^T needs
+ * no clean-up; the mask drops their scores.
+ *
+ * Epilogue: 16-byte aligned output rows go out through the staging slots (free once the last
+ * V^T landed: the producer's last read of them came before) with h90_store_o_staged, others
+ * row by row (attn_store_row).
+ *
+ * Entry point (attention_internal.cuh): attn_sm90_fp8_launch.
+ */
+#include "attention_common.cuh"
+#include "attention_internal.cuh"
+#include "cuda_common.cuh"
+#include "sm90_async.cuh"
+#include "sm90_tiles.cuh"
+#include "sm90_wgmma.cuh"
+
+#include <cuda.h> /* CUtensorMap */
+#include <string.h>
+
+#include <type_traits>
+
+#define H8_BN 128   /* keys per tile */
+#define H8_NC 2     /* consumer warpgroups */
+#define H8_BM 128   /* query rows per CTA: 64 per consumer warpgroup */
+#define H8_SVT 2    /* V^T slots */
+#define H8_P_LOG2 8 /* P is rounded to e4m3 as 2^8 p */
+#define H8_ROW 128u /* bytes per row of the Q, K and staging tiles */
+#define H8_PRODUCER_REGS 72
+#define H8_CONSUMER_REGS 216
+
+/* K and staging slots per producer: the TMA producer's issuing warp runs ahead of the copies'
+ * latency by the slots it has (three of each fit beside Q and two V^T slots: 144 KB); the
+ * cp.async producer waits for a tile's copies one tile later, two of each. */
+template <bool TMA> struct h8_stages {
+    static constexpr int ST = TMA ? 3 : 2; /* K slots */
+    static constexpr int SR = TMA ? 3 : 2; /* staging slots (V rows as they lie) */
+    /* producer threads that transpose V: warps 1..3 with TMA (warp 0 issues), else all four */
+    static constexpr int TRANSPOSERS = TMA ? 96 : 128;
+};
+
+static_assert(H8_BM == ATTN_BM, "dk_cuda_attention sizes the grid with ATTN_BM");
+static_assert(H8_PRODUCER_REGS + H8_NC * H8_CONSUMER_REGS <= 65536 / 128, "register file");
+
+#ifdef H90_DEVICE_CODE
+/* Four floats as e4m3 bytes (saturating, round to nearest even): a in the lowest byte. */
+static __device__ __forceinline__ uint32_t
+h8_pack4(float a, float b, float c, float d)
+{
+    uint32_t r;
+    asm("{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n}\n"
+        : "=r"(r)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+}
+
+/* Element e (0 .. 7) of a 16-byte chunk of fp16/bf16 T as fp32. */
+template <typename T>
+static __device__ __forceinline__ float
+h8_elem(const uint4 &v, int e)
+{
+    const uint32_t w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+    const uint16_t b = (uint16_t)((e & 1) ? w >> 16 : w & 0xFFFFu);
+    if constexpr (std::is_same_v<T, __half>) {
+        return __half2float(__ushort_as_half(b));
+    }
+    else {
+        return __uint_as_float((uint32_t)b << 16);
+    }
+}
+
+/* Byte offset of 16-byte chunk c of key row r in a staging slot: a swizzle under which the
+ * transpose's reads (four rows 2t + 16 hh + {0, 1, 8, 9} per lane, h8_transpose) hit eight
+ * different chunks per quarter warp. */
+static __device__ __forceinline__ uint32_t
+h8_stage_off(uint32_t r, uint32_t c)
+{
+    return r * H8_ROW + ((c ^ (((r >> 1) & 3u) | (((r >> 4) & 1u) << 2))) << 4);
+}
+
+/*
+ * Quantizes this consumer warpgroup's 64 Q rows (zeros past the row's end) into the e4m3 tile
+ * at sq (128-byte swizzled rows) and their scales into s_qs: thread wt (0 .. 127) takes half
+ * wt % 2 of row 64 cw + wt / 2.  The row's scale is its largest magnitude / 448 (1 for a row of
+ * zeros); neg_q negates the row.  The caller fences and syncs the warpgroup after.
+ */
+template <typename T, int D>
+static __device__ __forceinline__ void
+h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, int64_t q0,
+          int64_t q_start, int64_t query_len, int64_t h, bool q_vec, bool neg_q)
+{
+    constexpr int CH = D / 16; /* 8-element source chunks per half row */
+    const uint32_t r = (uint32_t)(cw * 64 + wt / 2);
+    const int half = wt & 1;
+    uint4 x[CH];
+    if (q0 + r < query_len) {
+        const uint16_t *src = (const uint16_t *)a.query + (q_start + q0 + r) * a.q_stride_token +
+                              h * a.q_stride_head + (int64_t)half * (D / 2) * a.q_stride_dim;
+#pragma unroll
+        for (int i = 0; i < CH; i++) {
+            x[i] = q_vec ? *reinterpret_cast<const uint4 *>(src + 8 * i)
+                         : gather_chunk(src + 8 * i * a.q_stride_dim, a.q_stride_dim);
+        }
+    }
+    else {
+#pragma unroll
+        for (int i = 0; i < CH; i++) {
+            x[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < CH; i++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            amax = fmaxf(amax, fabsf(h8_elem<T>(x[i], e)));
+        }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float qs = amax > 0.0f ? amax / 448.0f : 1.0f;
+    const float inv = (neg_q ? -448.0f : 448.0f) / (amax > 0.0f ? amax : 448.0f);
+    if (half == 0) {
+        s_qs[r] = qs;
+    }
+#pragma unroll
+    for (int i = 0; i < CH; i += 2) { /* two source chunks: one 16-byte e4m3 chunk */
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint4 &v = x[i + j / 2];
+            const int e = 4 * (j % 2);
+            w[j] = h8_pack4(h8_elem<T>(v, e) * inv, h8_elem<T>(v, e + 1) * inv,
+                            h8_elem<T>(v, e + 2) * inv, h8_elem<T>(v, e + 3) * inv);
+        }
+        const uint32_t c = (uint32_t)(half * (CH / 2) + i / 2);
+        st_shared16(sq + sw128(H8_BM, r, c), make_uint4(w[0], w[1], w[2], w[3]));
+    }
+}
+
+/*
+ * Transposes tile kt's V rows (landed in staging slot kt % SR) into V^T slot kt % H8_SVT (row
+ * n: head dim n, 128 keys in h8_perm's order, 128-byte swizzle), after waiting for that slot's
+ * release, and arrives on its full barrier (each of the NT transposing threads; t: this one's
+ * index among them).  Units of 4 keys x 16 dims: four 16-byte loads, 4x4 byte transposes,
+ * sixteen 4-byte stores; a warp takes 32 key groups of one 16-dim group, so its stores fill
+ * whole 128-byte rows (no bank conflicts).  Keys at or past `valid` become zeros: the TMA
+ * producer's boxes bring whole 16-key chunks, whose rows past the row's last key are stale
+ * (0 * nan is nan in P V); cp.async zero-filled them already.  Staging rows lie as the
+ * producer's copies put them: TMA's 128-byte swizzle, or h8_stage_off.  The caller made the
+ * staging slot's contents visible.
+ */
+template <int D, bool TMA, int NT>
+static __device__ __forceinline__ void
+h8_transpose(int32_t kt, int t, int32_t valid, uint32_t sr0, uint32_t svt0, uint32_t full_vt,
+             uint32_t empty_vt)
+{
+    constexpr uint32_t VTB = D * H8_ROW;
+    constexpr int SR = h8_stages<TMA>::SR;
+    const uint32_t slot = (uint32_t)(kt % H8_SVT);
+    if (kt >= H8_SVT) { /* the phase the slot's last use ended */
+        mbar_wait(empty_vt + 8u * slot, (uint32_t)((kt / H8_SVT - 1) & 1));
+    }
+    const uint32_t src = sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW);
+    const uint32_t dst = svt0 + slot * VTB;
+    const auto load = [&](uint32_t r, uint32_t c) -> uint4 {
+        if (TMA && (int32_t)r >= valid) {
+            return make_uint4(0u, 0u, 0u, 0u);
+        }
+        return ld_shared16(src + (TMA ? sw128(H8_BN, r, c) : h8_stage_off(r, c)));
+    };
+#pragma unroll
+    for (int u = t; u < (H8_BN / 4) * (D / 16); u += NT) {
+        const uint32_t kg = (uint32_t)(u % 32); /* 4-key group: step kk, half hh, quad q */
+        const uint32_t dg = (uint32_t)(u / 32); /* 16-dim group */
+        const uint32_t kk = kg / 8, hh = (kg / 4) % 2, q = kg % 4;
+        const uint32_t k0 = 32u * kk + 16u * hh + 2u * q; /* keys k0, +1, +8, +9 */
+        const uint4 x0 = load(k0, dg), x1 = load(k0 + 1u, dg);
+        const uint4 x2 = load(k0 + 8u, dg), x3 = load(k0 + 9u, dg);
+        const uint32_t a[4] = {x0.x, x0.y, x0.z, x0.w}, b[4] = {x1.x, x1.y, x1.z, x1.w};
+        const uint32_t c[4] = {x2.x, x2.y, x2.z, x2.w}, d[4] = {x3.x, x3.y, x3.z, x3.w};
+        const uint32_t col = ((2u * kk + hh) << 4) + 4u * q; /* unswizzled byte of the row */
+#pragma unroll
+        for (int j = 0; j < 4; j++) {                                /* dims 16 dg + 4 j .. + 3 */
+            const uint32_t ab_lo = __byte_perm(a[j], b[j], 0x5140u); /* a0 b0 a1 b1 */
+            const uint32_t ab_hi = __byte_perm(a[j], b[j], 0x7362u); /* a2 b2 a3 b3 */
+            const uint32_t cd_lo = __byte_perm(c[j], d[j], 0x5140u);
+            const uint32_t cd_hi = __byte_perm(c[j], d[j], 0x7362u);
+            const uint32_t y[4] = {
+                __byte_perm(ab_lo, cd_lo, 0x5410u), __byte_perm(ab_lo, cd_lo, 0x7632u),
+                __byte_perm(ab_hi, cd_hi, 0x5410u), __byte_perm(ab_hi, cd_hi, 0x7632u)};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const uint32_t n = 16u * dg + 4u * (uint32_t)j + (uint32_t)e;
+                st_shared_u32(dst + n * H8_ROW + (((col >> 4) ^ (n & 7u)) << 4) + (col & 15u),
+                              y[e]);
+            }
+        }
+    }
+    fence_proxy_async(); /* the generic-proxy stores, for wgmma */
+    mbar_arrive(full_vt + 8u * slot);
+}
+
+/*
+ * The cp.async producer warpgroup (128 threads): per key tile, thread t resolves key t's row offset
+ * into a shared ring of two tiles; then K's rows go by cp.async into K slot kt % ST (arriving on
+ * its full barrier as they land) and V's into staging slot kt % SR, 16-byte chunk tid % CH
+ * of rows tid / CH + (128 / CH) i, zero-filled past kv_end; then tile kt - 1's V, landed by
+ * now, is transposed.  Barrier 15 (once per tile, after the ring is written) also orders every
+ * thread's transpose of tile kt - 2 before the copies into its staging slot; barrier 14 makes
+ * tile kt - 1's staging copies visible to the transpose.
+ */
+template <int D>
+static __device__ __forceinline__ void
+h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, int32_t n_tiles,
+           uint32_t sk0, uint32_t sr0, uint32_t svt0, uint32_t full_k, uint32_t full_vt,
+           uint32_t empty_k, uint32_t empty_vt)
+{
+    constexpr int CH = D / 16;   /* 16-byte chunks per key row */
+    constexpr int RP = 128 / CH; /* rows per pass of the 128 threads */
+    __shared__ int64_t s_off[2][H8_BN];
+    const int tid = (int)threadIdx.x;
+    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
+    const int32_t *const bt = a.block_table + row * a.bt_stride_row;
+    const char *const kc = (const char *)a.key_cache, *const vc = (const char *)a.value_cache;
+    const char *const kc2 = (const char *)a.key_cache2, *const vc2 = (const char *)a.value_cache2;
+    const uint32_t bs = (uint32_t)a.block_size;
+    const uint32_t c = (uint32_t)(tid % CH), rr = (uint32_t)(tid / CH);
+    int32_t blk = tid < kv_end ? bt[(uint32_t)tid / bs] : 0; /* loaded a tile ahead */
+    constexpr int ST = h8_stages<false>::ST, SR = h8_stages<false>::SR;
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t j0 = kt * H8_BN;
+        const int32_t j = j0 + tid;
+        s_off[kt & 1][tid] =
+            j < kv_end ? kv_block_offset<1>(a, dk_safe_block(a, blk), (uint32_t)j % bs, kvh) : 0;
+        const int32_t jn = j + H8_BN;
+        blk = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
+        named_barrier(15u, 128u);
+        const int64_t *const offs = s_off[kt & 1];
+        const uint32_t slot_k = (uint32_t)(kt % ST);
+        if (kt >= ST) {
+            mbar_wait(empty_k + 8u * slot_k, (uint32_t)((kt / ST - 1) & 1));
+        }
+        const uint32_t dk = sk0 + slot_k * (H8_BN * H8_ROW);
+        const uint32_t dv = sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW);
+#pragma unroll
+        for (int i = 0; i < H8_BN / RP; i++) {
+            const uint32_t r = rr + (uint32_t)(RP * i);
+            cp_async16(dk + sw128(H8_BN, r, c), kv_row(kc, kc2, offs[r]) + c * 16u,
+                       j0 + (int32_t)r < kv_end ? 16u : 0u);
+        }
+        cp_async_arrive_noinc(full_k + 8u * slot_k);
+#pragma unroll
+        for (int i = 0; i < H8_BN / RP; i++) {
+            const uint32_t r = rr + (uint32_t)(RP * i);
+            cp_async16(dv + h8_stage_off(r, c), kv_row(vc, vc2, offs[r]) + c * 16u,
+                       j0 + (int32_t)r < kv_end ? 16u : 0u);
+        }
+        cp_async_commit();
+        if (kt > 0) {
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory"); /* tile kt - 1's copies */
+            named_barrier(14u, 128u);
+            h8_transpose<D, false, 128>(kt - 1, tid, H8_BN, sr0, svt0, full_vt, empty_vt);
+        }
+    }
+    cp_async_wait_all();
+    if (n_tiles > 0) {
+        named_barrier(14u, 128u);
+        h8_transpose<D, false, 128>(n_tiles - 1, tid, H8_BN, sr0, svt0, full_vt, empty_vt);
+    }
+}
+
+/*
+ * The TMA producer warpgroup (head 128, blocks of a multiple of 16 keys, every block's rows in
+ * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 7 each bring one 16-key chunk of a tile as a
+ * TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
+ * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
+ * fetched.  The block ids come a tile ahead.  Warps 1 .. 3 transpose: per tile they wait for
+ * its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one
+ * arrive per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing
+ * warp runs ahead by the slots it has.
+ */
+template <int D>
+static __device__ __forceinline__ void
+h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, int32_t n_tiles,
+               uint32_t sk0, uint32_t sr0, uint32_t svt0, uint32_t full_k, uint32_t full_s,
+               uint32_t full_vt, uint32_t empty_k, uint32_t empty_s, uint32_t empty_vt,
+               const CUtensorMap *tmk, const CUtensorMap *tmv)
+{
+    constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR;
+    constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
+    static_assert(D == 128, "one 128-byte row per key");
+    const int warp = (int)(threadIdx.x >> 5);
+    const int lane = (int)(threadIdx.x & 31u);
+    if (warp != 0) {
+        const int t = (int)threadIdx.x - 32;
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const uint32_t ss = (uint32_t)(kt % SR);
+            mbar_wait(full_s + 8u * ss, (uint32_t)((kt / SR) & 1));
+            h8_transpose<D, true, 96>(kt, t, kv_end - kt * H8_BN, sr0, svt0, full_vt, empty_vt);
+            __syncwarp();
+            if (lane == 0) {
+                mbar_arrive(empty_s + 8u * ss);
+            }
+        }
+        return;
+    }
+    const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
+    const int32_t *const bt = a.block_table + row * a.bt_stride_row;
+    const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
+    const uint32_t bs = (uint32_t)a.block_size;
+    /* this lane's chunk of tile kt: its block (dk_safe_block's clamp), -1 past kv_end */
+    const auto block_of = [&](int32_t kt) -> int32_t {
+        const int32_t key = kt * H8_BN + 16 * lane;
+        if (lane >= H8_BN / 16 || key >= kv_end) {
+            return -1;
+        }
+        const int32_t b = bt[(uint32_t)key / bs];
+        return (uint32_t)b < nblocks ? b : 0;
+    };
+    int32_t blk = block_of(0);
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t next = kt + 1 < n_tiles ? block_of(kt + 1) : -1;
+        const int32_t tok = (int32_t)((uint32_t)(kt * H8_BN + 16 * lane) % bs);
+        const uint32_t bytes = (uint32_t)min(H8_BN / 16, (kv_end - kt * H8_BN + 15) / 16) * CHUNK;
+        /* K into slot kt % ST, then V into staging slot kt % SR, each once its slot is free */
+        const auto issue = [&](int stages, uint32_t dst0, uint32_t full, uint32_t empty,
+                               const CUtensorMap *map) {
+            const uint32_t slot = (uint32_t)(kt % stages);
+            if (kt >= stages) {
+                mbar_wait(empty + 8u * slot, (uint32_t)((kt / stages - 1) & 1));
+            }
+            if (lane == 0) {
+                mbar_arrive_expect_tx(full + 8u * slot, bytes);
+            }
+            __syncwarp();
+            if (blk >= 0) {
+                tma_load_4d(dst0 + slot * (H8_BN * H8_ROW) + (uint32_t)lane * CHUNK, map,
+                            full + 8u * slot, 0, tok, kvh, blk);
+            }
+        };
+        issue(ST, sk0, full_k, empty_k, tmk);
+        issue(SR, sr0, full_s, empty_s, tmv);
+        blk = next;
+    }
+}
+
+/* S (m64 x 128 keys) = Q K^T in e4m3 for one key tile (no commit), after a wgmma fence: D / 32
+ * k-steps of 32 bytes within the 128-byte rows of Q (the warpgroup's 64 rows at q_slab) and K
+ * (the slot at sk). */
+template <int D>
+static __device__ __forceinline__ void
+h8_qk(float (&s)[H8_BN / 2], uint32_t q_slab, uint32_t sk)
+{
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 32; kk++) {
+        wgmma_ss_m64n128_e4m3(s, wgmma_desc(q_slab + 32u * (uint32_t)kk, 16u, 1024u),
+                              wgmma_desc(sk + 32u * (uint32_t)kk, 16u, 1024u), kk > 0);
+    }
+}
+
+/* O += P V in e4m3 for one key tile (no commit): four 32-key steps of P (registers) times the
+ * V^T slot at svt (32 bytes a step within its 128-byte rows). */
+template <int D>
+static __device__ __forceinline__ void
+h8_pv(float (&o)[D / 2], const uint32_t (&pa)[H8_BN / 32][4], uint32_t svt)
+{
+#pragma unroll
+    for (int kk = 0; kk < H8_BN / 32; kk++) {
+        h90_pv_e4m3(o, pa[kk], wgmma_desc(svt + 32u * (uint32_t)kk, 16u, 1024u));
+    }
+}
+
+/* P (fp32 2^8 p, the S accumulator layout) as the e4m3 A fragments of P V in h8_perm's key
+ * order: register 0 row g, keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the step; 1 the same of row
+ * g + 8; 2 and 3 the keys 16 later. */
+static __device__ __forceinline__ void
+h8_pack_p(uint32_t (&pa)[H8_BN / 32][4], const float (&s)[H8_BN / 2])
+{
+#pragma unroll
+    for (int kk = 0; kk < H8_BN / 32; kk++) {
+        const float *x = &s[16 * kk]; /* n-tiles 4 kk .. 4 kk + 3 */
+        pa[kk][0] = h8_pack4(x[0], x[1], x[4], x[5]);
+        pa[kk][1] = h8_pack4(x[2], x[3], x[6], x[7]);
+        pa[kk][2] = h8_pack4(x[8], x[9], x[12], x[13]);
+        pa[kk][3] = h8_pack4(x[10], x[11], x[14], x[15]);
+    }
+}
+
+#endif /* H90_DEVICE_CODE */
+
+template <typename T, int D, bool TMA>
+/* clang-format off */
+static __global__ void __launch_bounds__(128 * (H8_NC + 1), 1)
+attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
+                          const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
+                          int64_t tiles_per_row, int64_t head_group, float scale_log2, bool neg_q,
+                          bool q_vec, bool o_vec, bool o16, bool sort_rows)
+/* clang-format on */
+{
+#ifdef H90_DEVICE_CODE
+    constexpr int NC = H8_NC;
+    constexpr int BM = H8_BM;
+    constexpr int DT = D / 8;
+    constexpr int ST = h8_stages<TMA>::ST, SR = h8_stages<TMA>::SR;
+    constexpr uint32_t TILE = H8_BN * H8_ROW; /* a K or staging slot; the Q tile */
+    constexpr uint32_t VTB = D * H8_ROW;      /* a V^T slot */
+    using regs = h90_ws_regs<H8_PRODUCER_REGS, H8_CONSUMER_REGS>;
+
+    extern __shared__ uint4 h8_smem[];
+    __shared__ int32_t s_lim[BM];
+    __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
+    __shared__ float s_qs[BM];
+    __shared__ int32_t s_row;
+    /* full K[ST], full V^T[SVT], empty K[ST], empty V^T[SVT]; with TMA full and empty
+     * staging[SR] */
+    __shared__ __align__(8) uint64_t s_bar[2 * (ST + H8_SVT + SR)];
+    const uint32_t raw = smem_addr(h8_smem);
+    const uint32_t sq = raw + ((1024u - (raw & 1023u)) & 1023u); /* Q tile */
+    const uint32_t sk0 = sq + TILE;                              /* K slots */
+    const uint32_t sr0 = sk0 + ST * TILE;                        /* staging slots */
+    const uint32_t svt0 = sr0 + SR * TILE;                       /* V^T slots */
+    const uint32_t full_k = smem_addr(s_bar);
+    const uint32_t full_vt = full_k + 8u * ST;
+    const uint32_t empty_k = full_vt + 8u * H8_SVT;
+    const uint32_t empty_vt = empty_k + 8u * ST;
+    const uint32_t full_s = empty_vt + 8u * H8_SVT;
+    const uint32_t empty_s = full_s + 8u * SR;
+
+    attn_cta cta;
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
+        return;
+    }
+    const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
+    const int64_t q_start = cta.q_start, query_len = cta.query_len, seq_len = cta.seq_len;
+    const int tid = (int)threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
+    const int lane = tid % 32;
+
+    /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
+    if (tid < BM) {
+        int32_t wmax, wmin;
+        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
+        if (lane == 0) {
+            s_wmax[tid / 32] = wmax;
+            s_wmin[tid / 32] = wmin;
+        }
+        if (tid == 0) {
+            /* K's full: the TMA warp's expect_tx, or the cp.async threads' arrivals; V^T's full:
+             * the transposing threads' arrivals; empties: the consumers' warps */
+#pragma unroll
+            for (int i = 0; i < ST; i++) {
+                mbar_init(full_k + 8u * (uint32_t)i, TMA ? 1u : 128u);
+                mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC);
+            }
+#pragma unroll
+            for (int i = 0; i < H8_SVT; i++) {
+                mbar_init(full_vt + 8u * (uint32_t)i, (uint32_t)h8_stages<TMA>::TRANSPOSERS);
+                mbar_init(empty_vt + 8u * (uint32_t)i, 4u * NC);
+            }
+#pragma unroll
+            for (int i = 0; i < (TMA ? SR : 0); i++) { /* the TMA warp; the 3 transposing warps */
+                mbar_init(full_s + 8u * (uint32_t)i, 1u);
+                mbar_init(empty_s + 8u * (uint32_t)i, 3u);
+            }
+            mbar_init_fence();
+        }
+    }
+    __syncthreads();
+    int32_t kv_end = s_wmax[0];
+#pragma unroll
+    for (int w = 1; w < BM / 32; w++) {
+        kv_end = max(kv_end, s_wmax[w]);
+    }
+    const int32_t n_tiles = (kv_end + H8_BN - 1) / H8_BN;
+
+    if (wg == 0) {
+        regs::producer();
+        if constexpr (TMA) {
+            h8_produce_tma<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_s, full_vt,
+                              empty_k, empty_s, empty_vt, &tmk, &tmv);
+        }
+        else {
+            h8_produce<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_vt, empty_k,
+                          empty_vt);
+        }
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    regs::consumer();
+    const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
+    const int wt = tid - 128 * wg; /* thread within the warpgroup */
+    const int w4 = wt / 32;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+    const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
+    const float k_scale = a.k_scale[kvh * a.scale_stride_head];
+    const float v_scale = a.v_scale[kvh * a.scale_stride_head];
+
+    h8_load_q<T, D>(a, sq, s_qs, cw, wt, q0, q_start, query_len, h, q_vec, neg_q);
+    fence_proxy_async();
+    named_barrier(1u + (uint32_t)cw, 128u);
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        o[i] = 0.0f;
+    }
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
+    uint32_t pa[H8_BN / 32][4];
+    float s[H8_BN / 2];
+    const int r0 = cw * 64 + w4 * 16 + g; /* this thread's rows r0 and r0 + 8 */
+    const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
+    const int32_t g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
+    const float sl2[2] = {scale_log2 * k_scale * s_qs[r0], scale_log2 * k_scale * s_qs[r0 + 8]};
+    const uint32_t q_slab = sq + (uint32_t)cw * 64u * H8_ROW;
+
+    if (n_tiles > 0) {
+        /* ping-pong turns (attention_sm90_ws.cu): barrier 8 + cw, the last warpgroup opens */
+        if (cw == NC - 1) {
+            named_arrive(8u, 256u);
+        }
+        for (int32_t kt = 0; kt < n_tiles; kt++) {
+            const int32_t j0 = kt * H8_BN;
+            const uint32_t slot = (uint32_t)(kt % ST);
+            mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+            if (!TMA) {
+                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+            }
+            float alpha[2];
+            if (kt == 0) {
+                named_barrier(8u + (uint32_t)cw, 256u);
+                h8_qk<D>(s, q_slab, sk0);
+                wgmma_commit();
+                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                wgmma_wait_all();
+                fence_regs(s);
+                if (lane == 0) {
+                    mbar_arrive(empty_k + 8u * slot);
+                }
+                h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2>(s, m, l, alpha, j0, lim0, lim1, g_min,
+                                                             tq, sl2);
+            }
+            else {
+                const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
+                mbar_wait(full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
+                named_barrier(8u + (uint32_t)cw, 256u);
+                h8_qk<D>(s, q_slab, sk0 + slot * TILE);
+                wgmma_commit();
+                h8_pv<D>(o, pa, svt0 + pslot * VTB);
+                wgmma_commit();
+                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
+                fence_regs(s);
+                if (lane == 0) {
+                    mbar_arrive(empty_k + 8u * slot);
+                }
+                const bool rescale = h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2>(
+                    s, m, l, alpha, j0, lim0, lim1, g_min, tq, sl2);
+                wgmma_wait_all();
+                fence_regs(o);
+                if (lane == 0) {
+                    mbar_arrive(empty_vt + 8u * pslot);
+                }
+                if (rescale) {
+                    h90_rescale_o<DT>(o, alpha);
+                }
+            }
+            h8_pack_p(pa, s);
+        }
+        if (cw == 0) {
+            named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
+        }
+        const uint32_t lslot = (uint32_t)((n_tiles - 1) % H8_SVT);
+        mbar_wait(full_vt + 8u * lslot, (uint32_t)(((n_tiles - 1) / H8_SVT) & 1));
+        fence_regs(o);
+        wgmma_fence();
+        h8_pv<D>(o, pa, svt0 + lslot * VTB);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(o);
+    }
+
+    /* Epilogue: O v_scale / l; O and l both carry 2^P_LOG2, taken out of l here so that the
+     * LSE (m sl2 + log2 l) comes out right. */
+    const float out_scale = v_scale * (1.0f / (float)(1 << H8_P_LOG2));
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) {
+        o[i] *= out_scale;
+    }
+    l[0] *= 1.0f / (float)(1 << H8_P_LOG2);
+    l[1] *= 1.0f / (float)(1 << H8_P_LOG2);
+    const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
+    if (o16) {
+        /* the staging slots (BM * D * 2 bytes), free: the producer's last read of them came
+         * before the last V^T's arrival, which this warpgroup waited for */
+        h90_store_o_staged<T, D, BM>(a, sr0, cw, wt, h, t0, tile_rows, l, m, sl2, o);
+    }
+    else {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = r0 + 8 * hf;
+            attn_store_row<T, DT>(a, h, t0 + r, r < tile_rows, l[hf], m[hf], sl2[hf], &o[2 * hf],
+                                  tq, o_vec);
+        }
+    }
+#else
+    (void)tmk;
+    (void)tmv;
+    (void)a;
+    (void)tiles_per_row;
+    (void)head_group;
+    (void)scale_log2;
+    (void)neg_q;
+    (void)q_vec;
+    (void)o_vec;
+    (void)o16;
+    (void)sort_rows;
+    __trap(); /* launched only where the sm_90a code exists (attn_sm90_ready) */
+#endif
+}
+
+/* Launches attention_sm90_fp8_kernel<T, D, TMA> (attn_sm90_fp8_launch's contract; maps: the
+ * TMA producer's, zeros otherwise).  The shared-memory attribute is set once per
+ * (instantiation, device). */
+template <typename T, int D, bool TMA>
+static cudaError_t
+h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group, float scale_log2,
+          bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
+{
+    static volatile bool attr_set[ATTN_MAX_DEVICES];
+    constexpr int ST = h8_stages<TMA>::ST, SR = h8_stages<TMA>::SR;
+    static_assert((size_t)SR * H8_BN * H8_ROW >= (size_t)H8_BM * D * 2,
+                  "the staged epilogue fits in the staging slots");
+    /* Q, K, staging and V^T slots, alignment slack */
+    const size_t smem = (size_t)(1 + ST + SR) * H8_BN * H8_ROW + (size_t)H8_SVT * D * H8_ROW + 1024;
+    const void *kernel = (const void *)attention_sm90_fp8_kernel<T, D, TMA>;
+    const cudaError_t e = attn_allow_smem(kernel, smem, attr_set);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    int64_t tiles_per_row = dk_cdiv(a->max_query_len, H8_BM);
+    bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
+    const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
+    const int64_t es = 2;
+    bool o16 = a->o_stride_dim == 1 && (uintptr_t)a->out % 16 == 0 &&
+               (a->o_stride_token * es) % 16 == 0 && (a->o_stride_head * es) % 16 == 0;
+    void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)a, &tiles_per_row, &head_group,
+                    &scale_log2,      &neg_q,           &q_vec,    &o_vec,         &o16,
+                    &sort_rows};
+    return dk_launch_after(a->pending, kernel, dim3(blocks), dim3(128 * (H8_NC + 1)), smem, s,
+                           args);
+}
+
+/* attention_internal.cuh's contract: the TMA producer where h8_tma_chunk_maps encodes the
+ * cache's maps (head 128, blocks of a multiple of 16 keys, one source), else cp.async. */
+cudaError_t
+attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2, bool neg_q,
+                     bool q_vec, bool o_vec, cudaStream_t s, bool *tma)
+{
+    CUtensorMap maps[2];
+    memset(maps, 0, sizeof(maps));
+    const bool bf16 = a->dtype == DK_BF16;
+    *tma = a->head_size == 128 && h8_tma_chunk_maps(a, &maps[0], &maps[1]);
+    if (*tma) {
+        return bf16 ? h8_launch<__nv_bfloat16, 128, true>(a, maps, head_group, scale_log2, neg_q,
+                                                          q_vec, o_vec, s)
+                    : h8_launch<__half, 128, true>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                   o_vec, s);
+    }
+    if (a->head_size == 128) {
+        return bf16 ? h8_launch<__nv_bfloat16, 128, false>(a, maps, head_group, scale_log2, neg_q,
+                                                           q_vec, o_vec, s)
+                    : h8_launch<__half, 128, false>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                    o_vec, s);
+    }
+    return bf16 ? h8_launch<__nv_bfloat16, 64, false>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                      o_vec, s)
+                : h8_launch<__half, 64, false>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec,
+                                               s);
+}

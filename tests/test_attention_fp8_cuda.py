@@ -1,0 +1,243 @@
+"""Paged attention over a float8_e4m3fn cache on CUDA: the Hopper e4m3 kernel ("sm90-fp8").
+
+Both products run on e4m3 tensor cores: Q is rounded to e4m3 with one scale per (token, head)
+(its largest magnitude / 448), P as 2^8 p.  The reference is float64 over the dequantized cache
+(``e4m3 * scale``) and over Q rounded as the kernel documents it (``e4m3_rows``), so what is
+left between them is P's rounding to e4m3: a relative error of at most 2^-4 per probability
+(RMS about 2^-4 / sqrt(3) / 1.5 over uniformly spread mantissas) that averages incoherently over
+the keys -- the output's relative L2 error stays near 0.02.  The tolerance is 2^-4 relative L2
+and 2^-2 of the largest output for any element; the test data's scores spread with a standard
+deviation of about 3, so a k_scale 10 % off (a different temperature) or a v_scale 10 % off
+fails both (``test_a_wrong_scale_fails_the_tolerance``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffkv import _C
+from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_none, ref_attention
+
+pytestmark = pytest.mark.gpu
+
+F8 = torch.float8_e4m3fn
+REL_L2 = 2.0**-4
+REL_MAX = 2.0**-2
+
+
+def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
+    """Q ``[n, H, D]`` as the kernel rounds it, float64: per (token, head) row, ``x * (448 /
+    amax)`` in fp32 rounded to e4m3, times ``amax / 448``."""
+    x = q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.full_like(amax, 448.0))
+    codes = (x * (448.0 / safe)).clamp(-448, 448).to(F8)
+    return codes.double() * torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).double()
+
+
+def _layout(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """values ``[2, blocks, block, Hkv, D]`` in a cache layout (same logical shape)."""
+    if layout == "hnd":
+        return values.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    if layout == "block_major":
+        return values.permute(1, 0, 2, 3, 4).contiguous().permute(1, 0, 2, 3, 4)
+    return values.contiguous()
+
+
+def _problem(rows, heads, kv_heads, size, block, layout, per_head, dtype, seed):
+    """A paged fp8 problem on CUDA: (query, cache, table, starts, lens, k_scale, v_scale) with
+    e4m3 K/V spread over the format's range, scores of standard deviation about 3."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = max(-(-s // block) for _, s in rows)
+    blocks = len(rows) * cols + 3
+    codes = (torch.randn(2, blocks, block, kv_heads, size, generator=gen) * 60).clamp(-448, 448).to(F8)
+    cache = _layout(codes, layout).cuda()
+    table = torch.randperm(blocks, generator=gen)[: len(rows) * cols].view(len(rows), cols).int()
+    starts = torch.tensor([0] + list(torch.tensor([q for q, _ in rows]).cumsum(0)), dtype=torch.int32)
+    lens = torch.tensor([s for _, s in rows], dtype=torch.int32)
+    n = int(starts[-1])
+    k_scale = torch.rand(kv_heads if per_head else 1, generator=gen) * 0.01 + 0.005
+    v_scale = torch.rand(kv_heads if per_head else 1, generator=gen) * 0.05 + 0.01
+    # keys dequantize to about 60 * k_scale; scores of std ~3 under scale = size ** -0.5
+    q_std = 3.0 / (60 * float(k_scale.mean()))
+    query = (torch.randn(n, heads, size, generator=gen) * q_std).to(dtype).cuda()
+    return query, cache, table, starts, lens, k_scale.cuda(), v_scale.cuda()
+
+
+def _run(query, cache, table, starts, lens, k_scale, v_scale, mode, scale, limits=None, out=None):
+    out = torch.full_like(query, float("nan")) if out is None else out
+    _C.paged_attention(
+        query, cache, table.cuda(), starts.cuda(), lens.cuda(), limits, mode, scale, out, table, starts, lens,
+        k_scale, v_scale,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out
+
+
+def _expected(query, cache, table, starts, lens, k_scale, v_scale, visible_of, scale):
+    deq = cache.double().cpu()
+    deq[0] *= k_scale.double().cpu().view(-1, 1)  # one per tensor or one per KV head
+    deq[1] *= v_scale.double().cpu().view(-1, 1)
+    q = e4m3_rows(query.cpu())
+    parts = []
+    for r in range(len(lens)):
+        lo, hi, seq_len = int(starts[r]), int(starts[r + 1]), int(lens[r])
+        k, v = dense_kv_from_cache(deq, table[r], seq_len)
+        parts.append(ref_attention(q[lo:hi], k, v, visible_of(r, lo, hi, seq_len), scale))
+    return torch.cat(parts)
+
+
+def _check(out, exact):
+    out = out.double().cpu()
+    assert torch.isfinite(out).all()
+    diff = out - exact
+    rel_l2 = (diff.norm() / exact.norm()).item()
+    rel_max = (diff.abs().max() / exact.abs().max()).item()
+    assert rel_l2 <= REL_L2 and rel_max <= REL_MAX, (rel_l2, rel_max)
+    return rel_l2
+
+
+def _visible(mask, limits):
+    def of(r, lo, hi, seq_len):
+        positions = list(range(seq_len - (hi - lo), seq_len))
+        if mask == "none":
+            return mask_none(positions, seq_len)
+        if mask == "causal":
+            return mask_causal(positions, seq_len)
+        return mask_key_limits(limits[lo:hi].cpu(), seq_len)
+
+    return of
+
+
+def _limits(rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(max(s - q - 40, 0), s + 1, (q,), generator=gen) for q, s in rows]
+    limits = torch.cat(parts).int()
+    limits[::17] = 0  # tokens that see no key: zeros
+    return limits.cuda()
+
+
+MODES = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}
+
+
+@pytest.mark.parametrize("size", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize(
+    ("block", "layout", "per_head"),
+    [(16, "contiguous", False), (1, "contiguous", True), (16, "hnd", True), (64, "block_major", False)],
+)
+def test_fp8_attention_matches_the_reference(size, dtype, mask, block, layout, per_head):
+    rows = [(300, 700), (129, 129), (1, 333), (64, 900)]
+    heads, kv_heads = 8, 2
+    prob = _problem(rows, heads, kv_heads, size, block, layout, per_head, dtype, seed=size + block)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    limits = _limits(rows, 5) if mask == "limits" else None
+    scale = size**-0.5
+    out = _run(*prob, MODES[mask], scale, limits)
+    # TMA boxes of 16-key chunks at head 128 with blocks of a multiple of 16 keys, else cp.async
+    assert _C.last_attention_kernel() == ("sm90-fp8-tma" if size == 128 and block % 16 == 0 else "sm90-fp8")
+    _check(out, _expected(*prob, _visible(mask, limits), scale))
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_both_producers_compute_the_same_bits(mask):
+    """The TMA producer (16-key blocks) and the cp.async one (the same cache seen as 8-key
+    blocks) feed the same tiles: the outputs are equal bit for bit."""
+    rows = [(300, 1000), (77, 333)]
+    prob = _problem(rows, 8, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=12)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    out16 = _run(*prob, MODES[mask], 0.1)
+    assert _C.last_attention_kernel() == "sm90-fp8-tma"
+    halves = cache.view(2, cache.shape[1] * 2, 8, *cache.shape[3:])
+    table8 = torch.stack([2 * table, 2 * table + 1], dim=-1).flatten(1).int()
+    out8 = _run(query, halves, table8, starts, lens, k_scale, v_scale, MODES[mask], 0.1)
+    assert _C.last_attention_kernel() == "sm90-fp8"
+    assert torch.equal(out16, out8)
+
+
+def test_a_wrong_scale_fails_the_tolerance():
+    """The tolerance is tight enough to see a scale 10 % off."""
+    rows = [(256, 1024)]
+    prob = _problem(rows, 4, 4, 128, 16, "contiguous", False, torch.bfloat16, seed=1)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    out = _run(*prob, _C.MASK_NONE, 128**-0.5)
+    visible = _visible("none", None)
+    _check(out, _expected(*prob, visible, 128**-0.5))
+    for k_f, v_f in ((1.1, 1.0), (1.0, 1.1)):
+        wrong = _expected(query, cache, table, starts, lens, k_scale * k_f, v_scale * v_f, visible, 128**-0.5)
+        with pytest.raises(AssertionError):
+            _check(out, wrong)
+
+
+def test_strided_query_and_output_and_one_tile_rows():
+    """A query view of a fused QKV projection, an output with padded rows."""
+    rows = [(5, 5), (200, 450)]
+    prob = _problem(rows, 4, 1, 128, 16, "contiguous", False, torch.bfloat16, seed=9)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    fused = torch.randn(query.shape[0], 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    fused[:, 0] = query
+    strided_q = fused[:, 0]
+    out_store = torch.full((query.shape[0], 4, 130), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = out_store[:, :, :128]
+    _run(strided_q, cache, table, starts, lens, k_scale, v_scale, _C.MASK_CAUSAL, 128**-0.5, out=out)
+    _check(out, _expected(*prob, _visible("causal", None), 128**-0.5))
+    assert torch.isnan(out_store[:, :, 128:]).all()
+
+
+def test_long_rows_and_gqa_groups():
+    rows = [(1024, 5000), (2048, 2048)]
+    prob = _problem(rows, 16, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=4)
+    out = _run(*prob, _C.MASK_CAUSAL, 128**-0.5)
+    _check(out, _expected(*prob, _visible("causal", None), 128**-0.5))
+
+
+def test_the_fp8_layer_call_on_cuda_is_write_then_attention():
+    """forward_paged over an fp8 cache on CUDA: the quantizing write then the e4m3 attention, in
+    one submission -- the same cache bytes and the same output as the two calls."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [(40, 300), (7, 77)]
+    prob = _problem(rows, 8, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=3)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    n = query.shape[0]
+    key = (torch.randn(n, 2, 128, generator=gen) * 0.3).to(torch.bfloat16).cuda()
+    value = torch.randn(n, 2, 128, generator=gen).to(torch.bfloat16).cuda()
+    slots = []
+    for r, (q_len, seq_len) in enumerate(rows):
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(int(table[r, p // 16]) * 16 + p % 16)
+    slots = torch.tensor(slots).cuda()
+    separate = cache.clone()
+    _C.kv_write(key, value, separate, slots, k_scale, v_scale)
+    expected = _run(query, separate, table, starts, lens, k_scale, v_scale, _C.MASK_CAUSAL, 0.1)
+    out = torch.full_like(query, float("nan"))
+    _C.forward_paged(
+        query, key, value, cache, slots, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL, 0.1,
+        out, table, starts, lens, k_scale, v_scale,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(cache.view(torch.uint8), separate.view(torch.uint8))
+    assert torch.equal(out, expected)
+
+
+def test_fp8_attention_replays_in_a_cuda_graph():
+    rows = [(100, 400)]
+    prob = _problem(rows, 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=6)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    eager = _run(*prob, _C.MASK_NONE, 0.09)
+    out = torch.zeros_like(query)
+    bt, sl, ln = table.cuda(), starts.cuda(), lens.cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            _C.paged_attention(
+                query, cache, bt, sl, ln, None, _C.MASK_NONE, 0.09, out, table, starts, lens, k_scale, v_scale
+            )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    k_scale.mul_(1.5)  # the scales are read on the device at each replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _run(*prob, _C.MASK_NONE, 0.09))
