@@ -1,27 +1,25 @@
 /*
  * attention_sm90_fp8.cu -- the Hopper (sm_90a) paged attention kernel over a float8_e4m3fn
- * cache ("sm90-fp8"), head 64 or 128, fp16/bf16 queries and output: both products on the e4m3
- * tensor cores with fp32 accumulation, the warp-specialized pipeline of attention_sm90_ws.cu.
+ * cache, head 64 or 128, fp16/bf16 queries and output: both products on the e4m3 tensor cores
+ * with fp32 accumulation, in the warp-specialized form of attention_sm90_ws.cu.
  *
  * Three warpgroups, one CTA per SM: warpgroup 0 the producer, warpgroups 1 and 2 the consumers,
  * 64 query rows each (128 per CTA), key tiles of 128 keys.
  *
- *   - Q: each consumer warpgroup loads its 64 rows once and quantizes them to e4m3 with one
- *     scale per row (its largest magnitude / 448: a row keeps e4m3's full relative precision
- *     whatever the other rows hold), into a 128-byte swizzled tile (one 128-byte row per query
- *     row; head 64 leaves the second half of each row unused).  A negative softmax scale negates
- *     Q here.
- *   - K: the producer's 128 threads copy a tile's key rows with cp.async into a slot of the
- *     same layout (h90_qk's one-panel case), and S = Q K^T is wgmma m64n128k32 e4m3, D / 32
- *     k-steps.  The scores' multiplier is softmax_scale * log2(e) * k_scale * q_scale(row).
+ *   - Q: each consumer warpgroup loads its 64 rows once and rounds them to e4m3 with one scale
+ *     per row (its largest magnitude / 448: a row keeps e4m3's full relative precision whatever
+ *     the other rows hold) into a 128-byte swizzled tile (one 128-byte row per query row; head
+ *     64 leaves the second half of each row unused).  A negative softmax scale negates Q here.
+ *   - K: S = Q K^T is wgmma m64n128k32 e4m3 over D / 32 k-steps of the K slot (the same
+ *     layout); the scores' multiplier is softmax_scale * log2(e) * k_scale * q_scale(row).
  *   - V: wgmma reads 8-bit B operands K-major only, so P V needs V with the key index
- *     contiguous.  The producer copies a tile's V rows as they lie into a staging slot, and once
- *     they landed transposes them into the B slot (one 128-key row per head dim) with byte
- *     permutes: its threads are otherwise idle, and the transpose costs shared-memory bandwidth,
- *     not HBM.  The key order within each 32-key step is permuted so that P's fp32 accumulator
+ *     contiguous: a tile's V rows land in a staging slot as they lie, and the producer's
+ *     threads, otherwise idle, transpose them into the V^T slot (one 128-key row per head dim;
+ *     h8_transpose: ldmatrix.trans, two byte permutes, stmatrix) -- shared-memory traffic, not
+ *     HBM.  The key order within each 32-key step is permuted so that P's fp32 accumulator
  *     registers are already the A operand's bytes: a thread's S holds keys 8n + 2t, 8n + 2t + 1
  *     of its rows, and the e4m3 A fragment wants columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3,
- *     so column 16 hh + 4 t + i of a step holds key 16 hh + 8 (i / 2) + 2 t + i % 2 (h8_perm).
+ *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p).
  *   - P: exp2 of the scaled scores minus the row max plus P_LOG2, i.e. 2^8 p in [0, 256],
  *     where e4m3 keeps 3 mantissa bits down to 2^-6 / 2^8 of the row max (p itself would fall
  *     into e4m3's subnormals below 2^-6); the row sums take the same 2^8 p (fp32, before
@@ -29,12 +27,14 @@
  *   - O is scaled by v_scale once at the end.
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
- * Pipeline: K has H8_ST slots, V^T H8_SVT, the staging H8_SR; every slot a "full" and an
- * "empty" mbarrier (K's full: the producer threads' cp.async arrivals; V^T's full: their
- * arrivals after the transpose).  The consumers take turns issuing their GEMMs (ping-pong, as
- * in attention_sm90_ws.cu) and issue tile kt's Q K^T with tile kt - 1's P V.  Keys past the
- * row's last visible key come in as zeros (cp.async's zero fill), so the last tile's V^T needs
- * no clean-up; the mask drops their scores.
+ * Producers ("sm90-fp8-tma" / "sm90-fp8", attention.cu): TMA boxes of 16-key chunks where the
+ * cache's per-chunk maps exist (h8_produce_tma: head 128, blocks of a multiple of 16 keys), else
+ * cp.async rows (h8_produce).  Every slot has a "full" and an "empty" mbarrier.  Each consumer
+ * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after
+ * kt's softmax (the store to s_sink keeps ptxas from hoisting that wait).  The consumers do not
+ * take turns (attention_sm90_ws.cu's ping-pong): measured without it, the e4m3 kernel ran 3 %
+ * faster.  Keys past the row's last visible key are zeros in V^T (cp.async's zero fill, or
+ * h8_transpose's mask); the mask drops their scores.
  *
  * Epilogue: 16-byte aligned output rows go out through the staging slots (free once the last
  * V^T landed: the producer's last read of them came before) with h90_store_o_staged, others
@@ -106,15 +106,6 @@ h8_elem(const uint4 &v, int e)
     }
 }
 
-/* Byte offset of 16-byte chunk c of key row r in a staging slot: a swizzle under which the
- * transpose's reads (four rows 2t + 16 hh + {0, 1, 8, 9} per lane, h8_transpose) hit eight
- * different chunks per quarter warp. */
-static __device__ __forceinline__ uint32_t
-h8_stage_off(uint32_t r, uint32_t c)
-{
-    return r * H8_ROW + ((c ^ (((r >> 1) & 3u) | (((r >> 4) & 1u) << 2))) << 4);
-}
-
 /*
  * Quantizes this consumer warpgroup's 64 Q rows (zeros past the row's end) into the e4m3 tile
  * at sq (128-byte swizzled rows) and their scales into s_qs: thread wt (0 .. 127) takes half
@@ -174,63 +165,73 @@ h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, 
     }
 }
 
-/*
- * Transposes tile kt's V rows (landed in staging slot kt % SR) into V^T slot kt % H8_SVT (row
- * n: head dim n, 128 keys in h8_perm's order, 128-byte swizzle), after waiting for that slot's
- * release, and arrives on its full barrier (each of the NT transposing threads; t: this one's
- * index among them).  Units of 4 keys x 16 dims: four 16-byte loads, 4x4 byte transposes,
- * sixteen 4-byte stores; a warp takes 32 key groups of one 16-dim group, so its stores fill
- * whole 128-byte rows (no bank conflicts).  Keys at or past `valid` become zeros: the TMA
- * producer's boxes bring whole 16-key chunks, whose rows past the row's last key are stale
- * (0 * nan is nan in P V); cp.async zero-filled them already.  Staging rows lie as the
- * producer's copies put them: TMA's 128-byte swizzle, or h8_stage_off.  The caller made the
- * staging slot's contents visible.
- */
-template <int D, bool TMA, int NT>
+/* stmatrix x4 (no transpose): lanes 8m .. 8m + 7 give the row addresses of 8x8 b16 matrix m,
+ * whose row l / 4 takes r[m]'s two b16 elements at columns 2 (l % 4), 2 (l % 4) + 1 from lane l. */
 static __device__ __forceinline__ void
-h8_transpose(int32_t kt, int t, int32_t valid, uint32_t sr0, uint32_t svt0, uint32_t full_vt,
+stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+/*
+ * Transposes tile kt's V rows (landed in staging slot kt % SR, 128-byte swizzled rows) into
+ * V^T slot kt % H8_SVT (row n: head dim n, 128 keys in the h8_pack_p order, 128-byte swizzle),
+ * after waiting for that slot's release, and arrives on its full barrier (every thread of the NW
+ * transposing warps; w: this warp's index among them).  A warp step takes 16 keys (half hh of
+ * a 32-key step kk: 16 (2 kk + hh) = 16 `half`) x 32 dims: ldmatrix.trans reads them as four
+ * 8x8 b16 matrices, so lane (p, q) = (lane / 4, lane % 4) holds dims 2p, 2p + 1 of keys 2q,
+ * 2q + 1 and of keys 8 + 2q, 9 + 2q (and 16 dims later); two byte permutes give dim 2p's word
+ * and dim 2p + 1's, each the keys 2q, 2q + 1, 8 + 2q, 9 + 2q -- the order P's registers have --
+ * and stmatrix writes them as rows of V^T.  Its matrices take dims 2p for p < 4 and 2p + 1 for
+ * p >= 4 (or the reverse), so that a matrix's 8 rows fall in 8 different 16-byte bank groups
+ * of the swizzle.  Keys at or past `valid` become zeros: the TMA producer's boxes bring whole
+ * 16-key chunks, whose rows past the row's last key are stale (0 * nan is nan in P V); cp.async
+ * zero-filled them already.  The caller made the staging slot's contents visible.
+ */
+template <int D, int NW, int SR>
+static __device__ __forceinline__ void
+h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint32_t full_vt,
              uint32_t empty_vt)
 {
     constexpr uint32_t VTB = D * H8_ROW;
-    constexpr int SR = h8_stages<TMA>::SR;
+    constexpr int STEPS = (H8_BN / 16) * (D / 32); /* (16 keys, 32 dims) steps per tile */
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t m = lane >> 3, r = lane & 7u; /* the matrix and row this lane addresses */
+    const uint32_t p = lane >> 2, q = lane & 3u; /* the row and column pair it holds */
     const uint32_t slot = (uint32_t)(kt % H8_SVT);
     if (kt >= H8_SVT) { /* the phase the slot's last use ended */
         mbar_wait(empty_vt + 8u * slot, (uint32_t)((kt / H8_SVT - 1) & 1));
     }
-    const uint32_t src = sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW);
-    const uint32_t dst = svt0 + slot * VTB;
-    const auto load = [&](uint32_t r, uint32_t c) -> uint4 {
-        if (TMA && (int32_t)r >= valid) {
-            return make_uint4(0u, 0u, 0u, 0u);
-        }
-        return ld_shared16(src + (TMA ? sw128(H8_BN, r, c) : h8_stage_off(r, c)));
-    };
+    /* ldmatrix: key 8 (m & 1) + r of the step's 16, 16-byte chunk 2 dgp + m / 2 */
+    const uint32_t src =
+        sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW) + (8u * (m & 1u) + r) * H8_ROW;
+    /* stmatrix: dim 2r or 2r + 1 (+ 16 for matrices 2, 3) of the step's 32 */
+    const uint32_t dim = ((m & 2u) << 3) + 2u * r + ((r >= 4u ? 1u : 0u) ^ (m & 1u));
+    const uint32_t dst = svt0 + slot * VTB + dim * H8_ROW;
+    const uint32_t sel0 = p < 4u ? 0x6420u : 0x7531u; /* dim 2p's bytes, or 2p + 1's */
+    const uint32_t sel1 = p < 4u ? 0x7531u : 0x6420u;
 #pragma unroll
-    for (int u = t; u < (H8_BN / 4) * (D / 16); u += NT) {
-        const uint32_t kg = (uint32_t)(u % 32); /* 4-key group: step kk, half hh, quad q */
-        const uint32_t dg = (uint32_t)(u / 32); /* 16-dim group */
-        const uint32_t kk = kg / 8, hh = (kg / 4) % 2, q = kg % 4;
-        const uint32_t k0 = 32u * kk + 16u * hh + 2u * q; /* keys k0, +1, +8, +9 */
-        const uint4 x0 = load(k0, dg), x1 = load(k0 + 1u, dg);
-        const uint4 x2 = load(k0 + 8u, dg), x3 = load(k0 + 9u, dg);
-        const uint32_t a[4] = {x0.x, x0.y, x0.z, x0.w}, b[4] = {x1.x, x1.y, x1.z, x1.w};
-        const uint32_t c[4] = {x2.x, x2.y, x2.z, x2.w}, d[4] = {x3.x, x3.y, x3.z, x3.w};
-        const uint32_t col = ((2u * kk + hh) << 4) + 4u * q; /* unswizzled byte of the row */
-#pragma unroll
-        for (int j = 0; j < 4; j++) {                                /* dims 16 dg + 4 j .. + 3 */
-            const uint32_t ab_lo = __byte_perm(a[j], b[j], 0x5140u); /* a0 b0 a1 b1 */
-            const uint32_t ab_hi = __byte_perm(a[j], b[j], 0x7362u); /* a2 b2 a3 b3 */
-            const uint32_t cd_lo = __byte_perm(c[j], d[j], 0x5140u);
-            const uint32_t cd_hi = __byte_perm(c[j], d[j], 0x7362u);
-            const uint32_t y[4] = {
-                __byte_perm(ab_lo, cd_lo, 0x5410u), __byte_perm(ab_lo, cd_lo, 0x7632u),
-                __byte_perm(ab_hi, cd_hi, 0x5410u), __byte_perm(ab_hi, cd_hi, 0x7632u)};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const uint32_t n = 16u * dg + 4u * (uint32_t)j + (uint32_t)e;
-                st_shared_u32(dst + n * H8_ROW + (((col >> 4) ^ (n & 7u)) << 4) + (col & 15u),
-                              y[e]);
+    for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
+        const uint32_t step = (uint32_t)(w + NW * i);
+        if (step < (uint32_t)STEPS) { /* warp-uniform */
+            const uint32_t half = step % 8u, dgp = step / 8u;
+            uint32_t x[4];
+            ldsm_x4_trans(x, src + half * (16u * H8_ROW) + (((2u * dgp + (m >> 1)) ^ r) << 4));
+            uint32_t y0 = __byte_perm(x[0], x[1], sel0), y1 = __byte_perm(x[0], x[1], sel1);
+            uint32_t y2 = __byte_perm(x[2], x[3], sel0), y3 = __byte_perm(x[2], x[3], sel1);
+            if (valid < H8_BN) { /* the row's last tile: keys past valid become zeros */
+                const int32_t k0 = (int32_t)(16u * half + 2u * q);
+                const uint32_t keep = (k0 < valid ? 0xFFu : 0u) | (k0 + 1 < valid ? 0xFF00u : 0u) |
+                                      (k0 + 8 < valid ? 0xFF0000u : 0u) |
+                                      (k0 + 9 < valid ? 0xFF000000u : 0u);
+                y0 &= keep;
+                y1 &= keep;
+                y2 &= keep;
+                y3 &= keep;
             }
+            stsm_x4(dst + dgp * (32u * H8_ROW) + ((half ^ (dim & 7u)) << 4), y0, y1, y2, y3);
         }
     }
     fence_proxy_async(); /* the generic-proxy stores, for wgmma */
@@ -289,20 +290,20 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 #pragma unroll
         for (int i = 0; i < H8_BN / RP; i++) {
             const uint32_t r = rr + (uint32_t)(RP * i);
-            cp_async16(dv + h8_stage_off(r, c), kv_row(vc, vc2, offs[r]) + c * 16u,
+            cp_async16(dv + sw128(H8_BN, r, c), kv_row(vc, vc2, offs[r]) + c * 16u,
                        j0 + (int32_t)r < kv_end ? 16u : 0u);
         }
         cp_async_commit();
         if (kt > 0) {
             asm volatile("cp.async.wait_group 1;\n" ::: "memory"); /* tile kt - 1's copies */
             named_barrier(14u, 128u);
-            h8_transpose<D, false, 128>(kt - 1, tid, H8_BN, sr0, svt0, full_vt, empty_vt);
+            h8_transpose<D, 4, SR>(kt - 1, tid / 32, H8_BN, sr0, svt0, full_vt, empty_vt);
         }
     }
     cp_async_wait_all();
     if (n_tiles > 0) {
         named_barrier(14u, 128u);
-        h8_transpose<D, false, 128>(n_tiles - 1, tid, H8_BN, sr0, svt0, full_vt, empty_vt);
+        h8_transpose<D, 4, SR>(n_tiles - 1, tid / 32, H8_BN, sr0, svt0, full_vt, empty_vt);
     }
 }
 
@@ -329,11 +330,10 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     const int warp = (int)(threadIdx.x >> 5);
     const int lane = (int)(threadIdx.x & 31u);
     if (warp != 0) {
-        const int t = (int)threadIdx.x - 32;
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const uint32_t ss = (uint32_t)(kt % SR);
             mbar_wait(full_s + 8u * ss, (uint32_t)((kt / SR) & 1));
-            h8_transpose<D, true, 96>(kt, t, kv_end - kt * H8_BN, sr0, svt0, full_vt, empty_vt);
+            h8_transpose<D, 3, SR>(kt, warp - 1, kv_end - kt * H8_BN, sr0, svt0, full_vt, empty_vt);
             __syncwarp();
             if (lane == 0) {
                 mbar_arrive(empty_s + 8u * ss);
@@ -382,30 +382,30 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
 }
 
 /* S (m64 x 128 keys) = Q K^T in e4m3 for one key tile (no commit), after a wgmma fence: D / 32
- * k-steps of 32 bytes within the 128-byte rows of Q (the warpgroup's 64 rows at q_slab) and K
- * (the slot at sk). */
+ * k-steps of 32 bytes within the 128-byte rows of Q and K, from their tiles' descriptors (dq:
+ * the warpgroup's 64 rows, dk: the K slot).  A step adds 32 bytes (2 in the descriptor's address
+ * field, which no tile here carries out of: shared addresses are under 2^18). */
 template <int D>
 static __device__ __forceinline__ void
-h8_qk(float (&s)[H8_BN / 2], uint32_t q_slab, uint32_t sk)
+h8_qk(float (&s)[H8_BN / 2], uint64_t dq, uint64_t dk)
 {
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 32; kk++) {
-        wgmma_ss_m64n128_e4m3(s, wgmma_desc(q_slab + 32u * (uint32_t)kk, 16u, 1024u),
-                              wgmma_desc(sk + 32u * (uint32_t)kk, 16u, 1024u), kk > 0);
+        wgmma_ss_m64n128_e4m3(s, dq + 2u * (uint32_t)kk, dk + 2u * (uint32_t)kk, kk > 0);
     }
 }
 
 /* O += P V in e4m3 for one key tile (no commit): four 32-key steps of P (registers) times the
- * V^T slot at svt (32 bytes a step within its 128-byte rows). */
+ * V^T slot of descriptor dv (32 bytes a step within its 128-byte rows). */
 template <int D>
 static __device__ __forceinline__ void
-h8_pv(float (&o)[D / 2], const uint32_t (&pa)[H8_BN / 32][4], uint32_t svt)
+h8_pv(float (&o)[D / 2], const uint32_t (&pa)[H8_BN / 32][4], uint64_t dv)
 {
 #pragma unroll
     for (int kk = 0; kk < H8_BN / 32; kk++) {
-        h90_pv_e4m3(o, pa[kk], wgmma_desc(svt + 32u * (uint32_t)kk, 16u, 1024u));
+        h90_pv_e4m3(o, pa[kk], dv + 2u * (uint32_t)kk);
     }
 }
 
@@ -449,6 +449,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     __shared__ int32_t s_lim[BM];
     __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
     __shared__ float s_qs[BM];
+    __shared__ float s_sink[128 * NC]; /* the consumers' late P V wait (see there) */
     __shared__ int32_t s_row;
     /* full K[ST], full V^T[SVT], empty K[ST], empty V^T[SVT]; with TMA full and empty
      * staging[SR] */
@@ -532,6 +533,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const int w4 = wt / 32;
     const int g = lane >> 2;
     const int tq = lane & 3;
+    const uint32_t sink = smem_addr(&s_sink[tid - 128]);
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
     const float k_scale = a.k_scale[kvh * a.scale_stride_head];
     const float v_scale = a.v_scale[kvh * a.scale_stride_head];
@@ -553,13 +555,13 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
     const int32_t g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
     const float sl2[2] = {scale_log2 * k_scale * s_qs[r0], scale_log2 * k_scale * s_qs[r0 + 8]};
-    const uint32_t q_slab = sq + (uint32_t)cw * 64u * H8_ROW;
+    /* wgmma descriptors of this warpgroup's Q rows, K slot 0 and V^T slot 0 (slot i: + i times
+     * the slot's size in 16-byte units) */
+    const uint64_t dq = wgmma_desc(sq + (uint32_t)cw * 64u * H8_ROW, 16u, 1024u);
+    const uint64_t dk0 = wgmma_desc(sk0, 16u, 1024u);
+    const uint64_t dv0 = wgmma_desc(svt0, 16u, 1024u);
 
     if (n_tiles > 0) {
-        /* ping-pong turns (attention_sm90_ws.cu): barrier 8 + cw, the last warpgroup opens */
-        if (cw == NC - 1) {
-            named_arrive(8u, 256u);
-        }
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const int32_t j0 = kt * H8_BN;
             const uint32_t slot = (uint32_t)(kt % ST);
@@ -569,34 +571,34 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             float alpha[2];
             if (kt == 0) {
-                named_barrier(8u + (uint32_t)cw, 256u);
-                h8_qk<D>(s, q_slab, sk0);
+                h8_qk<D>(s, dq, dk0);
                 wgmma_commit();
-                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
                 fence_regs(s);
                 if (lane == 0) {
                     mbar_arrive(empty_k + 8u * slot);
                 }
-                h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2>(s, m, l, alpha, j0, lim0, lim1, g_min,
-                                                             tq, sl2);
+                h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(s, m, l, alpha, j0, lim0, lim1,
+                                                                g_min, tq, sl2);
             }
             else {
                 const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
                 mbar_wait(full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
-                named_barrier(8u + (uint32_t)cw, 256u);
-                h8_qk<D>(s, q_slab, sk0 + slot * TILE);
+                h8_qk<D>(s, dq, dk0 + slot * (TILE >> 4));
                 wgmma_commit();
-                h8_pv<D>(o, pa, svt0 + pslot * VTB);
+                h8_pv<D>(o, pa, dv0 + pslot * (VTB >> 4));
                 wgmma_commit();
-                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
                 fence_regs(s);
                 if (lane == 0) {
                     mbar_arrive(empty_k + 8u * slot);
                 }
-                const bool rescale = h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2>(
+                const bool rescale = h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(
                     s, m, l, alpha, j0, lim0, lim1, g_min, tq, sl2);
+                /* P V of the tile before runs under this softmax: ptxas would hoist the wait
+                 * above it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the
+                 * softmax's results, to a word nothing reads. */
+                st_shared_f32(sink, l[0] + l[1]);
                 wgmma_wait_all();
                 fence_regs(o);
                 if (lane == 0) {
@@ -608,14 +610,11 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             h8_pack_p(pa, s);
         }
-        if (cw == 0) {
-            named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
-        }
         const uint32_t lslot = (uint32_t)((n_tiles - 1) % H8_SVT);
         mbar_wait(full_vt + 8u * lslot, (uint32_t)(((n_tiles - 1) / H8_SVT) & 1));
         fence_regs(o);
         wgmma_fence();
-        h8_pv<D>(o, pa, svt0 + lslot * VTB);
+        h8_pv<D>(o, pa, dv0 + lslot * (VTB >> 4));
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);

@@ -218,9 +218,13 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 1
  * row with no visible key so far keeps max -inf and subtracts 0 instead, so that 2^-inf = 0
  * rather than nan.  Returns whether O needs the rescale: with SKIP, false when no row of the
  * warp raised its max in this tile (every alpha is then exactly 1, as the eager form computes
- * it: skipping is bit-identical); without, always true.
+ * it: skipping is bit-identical); without, always true.  CHAINS (a power of two dividing NT):
+ * the row maxima and sums run as that many independent chains joined by a tree at the end --
+ * instruction-level parallelism for a warp that has few others beside it on its scheduler (the
+ * e4m3 kernel's: its products take half the time, so the softmax's latency shows); 1 keeps the
+ * single chain in key order.
  */
-template <int NT, bool SKIP, int P_LOG2>
+template <int NT, bool SKIP, int P_LOG2, int CHAINS = 1>
 static __device__ __forceinline__ bool
 h90_softmax_rows(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
                  int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sl2)[2])
@@ -239,10 +243,33 @@ h90_softmax_rows(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha
     }
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        float mx = fmaxf(s[2 * hf], s[2 * hf + 1]);
+        float mx;
+        if constexpr (CHAINS == 1) {
+            mx = fmaxf(s[2 * hf], s[2 * hf + 1]);
 #pragma unroll
-        for (int nt = 1; nt < NT; nt++) {
-            mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            for (int nt = 1; nt < NT; nt++) {
+                mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            }
+        }
+        else { /* CHAINS independent maxima, then their tree */
+            float part[CHAINS];
+#pragma unroll
+            for (int c = 0; c < CHAINS; c++) {
+                part[c] = fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]);
+            }
+#pragma unroll
+            for (int nt = CHAINS; nt < NT; nt++) {
+                part[nt % CHAINS] =
+                    fmaxf(part[nt % CHAINS], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            }
+#pragma unroll
+            for (int w = CHAINS / 2; w > 0; w /= 2) {
+#pragma unroll
+                for (int c = 0; c < w; c++) {
+                    part[c] = fmaxf(part[c], part[c + w]);
+                }
+            }
+            mx = part[0];
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -252,16 +279,27 @@ h90_softmax_rows(float (&s)[NT * 4], float (&m)[2], float (&l)[2], float (&alpha
         alpha[hf] = fast_exp2(__fmul_rn(m[hf], sl2[hf]) - base);
         m[hf] = mn;
         const float shifted = P_LOG2 == 0 ? base : base - (float)P_LOG2;
-        float sum = 0.0f;
+        float sum[CHAINS];
+#pragma unroll
+        for (int c = 0; c < CHAINS; c++) {
+            sum[c] = 0.0f;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], sl2[hf], -shifted));
             const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], sl2[hf], -shifted));
             s[4 * nt + 2 * hf] = p0;
             s[4 * nt + 2 * hf + 1] = p1;
-            sum += p0 + p1;
+            sum[nt % CHAINS] += p0 + p1;
         }
-        l[hf] = l[hf] * alpha[hf] + sum;
+#pragma unroll
+        for (int w = CHAINS / 2; w > 0; w /= 2) {
+#pragma unroll
+            for (int c = 0; c < w; c++) {
+                sum[c] += sum[c + w];
+            }
+        }
+        l[hf] = l[hf] * alpha[hf] + sum[0];
     }
     return !SKIP || __any_sync(0xffffffffu, raised) != 0; /* warp-uniform */
 }
