@@ -5,8 +5,9 @@
     (also --tool racecheck, initcheck, synccheck; see benchmarks/gpu_session.sh --sanitize)
 
 Each op runs on tiny shapes covering its code paths (aligned and strided K/V, block sizes 1/16,
-all three masks, fp16/bf16/fp32, head sizes 64/128, padded rows); results are checked against
-the CPU path so a kernel that misbehaves under the tool also fails here.  Exits 0 on success.
+all three masks, fp16/bf16/fp32, head sizes 64/128, padded rows, float8_e4m3fn caches); results
+are checked against the CPU path so a kernel that misbehaves under the tool also fails here.
+Exits 0 on success.
 """
 
 import sys
@@ -60,6 +61,39 @@ def _attention_case(dtype, head, block, mask, strided, sequential=False, seq_len
         outs.append(out.cpu().float())
     err = (outs[0] - outs[1]).abs().max().item()
     assert err < 3e-2, f"attention {dtype} d{head} b{block} mask{mask}: {err}"
+
+
+def _fp8_attention_case(dtype, head, block, mask):
+    """Attention over a float8_e4m3fn cache (per-head scales): on Hopper the e4m3 kernel, its TMA
+    producer at head 128 with 16-key blocks, cp.async otherwise; rows ending mid-chunk.  The CPU
+    reference reads the same cache but keeps Q and P unrounded: a relative L2 of 0.1 bounds
+    their e4m3 rounding with room."""
+    g = torch.Generator().manual_seed(head + block + mask + 7)
+    seq_lens, query_lens, heads, kv_heads = [37, 150], [20, 70], 4, 2
+    cols = -(-max(seq_lens) // block)
+    nb = 2 * cols + 3
+    table = torch.randperm(nb, generator=g)[: 2 * cols].view(2, cols).int()
+    cache = (torch.randn(2, nb, block, kv_heads, head, generator=g) * 50).clamp(-448, 448)
+    cache = cache.to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor([0.01, 0.02]), torch.tensor([0.02, 0.03])
+    qsl = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(sum(query_lens), heads, head, generator=g).to(dtype)
+    kl = None
+    if mask == _C.MASK_LIMITS:
+        pairs = zip(seq_lens, query_lens, strict=True)
+        kl = torch.cat([torch.randint(0, s + 1, (n,), generator=g) for s, n in pairs]).int()
+    outs = []
+    for device in ("cpu", "cuda"):
+        out = torch.empty_like(q, device=device)
+        _C.paged_attention(
+            q.to(device), cache.to(device), table.to(device), qsl.to(device), sl.to(device),
+            None if kl is None else kl.to(device), mask, head**-0.5, out, table, qsl, sl,
+            k_scale.to(device), v_scale.to(device),
+        )  # fmt: skip
+        outs.append(out.cpu().double())
+    rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+    assert rel < 0.1, f"fp8 attention {dtype} d{head} b{block} mask{mask}: relative L2 {rel}"
 
 
 def _kv_write_case(dtype, strided, fp8=False):
@@ -185,6 +219,11 @@ def main():
     for sequential in (False, True):
         for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
             _attention_case(torch.bfloat16, 128, 16, mask, False, sequential, seq_lens=(37, 16400))
+    if torch.cuda.get_device_capability()[0] == 9:  # the e4m3 kernel is Hopper's
+        fp8_cases = ((torch.bfloat16, 128, 16), (torch.float16, 128, 1), (torch.bfloat16, 64, 16))
+        for dtype, head, block in fp8_cases:
+            for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
+                _fp8_attention_case(dtype, head, block, mask)
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     _dense_long_rows_case()

@@ -286,3 +286,83 @@ def test_a_cache_that_contradicts_the_spec_is_refused_before_writing(spec_dtype)
         with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
             layer.impl.forward_paged(context)
     assert not wrong.view(torch.uint8).any()
+
+
+# --- torch.compile ---------------------------------------------------------------------------
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_fp8_layer_call_compiles(device):
+    """torch.ops.diffkv.forward_paged with the scales, compiled without graph breaks: the same
+    cache bytes and output, bit for bit, as the eager binding."""
+    query, key, value, cache, slots, table, starts, lens, (k_scale, v_scale) = _layer_call_inputs(device)
+    if device == "cuda":
+        query = query.to(torch.bfloat16)
+        key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    dev_meta = tuple(t.to(device) for t in (table, starts, lens))
+    host = (None, None, None) if device == "cuda" else (table, starts, lens)
+    eager_cache = cache.clone()
+    eager = torch.empty_like(query)
+    _C.forward_paged(
+        query, key, value, eager_cache, slots, table.to(device), starts.to(device), lens.to(device), None,
+        _C.MASK_CAUSAL, 0.125, eager, table, starts, lens, k_scale, v_scale,
+    )  # fmt: skip
+
+    def layer(q, k, v, kv_cache, slot_mapping, ks, vs):
+        return torch.ops.diffkv.forward_paged(
+            q, k, v, kv_cache, slot_mapping, *dev_meta, None, _C.MASK_CAUSAL, 0.125, *host, ks, vs
+        )
+
+    out = _compiled(layer)(query, key, value, cache, slots, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), eager_cache.view(torch.uint8))
+    assert torch.equal(out, eager)
+
+
+def test_do_kv_cache_update_compiles_over_an_fp8_cache():
+    """The quantizing write traces (the layer's fixed scales are graph inputs); while the
+    layer's calculate_kv_scales is pending it refuses, since that first write reads the data
+    on the host."""
+    impl = dk.DiffKVAttentionImpl(
+        num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8"
+    )
+    layer = SimpleNamespace(_k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.01]))
+    gen = torch.Generator().manual_seed(5)
+    key = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    value = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([3, 17, 0, 31, 8])
+    cache, expected = torch.zeros(2, 2, 16, 2, 64, dtype=F8), torch.zeros(2, 2, 16, 2, 64, dtype=F8)
+    _C.kv_write(key, value, expected, slots, layer._k_scale, layer._v_scale)
+
+    def update(k, v, kv_cache, slot_mapping):
+        impl.do_kv_cache_update(layer, k, v, kv_cache, slot_mapping)
+
+    _compiled(update)(key, value, cache, slots)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    layer.calculate_kv_scales = True
+    message = (
+        "calculate_kv_scales cannot run under torch.compile: the first KV write sets the layer's scales "
+        "from the data written (a host synchronisation); run that step eagerly, or set the layer's "
+        "_k_scale and _v_scale"
+    )
+    with pytest.raises(Exception, match=re.escape(message)):
+        _compiled(update)(key, value, torch.zeros_like(cache), slots)
+
+
+def test_the_operators_take_scales():
+    """opcheck's fake-tensor and autograd-registration checks over the fp8 forms of the three
+    operators.  (Its schema check compares tensors by arithmetic, which torch does not implement
+    for float8_e4m3fn; what the operators write is checked byte for byte above.)"""
+    query, key, value, cache, slots, table, starts, lens, scales = _layer_call_inputs("cpu")
+    meta = (table, starts, lens, None, _C.MASK_CAUSAL, 0.125, table, starts, lens)
+    checks = ("test_faketensor", "test_autograd_registration")
+    for op, args in (
+        (torch.ops.diffkv.kv_write.default, (key, value, cache.clone(), slots, *scales)),
+        (torch.ops.diffkv.paged_attention.default, (query, cache, *meta, *scales)),
+        (torch.ops.diffkv.forward_paged.default, (query, key, value, cache.clone(), slots, *meta, *scales)),
+    ):
+        torch.library.opcheck(op, args, test_utils=checks)

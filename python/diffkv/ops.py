@@ -42,11 +42,14 @@ __all__ = ["PagedLayerInputs", "forward_paged_layer", "layer_inputs", "restore_o
 
 _lib = torch.library.Library("diffkv", "DEF")
 
+# k_scale / v_scale: a float8_e4m3fn cache's (None for an unquantized one)
+_SCALES = "Tensor? k_scale=None, Tensor? v_scale=None"
 _ATTENTION_METADATA = (
     "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor? key_limits, int mask, "
-    "float scale, Tensor? host_block_table, Tensor? host_query_start_loc, Tensor? host_seq_lens"
+    "float scale, Tensor? host_block_table, Tensor? host_query_start_loc, Tensor? host_seq_lens, "
+    f"{_SCALES}"
 )
-_lib.define("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
+_lib.define(f"kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, {_SCALES}) -> ()")
 _lib.define(f"paged_attention(Tensor query, Tensor kv_cache, {_ATTENTION_METADATA}) -> Tensor")
 _lib.define(
     "forward_paged(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -61,10 +64,23 @@ def _attention_out(query: torch.Tensor) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The binding's trailing scale arguments: both for a float8_e4m3fn cache, none otherwise
+    (one given without the other reaches the binding, which names what is wrong)."""
+    if k_scale is None and v_scale is None:
+        return ()
+    return (k_scale, v_scale)
+
+
 def _kv_write(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    _C.kv_write(key, value, kv_cache, slot_mapping)
+    _C.kv_write(key, value, kv_cache, slot_mapping, *_scales(k_scale, v_scale))
 
 
 def _paged_attention(
@@ -79,6 +95,8 @@ def _paged_attention(
     host_block_table: torch.Tensor | None,
     host_query_start_loc: torch.Tensor | None,
     host_seq_lens: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = _attention_out(query)
     _C.paged_attention(
@@ -94,6 +112,7 @@ def _paged_attention(
         host_block_table,
         host_query_start_loc,
         host_seq_lens,
+        *_scales(k_scale, v_scale),
     )
     return out
 
@@ -113,6 +132,8 @@ def _forward_paged(
     host_block_table: torch.Tensor | None,
     host_query_start_loc: torch.Tensor | None,
     host_seq_lens: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = _attention_out(query)
     _C.forward_paged(
@@ -131,6 +152,7 @@ def _forward_paged(
         host_block_table,
         host_query_start_loc,
         host_seq_lens,
+        *_scales(k_scale, v_scale),
     )
     return out
 
@@ -160,7 +182,7 @@ for _name, _impl in (
 
 
 @torch.library.register_fake("diffkv::kv_write")
-def _kv_write_fake(key, value, kv_cache, slot_mapping):
+def _kv_write_fake(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 
@@ -213,7 +235,11 @@ class PagedLayerInputs(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
-FP8_COMPILE_MESSAGE = "torch.compile over a float8_e4m3fn KV cache is not implemented yet"
+FP8_SCALES_COMPILE_MESSAGE = (
+    "calculate_kv_scales cannot run under torch.compile: the first KV write sets the layer's "
+    "scales from the data written (a host synchronisation); run that step eagerly, or set the "
+    "layer's _k_scale and _v_scale"
+)
 
 # Spec dtypes of an fp8 cache: diffkv's, and vLLM 0.30's uint8 storage of one.
 _FP8_SPEC_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -363,9 +389,8 @@ def forward_paged_packed(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: PagedLayerInputs
 ) -> torch.Tensor:
     """``torch.ops.diffkv.forward_paged`` over packed ``[N, H, D]`` query and ``[N, Hkv, D]``
-    key/value: KV write + attention, returns ``[N, H, Dv]``."""
-    if inputs.k_scale is not None:
-        raise NotImplementedError(FP8_COMPILE_MESSAGE)
+    key/value: KV write + attention, returns ``[N, H, Dv]`` (a float8_e4m3fn cache: written and
+    read with ``inputs.k_scale`` / ``v_scale``)."""
     head, tail = forward_paged_arguments(inputs)
     return torch.ops.diffkv.forward_paged(query, key, value, *head, *tail)
 

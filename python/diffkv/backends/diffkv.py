@@ -217,7 +217,10 @@ class DiffKVAttentionImpl(AttentionImpl):
         if kv_cache.dtype == torch.float8_e4m3fn:
             # quantized with the layer's scales (vLLM's contract: layer._k_scale, _v_scale)
             if torch.compiler.is_compiling():
-                raise NotImplementedError(ops.FP8_COMPILE_MESSAGE)
+                if getattr(layer, "calculate_kv_scales", False):
+                    raise NotImplementedError(ops.FP8_SCALES_COMPILE_MESSAGE)
+                torch.ops.diffkv.kv_write(key, value, kv_cache, slot_mapping, *ops.layer_scales(layer))
+                return
             calculate_kv_scales(layer, key, value)
             k_scale, v_scale = ops.layer_scales(layer)
             _C.kv_write(key, value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -402,8 +405,10 @@ def run_forward_paged(
     value = paged_kv_context.value_write
     if inputs.k_scale is not None:
         if compiling:
-            raise NotImplementedError(ops.FP8_COMPILE_MESSAGE)
-        calculate_kv_scales(layer, key, value)
+            if getattr(layer, "calculate_kv_scales", False):
+                raise NotImplementedError(ops.FP8_SCALES_COMPILE_MESSAGE)
+        else:
+            calculate_kv_scales(layer, key, value)
     if compiling:
         out = ops.forward_paged_packed(query, key, value, inputs)
         return ops.restore_output(paged_kv_context, out)
