@@ -490,10 +490,11 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                                     (j % a->block_size) * a->cache_stride_token +
                                     g * a->cache_stride_head;
                 if (a->kv_fp8) {
-                    load_row_e4m3(a->key_cache, off, a->cache_stride_dim, D,
-                                  a->k_scale[g * a->scale_stride_head], kf + j * D);
-                    load_row_e4m3(a->value_cache, off, a->cache_stride_dim, D,
-                                  a->v_scale[g * a->scale_stride_head], vf + j * D);
+                    load_row_e4m3(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim,
+                                  D, a->k_scale[g * a->scale_stride_head], kf + j * D);
+                    load_row_e4m3(second ? a->value_cache2 : a->value_cache, off,
+                                  a->cache_stride_dim, D, a->v_scale[g * a->scale_stride_head],
+                                  vf + j * D);
                     continue;
                 }
                 load_row(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D,

@@ -132,6 +132,16 @@ def ref_attention(
     return out, torch.logsumexp(scores.double(), dim=-1).transpose(-1, -2)
 
 
+def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
+    """Q ``[..., D]`` as the Hopper e4m3 kernel rounds it, float64: per row of D (a token's
+    head), ``x * (448 / amax)`` in fp32 rounded to float8_e4m3fn, times ``amax / 448``."""
+    x = q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.full_like(amax, 448.0))
+    codes = (x * (448.0 / safe)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.double() * torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).double()
+
+
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest absolute difference (float64, CPU)."""
     return (actual.detach().cpu().double() - expected.detach().cpu().double()).abs().max().item()

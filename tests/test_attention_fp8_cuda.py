@@ -2,7 +2,7 @@
 
 Both products run on e4m3 tensor cores: Q is rounded to e4m3 with one scale per (token, head)
 (its largest magnitude / 448), P as 2^8 p.  The reference is float64 over the dequantized cache
-(``e4m3 * scale``) and over Q rounded as the kernel documents it (``e4m3_rows``), so what is
+(``e4m3 * scale``) and over Q rounded as the kernel documents it (``reference.e4m3_rows``), so what is
 left between them is P's rounding to e4m3: a relative error of at most 2^-4 per probability
 (RMS about 2^-4 / sqrt(3) / 1.5 over uniformly spread mantissas) that averages incoherently over
 the keys -- the output's relative L2 error stays near 0.02.  The tolerance is 2^-4 relative L2
@@ -16,23 +16,13 @@ import pytest
 import torch
 
 from diffkv import _C
-from reference import dense_kv_from_cache, mask_causal, mask_key_limits, mask_none, ref_attention
+from reference import dense_kv_from_cache, e4m3_rows, mask_causal, mask_key_limits, mask_none, ref_attention
 
 pytestmark = pytest.mark.gpu
 
 F8 = torch.float8_e4m3fn
 REL_L2 = 2.0**-4
 REL_MAX = 2.0**-2
-
-
-def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
-    """Q ``[n, H, D]`` as the kernel rounds it, float64: per (token, head) row, ``x * (448 /
-    amax)`` in fp32 rounded to e4m3, times ``amax / 448``."""
-    x = q.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    safe = torch.where(amax > 0, amax, torch.full_like(amax, 448.0))
-    codes = (x * (448.0 / safe)).clamp(-448, 448).to(F8)
-    return codes.double() * torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).double()
 
 
 def _layout(values: torch.Tensor, layout: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ import diffkv
 from diffkv import _C
 from diffkv.backends.abstract import AttentionMetadata, PackedPaddingMetadata, QueryRange
 from diffkv.backends.diffkv import DiffKVAttentionBackend
-from reference import mask_causal, ref_attention
+from reference import e4m3_rows, mask_causal, mask_spans, ref_attention
 
 H, HKV = 8, 2
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -410,8 +410,8 @@ def test_refused_fields_are_named():
     _raises(
         NotImplementedError,
         f"{op}: extra['kv_cache_dtype'] must be unquantized (['auto', 'float32', 'float', 'float16', "
-        "'half', 'bfloat16']), got 'fp8'",
-        lambda: impl.forward(q, k, v, AttentionMetadata(extra={"kv_cache_dtype": "fp8"})),
+        "'half', 'bfloat16']) or ['fp8', 'fp8_e4m3'] (float8_e4m3fn K/V), got 'fp8_e5m2'",
+        lambda: impl.forward(q, k, v, AttentionMetadata(extra={"kv_cache_dtype": "fp8_e5m2"})),
     )
     cu = torch.tensor([0, 4], dtype=torch.int32)
     _raises(
@@ -771,3 +771,78 @@ def test_packed_varlen_tokens_outside_documents(device, first):
         a, b = int(cu[r]), int(cu[r + 1])
         visible[0, a:b, a:b] = True
     _close(out, ref_attention(q, k, v, visible, impl.softmax_scale), torch.float32)
+
+
+# --- extra["kv_cache_dtype"] == "fp8" ------------------------------------------------------------
+
+
+def _e4m3_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the fp8 dense forward does: one scale for the tensor, amax / 448 (float64)."""
+    amax = x.float().abs().amax()
+    scale = amax / 448 if amax > 0 else torch.ones(())
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
+
+
+def _fp8_close(out, q, kd, vd, visible, scale, device):
+    """CPU: the reference over the e4m3-rounded K/V, within the output's rounding.  CUDA (the
+    Hopper e4m3 kernel): Q rounded per row as documented, P's e4m3 rounding left -- 2^-4
+    relative L2 (tests/test_attention_fp8_cuda.py's bound)."""
+    if device.type == "cpu":
+        _close(out, ref_attention(q.double(), kd, vd, visible, scale), q.dtype)
+        return
+    exact = ref_attention(e4m3_rows(q.cpu()), kd, vd, visible, scale)
+    rel = ((out.cpu().double() - exact).norm() / exact.norm()).item()
+    assert rel <= 2.0**-4, rel
+
+
+@pytest.mark.parametrize(
+    ("causal", "fields"),
+    [(c, f) for c in (False, True) for f in ("plain", "attn_mask", "valid_kv_length")] + [(True, "spans")],
+)
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])
+def test_fp8_dense_forward(device, causal, fields, name):
+    """extra["kv_cache_dtype"] == "fp8": K and V rounded to e4m3 with a scale each from their
+    amax, the attention over them (on Hopper the e4m3 kernel); spans are a causal layer's."""
+    b, sq, sk, head = 2, 80, 80 if fields == "spans" else 150, 128
+    dtype = torch.bfloat16
+    q, k, v = _qkv(b, sq, sk, head, dtype, device, seed=sk + causal)
+    impl = _impl(head, causal)
+    extra = {"kv_cache_dtype": name}
+    meta = AttentionMetadata(extra=extra)
+    visible = _causal(b, sq, sk) if causal else torch.ones(b, sq, sk, dtype=torch.bool)
+    if fields == "attn_mask":
+        keep = torch.rand(b, sk, generator=torch.Generator().manual_seed(2)) < 0.7
+        meta = AttentionMetadata(attn_mask=keep.to(device), extra=extra)
+        visible = visible & keep[:, None, :]
+    elif fields == "valid_kv_length":
+        meta = AttentionMetadata(extra={**extra, "valid_kv_length": 97})
+        visible = torch.zeros(b, sq, sk, dtype=torch.bool)
+        visible[:, :, :97] = _causal(b, sq, 97) if causal else True
+    elif fields == "spans":
+        spans = [[(10, 50)], [(0, 80)]]
+        meta = AttentionMetadata(full_attn_spans=spans, extra=extra)
+        visible = torch.stack([mask_spans(range(sq), sk, s) for s in spans])
+    out = impl.forward(q, k, v, meta)
+    assert out.shape == q.shape and out.dtype == dtype
+    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+
+
+def test_fp8_dense_forward_refuses_what_it_cannot_honour():
+    op = "DiffKVAttentionImpl.forward()"
+    impl = _impl(64)
+    q, k, v = _qkv(1, 4, 4, 64, torch.float32, "cpu")
+    fp8 = {"kv_cache_dtype": "fp8"}
+    joint = AttentionMetadata(joint_query=q, joint_key=k, joint_value=v, joint_strategy="front", extra=fp8)
+    _raises(
+        NotImplementedError,
+        f"{op}: joint_query/joint_key/joint_value with extra['kv_cache_dtype'] = 'fp8' are not supported",
+        lambda: impl.forward(q, k, v, joint),
+    )
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    varlen = AttentionMetadata(extra={**fp8, "cu_seqlens_q": cu, "cu_seqlens_k": cu})
+    _raises(
+        NotImplementedError,
+        f"{op}: extra['cu_seqlens_q']/['cu_seqlens_k'] with extra['kv_cache_dtype'] = 'fp8' are not "
+        "supported",
+        lambda: impl.forward(q, k, v, varlen),
+    )

@@ -88,7 +88,8 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
           (!(c.dtype == DK_F8E4M3 && scale_objs != NULL) &&
            dkpy_want_dtype(&c, q.dtype, op, "kv_cache")) ||
           dkpy_want_ndim(&c, 5, op, "kv_cache"))) ||
-        (dense_kv != NULL && dkpy_want_dtype(&c, q.dtype, op, "key")) ||
+        (dense_kv != NULL && !(c.dtype == DK_F8E4M3 && scale_objs != NULL) &&
+         dkpy_want_dtype(&c, q.dtype, op, "key")) ||
         dkpy_same_device(&q, &c, op, dense_kv != NULL ? "key" : "kv_cache") ||
         dkpy_tensor(module, args[2], op,
                     &(dkpy_want){.arg = bt_name, .dtype = DK_I32, .ndim = 2, .device = &q}, &bt) ||

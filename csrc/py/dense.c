@@ -85,15 +85,19 @@ joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
  * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them): 1 every
  * row's keys are runs of consecutive rows whose 128-key tiles each lie in one source; 2 every
  * 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting at a
- * multiple of 8 (the row's last 16 may run past its keys).
+ * multiple of 8 (the row's last 16 may run past its keys).  Then, optionally, k_scale and
+ * v_scale: key/value (and joint_key/joint_value) are float8_e4m3fn, read as e4m3 * scale
+ * (paged_attention's scales: float32, one per tensor or per KV head, finite and positive).
  */
 static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *op = "dense_attention";
-    if (dkpy_check_nargs(op, nargs, 18) != 0) {
+    if (dkpy_check_nargs_either(op, nargs, 18, 20) != 0) {
         return NULL;
     }
+    /* with k_scale, v_scale (args 18, 19): float8_e4m3fn key/value */
+    const int fp8 = nargs == 20;
     int64_t max_query_len = 0, key_block = 0, consecutive = 0;
     if (dkpy_get_i64(args[13], op, "max_query_len", &max_query_len) != 0) {
         return NULL;
@@ -104,7 +108,8 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     dk_tensor kv[4], q, o;
-    if (dkpy_tensor(module, args[1], op, &(dkpy_want){.arg = "key", .dtype = DKPY_FLOAT, .ndim = 3},
+    if (dkpy_tensor(module, args[1], op,
+                    &(dkpy_want){.arg = "key", .dtype = fp8 ? DK_F8E4M3 : DKPY_FLOAT, .ndim = 3},
                     &kv[0]) ||
         dkpy_tensor(module, args[2], op,
                     &(dkpy_want){.arg = "value", .dtype = kv[0].dtype, .ndim = 3, .device = &kv[0]},
@@ -163,9 +168,15 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *attn_args[12] = {args[0],   Py_None, args[3], args[4],  args[5],  args[6],
                                none_mask, args[8], args[9], args[10], args[11], args[12]};
     dk_attention_args a;
-    int rc = dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0, NULL);
+    PyObject *const none[2] = {Py_None, Py_None};
+    int rc = dkpy_parse_attention(module, attn_args, op, &a, NULL, &q, &o, kv, key_block, 0,
+                                  fp8 ? args + 18 : none);
     Py_DECREF(none_mask);
     if (rc != 0) {
+        return NULL;
+    }
+    if (a.kv_fp8 && dkpy_check_scales(module, args + 18, args[0], &q, a.k_scale, a.v_scale,
+                                      a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
         return NULL;
     }
     if (consecutive & 1) {

@@ -33,6 +33,12 @@ Supported ``AttentionMetadata`` fields:
   ``attn_mask`` pads the others; ``valid_kv_length`` slices the non-joint keys; causal is
   bottom-right over the concatenated sequence.
 
+``extra["kv_cache_dtype"]`` ``"fp8"`` / ``"fp8_e4m3"``: K and V are rounded to float8_e4m3fn
+with one scale each computed from them (amax / 448) and the attention runs over e4m3 K/V (on
+Hopper the e4m3 kernel, which also rounds Q and P; elsewhere on CUDA ``NotImplementedError``);
+the scales are new each call, so the binding's check of their values synchronises the stream
+once per call.  Not with the joint tensors or packed varlen documents.
+
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
 ``video_layout`` is geometry a dense backend may ignore; unknown ``extra`` keys are ignored, as
@@ -52,6 +58,9 @@ __all__ = ["dense_forward"]
 _OP = "DiffKVAttentionImpl.forward()"
 _JOINT_FIELDS = ("joint_query", "joint_key", "joint_value")
 _UNQUANTIZED = (None, "auto", "float32", "float", "float16", "half", "bfloat16")
+# extra["kv_cache_dtype"] values that run the attention over e4m3 K/V (vLLM's names)
+_FP8 = ("fp8", "fp8_e4m3")
+_E4M3_MAX = 448.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HOPPER: dict[int, bool] = {}  # CUDA device index -> compute capability 9.x
 
@@ -77,11 +86,26 @@ def _check_unsupported(meta: Any) -> None:
         raise NotImplementedError(f"{_OP}: query_ranges is not supported by the DIFFKV backend")
     extra = getattr(meta, "extra", None) or {}
     kv_dtype = extra.get("kv_cache_dtype")
-    if kv_dtype not in _UNQUANTIZED:
+    if kv_dtype not in _UNQUANTIZED and kv_dtype not in _FP8:
         raise NotImplementedError(
-            f"{_OP}: extra['kv_cache_dtype'] must be unquantized ({[d for d in _UNQUANTIZED if d]}), "
-            f"got {kv_dtype!r}"
+            f"{_OP}: extra['kv_cache_dtype'] must be unquantized ({[d for d in _UNQUANTIZED if d]}) "
+            f"or {list(_FP8)} (float8_e4m3fn K/V), got {kv_dtype!r}"
         )
+
+
+def _quantize_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """extra["kv_cache_dtype"] == "fp8": K and V ``[tokens, Hkv, D]`` rounded to e4m3 with one
+    scale each computed from them (amax / 448; 1 for an all-zero tensor), by the cache write's
+    rule -- ``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)`` -- into new contiguous
+    tensors; returns (k8, v8, k_scale, v_scale), the scales float32 ``[1]`` on the device (no
+    synchronisation: they are computed there)."""
+    rounded = []
+    for x in (k, v):
+        amax = x.abs().amax().float()
+        scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax)).reshape(1)
+        rounded.append(((x.float() / scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), scale))
+    (k8, k_scale), (v8, v_scale) = rounded
+    return k8, v8, k_scale, v_scale
 
 
 def _check_qkv(impl: Any, query: Any, key: Any, value: Any, prefix: str = "") -> None:
@@ -453,11 +477,22 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     extra = (getattr(meta, "extra", None) or {}) if meta is not None else {}
     if not isinstance(extra, dict):
         raise TypeError(f"{_OP}: attn_metadata.extra must be a dict, got {type(extra).__name__}")
+    fp8 = extra.get("kv_cache_dtype") in _FP8
     if meta is not None and any(getattr(meta, n, None) is not None for n in _JOINT_FIELDS):
+        if fp8:
+            raise NotImplementedError(
+                f"{_OP}: joint_query/joint_key/joint_value with extra['kv_cache_dtype'] = "
+                f"{extra['kv_cache_dtype']!r} are not supported"
+            )
         return _joint(impl, query, key, value, meta, extra)
     if meta is not None and getattr(meta, "joint_attn_mask", None) is not None:
         raise ValueError(f"{_OP}: joint_attn_mask needs joint_query, joint_key and joint_value")
     if extra.get("cu_seqlens_q") is not None or extra.get("cu_seqlens_k") is not None:
+        if fp8:
+            raise NotImplementedError(
+                f"{_OP}: extra['cu_seqlens_q']/['cu_seqlens_k'] with extra['kv_cache_dtype'] = "
+                f"{extra['kv_cache_dtype']!r} are not supported"
+            )
         return _varlen(impl, query, key, value, extra, meta)
 
     device = query.device
@@ -525,10 +560,13 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         mask, key_limits = _C.MASK_LIMITS, limits.reshape(-1).to(torch.int32)
     q = _flat(query)
     k, v = _key_value(key, value)
+    scales: tuple[torch.Tensor, ...] = ()
+    if fp8:
+        k, v, *scales = _quantize_kv(k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q, None, None, key_block, consecutive,
+        None, None, None, s_q, None, None, key_block, consecutive, *scales,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
