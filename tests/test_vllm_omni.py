@@ -257,16 +257,22 @@ SPANS = ([(7, 12)], [(3, 8)])  # the image spans, global positions
 class Harness:
     """vLLM-Omni's model-runner wiring, done by hand with the fake collaborators."""
 
-    def __init__(self, omni, device, case, *, non_causal=False, num_layers=2, dtype=torch.float32):
+    def __init__(self, omni, device, case, *, non_causal=False, num_layers=2, dtype=torch.float32, fp8=False):
         self.device = torch.device(device)
         self.layout = CASES[case]
         self.dtype = dtype
+        self.fp8 = fp8
         adapter_mod, runner_mod = omni[ADAPTER], omni[RUNNER]
         self.platform = omni["vllm_omni.platforms"].current_omni_platform
         attention_cls = omni["vllm_omni.diffusion.attention.layer"].Attention
         vllm_config = fake.fake_vllm_config(dtype, BLOCK)
         self.names = [f"model.layers.{i}.attn" for i in range(num_layers)]
-        spec = fake.FullAttentionSpec(BLOCK, HKV, D, dtype, non_causal=non_causal)
+        # fp8: vLLM 0.30's cache_dtype="fp8" -- a uint8 spec and uint8 caches, the layers' scales
+        # set as vLLM sets them (per-tensor float32 tensors and their _float copies)
+        cache_dtype = torch.uint8 if fp8 else dtype
+        if fp8:
+            vllm_config.cache_config.cache_dtype = "fp8"
+        spec = fake.FullAttentionSpec(BLOCK, HKV, D, cache_dtype, non_causal=non_causal)
         self.omni_layers = {
             name: attention_cls(
                 H,
@@ -308,9 +314,14 @@ class Harness:
         k = BLOCK // KERNEL_BLOCK
         num_kernel_blocks = num_manager_blocks * k
         self.caches = {
-            name: _alloc(case, num_kernel_blocks, KERNEL_BLOCK, dtype, self.device, index, num_layers)
+            name: _alloc(case, num_kernel_blocks, KERNEL_BLOCK, cache_dtype, self.device, index, num_layers)
             for index, name in enumerate(self.names)
         }
+        if fp8:
+            for index, layer in enumerate(self.native_layers.values()):
+                for which, value in (("_k", 0.004 * (index + 1)), ("_v", 0.01 * (index + 1))):
+                    getattr(layer, f"{which}_scale").fill_(value)
+                    setattr(layer, f"{which}_scale_float", value)
         for name, layer in self.native_layers.items():
             layer.kv_cache = self.caches[name]  # what vLLM's init_kv_cache binds
         self.kernel_tables = {
@@ -391,8 +402,18 @@ class Harness:
                     visible = mask_causal(positions, row.seq_len)
                 else:
                     visible = mask_none(positions, row.seq_len)
-                assert_attention_close(outr, qr, truth[..., 0], truth[..., 1], visible, 0.3)
+                k_ref, v_ref = truth[..., 0], truth[..., 1]
+                if self.fp8:  # the cache holds e4m3: the reference reads it dequantized
+                    layer_ = self.native_layers[name]
+                    k_ref = self.e4m3(k_ref, layer_._k_scale).double() * layer_._k_scale_float
+                    v_ref = self.e4m3(v_ref, layer_._v_scale).double() * layer_._v_scale_float
+                assert_attention_close(outr, qr, k_ref, v_ref, visible, 0.3)
         self.check_cache()
+
+    @staticmethod
+    def e4m3(x, scale):
+        """x quantized as an fp8 cache write stores it (torch's rule)."""
+        return (x.float() / scale.cpu()).clamp(-448, 448).to(torch.float8_e4m3fn)
 
     def check_cache(self):
         """Every written position sits at its vLLM slot, read with the layout's own indexing."""
@@ -401,7 +422,12 @@ class Harness:
                 truth = self.truth[name][r]
                 for p in range(self.seq_lens[r]):
                     k, v = _read_slot(self.layout, self.caches[name], self.slot(row_index, p), KERNEL_BLOCK)
-                    assert torch.equal(k.cpu(), truth[p, :, :, 0]) and torch.equal(v.cpu(), truth[p, :, :, 1])
+                    k_want, v_want = truth[p, :, :, 0], truth[p, :, :, 1]
+                    if self.fp8:  # the bytes an fp8 write stores, in vLLM's uint8 cache
+                        layer = self.native_layers[name]
+                        k_want = self.e4m3(k_want, layer._k_scale).view(torch.uint8)
+                        v_want = self.e4m3(v_want, layer._v_scale).view(torch.uint8)
+                    assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -429,6 +455,22 @@ def test_full_path_every_layout(omni, device, case, monkeypatch):
     # denoise) and metadata object, shared by the layers and steps; every call was described ahead
     assert len(derived) == 2 and len({id(native) for native in derived}) == 2
     assert fake.backend_selections[-1]["backend"] is fake.AttentionBackendEnum.FLASH_ATTN
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_full_path_fp8_cache_every_layout(omni, case):
+    """cache_dtype="fp8" the vLLM way -- a uint8 spec, uint8 caches in every layout, each layer's
+    _k_scale / _v_scale set on it -- through Omni's Attention layer under install(), on the CPU
+    reference: the cache holds each write's e4m3 bytes at its vLLM slot, and every output matches
+    the float64 reference over the dequantized cache.  (The CUDA kernel's own bound is
+    tests/test_attention_fp8_cuda.py's.)"""
+    inst = integration.install()
+    harness = Harness(omni, "cpu", case, fp8=True)
+    with harness.runtime.activate():
+        for step in range(3):
+            harness.step(step, "piecewise")
+    assert inst.layer_choices == dict.fromkeys(harness.names, integration.SERVED)
+    assert fake.OmniFlashAttentionImpl.paged_contexts == []
 
 
 def test_backend_selected_without_prefill_context_parallelism(omni):
