@@ -109,8 +109,9 @@ h8_elem(const uint4 &v, int e)
 /*
  * Quantizes this consumer warpgroup's 64 Q rows (zeros past the row's end) into the e4m3 tile
  * at sq (128-byte swizzled rows) and their scales into s_qs: thread wt (0 .. 127) takes half
- * wt % 2 of row 64 cw + wt / 2.  The row's scale is its largest magnitude / 448 (1 for a row of
- * zeros); neg_q negates the row.  The caller fences and syncs the warpgroup after.
+ * wt % 2 of row 64 cw + wt / 2.  The row's scale is its largest magnitude / 448 (a row whose
+ * largest magnitude is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  The caller
+ * fences and syncs the warpgroup after.
  */
 template <typename T, int D>
 static __device__ __forceinline__ void
@@ -145,8 +146,11 @@ h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, 
         }
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const float qs = amax > 0.0f ? amax / 448.0f : 1.0f;
-    const float inv = (neg_q ? -448.0f : 448.0f) / (amax > 0.0f ? amax : 448.0f);
+    /* A row under 1e-30 is a row of zeros (its scores are below fp32's resolution of the
+     * others'): 448 / amax would overflow there, and 0 * inf is nan. */
+    const bool live = amax > 1e-30f;
+    const float qs = live ? amax / 448.0f : 1.0f;
+    const float inv = live ? (neg_q ? -448.0f : 448.0f) / amax : 0.0f;
     if (half == 0) {
         s_qs[r] = qs;
     }

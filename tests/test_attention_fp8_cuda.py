@@ -175,6 +175,17 @@ def test_strided_query_and_output_and_one_tile_rows():
     assert torch.isnan(out_store[:, :, 128:]).all()
 
 
+def test_query_rows_of_almost_zeros_attend_uniformly():
+    """A (token, head) row whose largest magnitude is under 1e-30 is rounded as zeros (448 / amax
+    would overflow, and 0 * inf is nan): its output is the mean of the visible values."""
+    rows = [(40, 300)]
+    prob = _problem(rows, 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=8)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    query[:7] *= 1e-33
+    out = _run(*prob, _C.MASK_NONE, 128**-0.5)
+    _check(out, _expected(*prob, _visible("none", None), 128**-0.5))
+
+
 def test_long_rows_and_gqa_groups():
     rows = [(1024, 5000), (2048, 2048)]
     prob = _problem(rows, 16, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=4)
