@@ -437,7 +437,7 @@ h8_pv(float (&o)[D / 2], const uint32_t (&pa)[H8_BN / 32][4], uint64_t dv)
     }
 }
 
-/* P (fp32 2^8 p, the S accumulator layout) as the e4m3 A fragments of P V in h8_perm's key
+/* P (fp32 2^8 p, the S accumulator layout) as the e4m3 A fragments of P V in the kernel's key
  * order: register 0 row g, keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the step; 1 the same of row
  * g + 8; 2 and 3 the keys 16 later. */
 static __device__ __forceinline__ void
