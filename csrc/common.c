@@ -92,6 +92,39 @@ dk_dtype_size(dk_dtype dtype)
     }
 }
 
+dk_status
+dk_driver_check(int driver, int runtime, dk_error *err)
+{
+    /* the oldest Linux driver of each CUDA major version (NVIDIA's compatibility table) */
+    static const struct {
+        int major;
+        const char *driver;
+    } oldest[] = {{11, "450.80.02"}, {12, "525.60.13"}, {13, "580.65.06"}};
+    const int major = runtime / 1000;
+    if (runtime <= 0 || (driver > 0 && driver / 1000 >= major)) {
+        return DK_OK;
+    }
+    const char *needs = "a newer one";
+    for (size_t i = 0; i < sizeof(oldest) / sizeof(oldest[0]); i++) {
+        if (oldest[i].major == major) {
+            needs = oldest[i].driver;
+        }
+    }
+    if (driver <= 0) {
+        return dk_fail(
+            err, DK_ERR_CUDA,
+            "diffkv was built with CUDA %d.%d and needs an NVIDIA driver for CUDA %d (%s "
+            "or newer), but no driver was found",
+            major, (runtime % 1000) / 10, major, needs);
+    }
+    return dk_fail(err, DK_ERR_CUDA,
+                   "diffkv was built with CUDA %d.%d and needs an NVIDIA driver for CUDA %d (%s or "
+                   "newer), but this driver supports CUDA %d.%d: install a diffkv built with CUDA "
+                   "%d (build it with that toolkit's nvcc: README, Install) or update the driver",
+                   major, (runtime % 1000) / 10, major, needs, driver / 1000, (driver % 1000) / 10,
+                   driver / 1000);
+}
+
 const char *
 dk_dtype_name(dk_dtype dtype)
 {

@@ -51,6 +51,13 @@ dk_status dk_fail(dk_error *err, dk_status status, const char *fmt, ...)
 #endif
     ;
 
+/* Whether an NVIDIA driver that supports CUDA `driver` (cudaDriverGetVersion's form: 1000 major
+ * + 10 minor) runs code built with the CUDA runtime `runtime` (CUDART_VERSION's form): a driver
+ * of the runtime's major version or newer (CUDA's minor-version compatibility).  DK_OK, or
+ * DK_ERR_CUDA with a message naming both versions, the driver the build needs and what to do
+ * instead (a driver of 0: none found).  Cannot fail otherwise. */
+dk_status dk_driver_check(int driver, int runtime, dk_error *err);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Tensors                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
@@ -558,6 +565,9 @@ int dk_cuda_device_count(void);
 int dk_cuda_capability(int32_t device);
 /* The CUDA runtime version this build links (e.g. 13000), 0 in a CPU-only build. */
 int dk_cuda_runtime_version(void);
+/* The CUDA version the installed driver supports (e.g. 12080), 0 with no driver or in a CPU-only
+ * build.  Cannot fail. */
+int dk_cuda_driver_version(void);
 /* Which tensor-core attention kernel fp16/bf16 calls run on the current device: "sm90-tma"
  * (compute capability 9.x with the sm_90a code built in and a driver that encodes TMA tensor
  * maps: head 128 on a cache with power-of-two blocks of 16+ keys and 16-byte rows takes the

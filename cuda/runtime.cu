@@ -4,8 +4,9 @@
  * every launcher calls.
  *
  * Entry points: dk_cuda_compiled, dk_cuda_device_enter, dk_cuda_device_exit,
- * dk_cuda_copy_to_host, dk_cuda_stream_capturing, dk_cuda_device_count, dk_cuda_capability,
- * dk_cuda_runtime_version (diffkv.h) and dk_cuda_after_launch (cuda_common.cuh).
+ * dk_cuda_copy_to_host, dk_cuda_stream_capturing, dk_cuda_driver_version, dk_cuda_device_count,
+ * dk_cuda_capability, dk_cuda_runtime_version (diffkv.h) and dk_cuda_after_launch
+ * (cuda_common.cuh).
  */
 #include "diffkv.h"
 
@@ -55,9 +56,49 @@ dk_cuda_compiled(void)
     return 1;
 }
 
+/* dk_driver_check of the installed driver against this build's runtime, once per process (a
+ * race checks twice, with the same result): 1 compatible, else -1 with the message kept. */
+static dk_status
+driver_ok(dk_error *err)
+{
+    static volatile int state; /* 0 unchecked, 1 compatible, -1 not */
+    static dk_error failure;
+    if (state == 0) {
+        dk_error e = {{0}};
+        const dk_status s = dk_driver_check(dk_cuda_driver_version(), CUDART_VERSION, &e);
+        if (s != DK_OK) {
+            failure = e;
+        }
+        state = s == DK_OK ? 1 : -1;
+    }
+    if (state > 0) {
+        return DK_OK;
+    }
+    *err = failure;
+    return DK_ERR_CUDA;
+}
+
+extern "C" int
+dk_cuda_driver_version(void)
+{
+    int v = 0;
+    if (cudaDriverGetVersion(&v) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return v;
+}
+
+/* The first CUDA call of every binding comes through here: a driver too old for this build is
+ * refused with dk_driver_check's message before anything else runs. */
 extern "C" dk_status
 dk_cuda_device_enter(int32_t device, int32_t *prev, dk_error *err)
 {
+    const dk_status ok = driver_ok(err);
+    if (ok != DK_OK) {
+        *prev = 0;
+        return ok;
+    }
     int cur = 0;
     cudaError_t e = cudaGetDevice(&cur);
     if (e != cudaSuccess) {

@@ -245,6 +245,21 @@ def _cases_module() -> dict[str, list[Case]]:
             ok("build_info ok", _C.build_info),
             bad("build_info nargs", TypeError, "build_info() takes 0 arguments, got 1", _C.build_info, 1),
         ],
+        "driver_check": [
+            ok("driver_check too old", _C.driver_check, 12080, 13000),
+            ok("driver_check compatible", _C.driver_check, 13000, 13000),
+            bad(
+                "driver_check nargs", TypeError, "driver_check() takes 2 arguments, got 1", _C.driver_check, 1
+            ),
+            bad(
+                "driver_check negative",
+                ValueError,
+                "driver_check(): versions must be in [0, 2147483647], got -1 and 13000",
+                _C.driver_check,
+                -1,
+                13000,
+            ),
+        ],
         "last_attention_kernel": [
             ok("last_attention_kernel ok", _C.last_attention_kernel),
             bad(

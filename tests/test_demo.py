@@ -57,3 +57,34 @@ def test_info_runs():
         [sys.executable, "-m", "diffkv", "info"], capture_output=True, text=True, check=True
     )
     assert "diffkv" in result.stdout and "tensor bridge" in result.stdout
+    if cli._C.cuda_compiled():  # the build's CUDA and the driver's, side by side
+        assert "built with CUDA 1" in result.stdout and "NVIDIA driver: " in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("driver", "runtime", "message"),
+    [
+        (13000, 13000, None),
+        (13020, 13000, None),  # a newer minor driver: CUDA's minor-version compatibility
+        (12080, 12040, None),
+        (13000, 12080, None),  # a newer major driver runs older builds
+        (
+            12080,
+            13000,
+            "diffkv was built with CUDA 13.0 and needs an NVIDIA driver for CUDA 13 (580.65.06 or newer), "
+            "but this driver supports CUDA 12.8: install a diffkv built with CUDA 12 (build it with that "
+            "toolkit's nvcc: README, Install) or update the driver",
+        ),
+        (
+            0,
+            12040,
+            "diffkv was built with CUDA 12.4 and needs an NVIDIA driver for CUDA 12 (525.60.13 or newer), "
+            "but no driver was found",
+        ),
+        (12080, 0, None),  # a CPU-only build needs no driver
+    ],
+)
+def test_driver_check(driver, runtime, message):
+    """The check every CUDA call makes once (dk_cuda_device_enter): a driver too old for the
+    build's CUDA is refused with both versions and what to do."""
+    assert cli._C.driver_check(driver, runtime) == message

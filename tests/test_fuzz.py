@@ -319,6 +319,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "bridge_noop4": ([t, t, t, t], ()),
         "cuda_compiled": ([], ()),
         "build_info": ([], ()),
+        "driver_check": ([12080, 13000], ()),
         "last_attention_kernel": ([], ()),
         "check_row": (["r", 4, 4, 0, 0, None], ()),
         "check_metadata": ([(row,), (row,)], ()),

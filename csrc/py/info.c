@@ -2,7 +2,8 @@
  * info.c -- the bridge's settings, what the build holds, which attention kernel runs.
  *
  * Entry points: configure, set_bridge_path, bridge_path, tensor_info, bridge_noop4 (the bridge's
- * cost, for benchmarks), cuda_compiled, build_info, last_attention_kernel, set_attention_kernel.
+ * cost, for benchmarks), cuda_compiled, build_info, driver_check, last_attention_kernel,
+ * set_attention_kernel.
  */
 #include "binding.h"
 
@@ -123,11 +124,38 @@ py_build_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int compiled = dk_cuda_compiled();
     int devices = compiled ? dk_cuda_device_count() : 0;
-    return Py_BuildValue("{s:O,s:i,s:i,s:s,s:s,s:s}", "cuda_compiled",
+    return Py_BuildValue("{s:O,s:i,s:i,s:i,s:s,s:s,s:s}", "cuda_compiled",
                          compiled ? Py_True : Py_False, "cuda_runtime_version",
-                         dk_cuda_runtime_version(), "device_count", devices, "archs",
+                         dk_cuda_runtime_version(), "cuda_driver_version",
+                         compiled ? dk_cuda_driver_version() : 0, "device_count", devices, "archs",
                          DIFFKV_CUDA_ARCHS, "limited_api", "cp310-abi3", "attention_kernel",
                          devices > 0 ? dk_cuda_attention_kernel() : "none");
+}
+
+/* driver_check(driver_version, runtime_version) -> None, or the message a CUDA call would raise
+ * with an NVIDIA driver supporting CUDA driver_version for a build with runtime_version (both
+ * in CUDA's 1000 major + 10 minor form; python -m diffkv info asks with the real ones). */
+static PyObject *
+py_driver_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    int64_t driver = 0, runtime = 0;
+    if (dkpy_check_nargs("driver_check", nargs, 2) != 0 ||
+        dkpy_get_i64(args[0], "driver_check", "driver_version", &driver) != 0 ||
+        dkpy_get_i64(args[1], "driver_check", "runtime_version", &runtime) != 0) {
+        return NULL;
+    }
+    if (driver < 0 || driver > INT32_MAX || runtime < 0 || runtime > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "driver_check(): versions must be in [0, %d], got %lld and %lld", INT32_MAX,
+                     (long long)driver, (long long)runtime);
+        return NULL;
+    }
+    dk_error err = {{0}};
+    if (dk_driver_check((int)driver, (int)runtime, &err) == DK_OK) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_FromString(err.msg);
 }
 
 static PyObject *
@@ -171,6 +199,7 @@ PyMethodDef dkpy_info_methods[] = {
     FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
     FAST(cuda_compiled, "cuda_compiled() -> bool."),
     FAST(build_info, "build_info() -> dict."),
+    FAST(driver_check, "driver_check(driver_version, runtime_version) -> None or the refusal."),
     FAST(last_attention_kernel,
          "last_attention_kernel() -> str: the kernel the last CUDA attention call launched."),
     FAST(set_attention_kernel,

@@ -261,6 +261,11 @@ def _demo_steps(s, device, runtime, metadata, layer_names, layers, omni_metadata
     return worst, v_max
 
 
+def _cuda_version(v: int) -> str:
+    """CUDA's 1000 major + 10 minor form as "13.0"."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
 def info(args):
     del args
     build = _C.build_info()
@@ -268,7 +273,12 @@ def info(args):
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}")
     print(f"C extension: {build['limited_api']}, CUDA compiled in: {build['cuda_compiled']}")
     if build["cuda_compiled"]:
-        print(f"  CUDA runtime {build['cuda_runtime_version']}, targets {build['archs']}")
+        runtime, driver = build["cuda_runtime_version"], build["cuda_driver_version"]
+        print(f"  built with CUDA {_cuda_version(runtime)}, targets {build['archs']}")
+        print(f"  NVIDIA driver: {'CUDA ' + _cuda_version(driver) if driver else 'none found'}")
+        refusal = _C.driver_check(driver, runtime)
+        if refusal is not None and driver:
+            print(f"  {refusal}")
         kernels = {
             "sm90-tma": (
                 "sm90-tma (warp-specialized wgmma for head 64/128: at head 128 sm90-tma16 -- one TMA"
