@@ -60,6 +60,7 @@ bench: install
 	$(PYTHON) benchmarks/bench_attention.py --json out/attention.json
 	$(PYTHON) benchmarks/bench_layer.py --json out/layer.json
 	$(PYTHON) benchmarks/bench_dense.py --json out/dense.json
+	$(PYTHON) benchmarks/bench_fp8.py --json out/fp8.json
 
 lint:
 	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff
