@@ -235,6 +235,35 @@ attn_row_limit(const dk_attention_args &a, int r, int64_t q0, int64_t q_start, i
     *wmin = lo;
 }
 
+/* attn_row_limit of row r (every lane of the warp calls; lane: r % 32) with the warp's largest
+ * and smallest limits stored to s_wmax[r / 32] and s_wmin[r / 32] by its lane 0. */
+static __device__ __forceinline__ void
+attn_warp_limits(const dk_attention_args &a, int r, int lane, int64_t q0, int64_t q_start,
+                 int64_t query_len, int64_t seq_len, int32_t *s_lim, int32_t *s_wmax,
+                 int32_t *s_wmin)
+{
+    int32_t wmax, wmin;
+    attn_row_limit(a, r, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
+    if (lane == 0) {
+        s_wmax[r / 32] = wmax;
+        s_wmin[r / 32] = wmin;
+    }
+}
+
+/* The largest key limit over the CTA's BM rows: the furthest key any of them sees (after the
+ * barrier that published attn_warp_limits's s_wmax). */
+template <int BM>
+static __device__ __forceinline__ int32_t
+attn_kv_end(const int32_t *s_wmax)
+{
+    int32_t kv_end = s_wmax[0];
+#pragma unroll
+    for (int w = 1; w < BM / 32; w++) {
+        kv_end = max(kv_end, s_wmax[w]);
+    }
+    return kv_end;
+}
+
 /* Byte offset of token `tok` of (safe) block `block`, head kv_head, in a cache of ES-byte
  * elements (2, or 1 for e4m3 with 16-byte aligned rows: the offset stays even); odd (+1) when
  * the block is the second source's (dense joint tokens): kv_row reads it back. */

@@ -180,12 +180,7 @@ attention_sm90_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t 
     /* Key limits of the 128 query rows (threads 0..127; 0 past the row's end); warp k of
      * them covers rows 32k .. 32k + 31, so warpgroup w's extremes are warps 2w and 2w + 1's. */
     if (tid < H90_BM) {
-        int32_t wmax, wmin;
-        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
-        if (lane == 0) {
-            s_wmax[tid / 32] = wmax;
-            s_wmin[tid / 32] = wmin;
-        }
+        attn_warp_limits(a, tid, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
     }
     __syncthreads();
     const int32_t kv_end = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));

@@ -506,12 +506,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
 
     /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
     if (tid < BM) {
-        int32_t wmax, wmin;
-        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
-        if (lane == 0) {
-            s_wmax[tid / 32] = wmax;
-            s_wmin[tid / 32] = wmin;
-        }
+        attn_warp_limits(a, tid, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
         if (tid == 0) {
             /* K's full: the TMA warp's expect_tx, or the cp.async threads' arrivals; V^T's full:
              * the transposing threads' arrivals; empties: the consumers' warps */
@@ -534,11 +529,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
         }
     }
     __syncthreads();
-    int32_t kv_end = s_wmax[0];
-#pragma unroll
-    for (int w = 1; w < BM / 32; w++) {
-        kv_end = max(kv_end, s_wmax[w]);
-    }
+    const int32_t kv_end = attn_kv_end<BM>(s_wmax);
     const int32_t n_tiles = (kv_end + H8_BN - 1) / H8_BN;
 
     if (wg == 0) {

@@ -152,12 +152,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
 
     /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
     if (tid < BM) {
-        int32_t wmax, wmin;
-        attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
-        if (lane == 0) {
-            s_wmax[tid / 32] = wmax;
-            s_wmin[tid / 32] = wmin;
-        }
+        attn_warp_limits(a, tid, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
         if (tid == 0) {
 #pragma unroll
             for (int i = 0; i < ST + SV; i++) { /* full K and V, then empty K and V */
@@ -170,11 +165,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         }
     }
     __syncthreads();
-    int32_t kv_end = s_wmax[0];
-#pragma unroll
-    for (int w = 1; w < BM / 32; w++) {
-        kv_end = max(kv_end, s_wmax[w]);
-    }
+    const int32_t kv_end = attn_kv_end<BM>(s_wmax);
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
