@@ -244,16 +244,22 @@ def test_an_fp8_cache_through_the_adapter_api():
             assert err <= 2.0**-8 * exact.abs().max().item() + 1e-6, (step, err)
 
 
-def test_do_kv_cache_update_quantizes_with_the_layers_scales():
+def _update_inputs(kv_cache_dtype, seed):
+    """An fp8 impl, a layer with fixed scales (0.03, 0.01), 5 tokens of bf16 K/V for 2 KV heads
+    x 64, their slots and an empty float8_e4m3fn cache of 2 blocks of 16."""
     impl = dk.DiffKVAttentionImpl(
-        num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8_e4m3"
+        num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype=kv_cache_dtype
     )
     layer = SimpleNamespace(_k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.01]))
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     key = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
     value = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
-    cache = torch.zeros(2, 2, 16, 2, 64, dtype=F8)
     slots = torch.tensor([3, 17, 0, 31, 8])
+    return impl, layer, key, value, slots, torch.zeros(2, 2, 16, 2, 64, dtype=F8)
+
+
+def test_do_kv_cache_update_quantizes_with_the_layers_scales():
+    impl, layer, key, value, slots, cache = _update_inputs("fp8_e4m3", 2)
     impl.do_kv_cache_update(layer, key, value, cache, slots)
     flat = cache.view(torch.uint8).view(2, 32, 2, 64)
     assert torch.equal(flat[0][slots], (key.float() / 0.03).clamp(-448, 448).to(F8).view(torch.uint8))
@@ -327,15 +333,8 @@ def test_do_kv_cache_update_compiles_over_an_fp8_cache():
     """The quantizing write traces (the layer's fixed scales are graph inputs); while the
     layer's calculate_kv_scales is pending it refuses, since that first write reads the data
     on the host."""
-    impl = dk.DiffKVAttentionImpl(
-        num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8"
-    )
-    layer = SimpleNamespace(_k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.01]))
-    gen = torch.Generator().manual_seed(5)
-    key = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
-    value = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
-    slots = torch.tensor([3, 17, 0, 31, 8])
-    cache, expected = torch.zeros(2, 2, 16, 2, 64, dtype=F8), torch.zeros(2, 2, 16, 2, 64, dtype=F8)
+    impl, layer, key, value, slots, cache = _update_inputs("fp8", 5)
+    expected = torch.zeros_like(cache)
     _C.kv_write(key, value, expected, slots, layer._k_scale, layer._v_scale)
 
     def update(k, v, kv_cache, slot_mapping):
