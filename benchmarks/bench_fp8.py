@@ -58,16 +58,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from diffkv import _C
 from diffkv._bench import device_times_us, environment, fmt, median, time_interleaved, write_json
+from diffkv._bench_cli import _sdpa_setup
 
 F8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -474,41 +473,14 @@ def _cudnn_fp8_call(
 
 
 def _sdpa_cudnn(case: Case, inp: Inputs) -> dict[str, Any]:
-    """cuDNN bf16 via torch SDPA on dense [B, H, S, D] copies: enable_gqa=True first, else K/V
-    expanded beforehand.  {'run', 'gqa', 'holder'} or {'reason'}."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """cuDNN bf16 via torch SDPA on dense [B, H, S, D] copies, as ``python -m diffkv bench`` runs
+    it (``_bench_cli._sdpa_setup``: enable_gqa first, else K/V expanded beforehand).
+    {'run', 'out', 'gqa'} or {'reason'}."""
     b, sq, skv = case.rows, case.query_len, case.seq_len
     q = inp.query.view(b, sq, case.heads, HEAD).transpose(1, 2).contiguous()
     k = inp.key.view(b, skv, case.kv_heads, HEAD).transpose(1, 2).contiguous()
     v = inp.value.view(b, skv, case.kv_heads, HEAD).transpose(1, 2).contiguous()
-    modes = ["mha"] if case.heads == case.kv_heads else ["enable_gqa", "repeat_interleave"]
-    reasons = []
-    for mode in modes:
-        if mode == "repeat_interleave":
-            ks, vs = (x.repeat_interleave(case.group, dim=1) for x in (k, v))
-        else:
-            ks, vs = k, v
-        kwargs = {"enable_gqa": True} if mode == "enable_gqa" else {}
-        holder: dict[str, torch.Tensor] = {}
-
-        def run(ks=ks, vs=vs, kwargs=kwargs, holder=holder) -> None:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                holder["out"] = F.scaled_dot_product_attention(
-                    q, ks, vs, is_causal=case.causal, scale=HEAD**-0.5, **kwargs
-                )
-
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                run()
-                torch.cuda.synchronize()
-        except RuntimeError as exc:
-            why = "; ".join(str(w.message).splitlines()[0] for w in caught) or _reason(exc)
-            reasons.append(f"{mode}: {why}")
-            continue
-        return {"run": run, "gqa": mode, "holder": holder}
-    return {"reason": " | ".join(reasons)}
+    return _sdpa_setup("cudnn", q, k, v, case.causal, HEAD**-0.5)
 
 
 # --- accuracy -----------------------------------------------------------------------------------
@@ -671,7 +643,7 @@ def run_case(
 
     # scale_o for an e4m3 output: amax of a bf16 output of the same inputs (ideal delayed scaling)
     if "cudnn_bf16" in timers:
-        o_amax, o_source = float(sdpa["holder"]["out"].abs().amax()), "cuDNN bf16 output amax"
+        o_amax, o_source = float(sdpa["out"].abs().amax()), "cuDNN bf16 output amax"
     elif "diffkv_bf16" in outs:
         o_amax, o_source = float(outs["diffkv_bf16"].abs().amax()), "diffkv bf16 output amax"
     else:
@@ -866,9 +838,9 @@ def run_case(
         else None,
     }
 
-    # outputs after the timing (the timed calls rewrote the same values)
+    # outputs (cuDNN bf16's from its first call: the timed calls compute the same values)
     if "cudnn_bf16" in timers:
-        outs["cudnn_bf16"] = sdpa["holder"]["out"].transpose(1, 2).reshape(n_q, case.heads, HEAD)
+        outs["cudnn_bf16"] = sdpa["out"].transpose(1, 2).reshape(n_q, case.heads, HEAD)
     for name, c in cudnn_fp8.items():
         flat_out = c["out"].view(n_q, case.heads, HEAD)
         outs[name] = flat_out.float() / c["scale_o"] if c["fp8_out"] else flat_out
