@@ -57,7 +57,7 @@ STAMPS = (
         " tl_buf[blockIdx.x][8] = tl_smid(); tl_buf[blockIdx.x][9] = tl_gt(); } }\n",
     ),
     (
-        "    __syncthreads();\n    int32_t kv_end = s_wmax[0];",
+        "    __syncthreads();\n    const int32_t kv_end = attn_kv_end<BM>(s_wmax);",
         "after_first_line",
         "    if (threadIdx.x == 0) TL(1);\n",
     ),
