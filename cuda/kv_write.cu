@@ -4,15 +4,15 @@
  * the value of every token whose slot is >= 0 (a slot at or past num_blocks * block_size is
  * skipped too: the caller range-checks slots, the kernel never writes outside the cache).
  * A bit copy, so fp32/fp16/bf16 share the kernels:
- *   - kv_write_vec_kernel when every address is 16-byte aligned and the dim strides are 1
- *     (checked on the host): 16-byte units, several tokens per thread with all loads issued
+ *   - kv_write_vec_kernel<KV_COPY> when every address is 16-byte aligned and the dim strides
+ *     are 1 (checked on the host): 16-byte units, several tokens per thread with all loads issued
  *     before the stores, K and V of a unit in the same thread;
  *   - kv_write_kernel otherwise: one element at a time with any strides.
  *
  * A float8_e4m3fn cache (cache_dtype DK_F8E4M3) stores each element quantized, x / scale in
  * fp32 rounded to e4m3 (dk_f32_to_e4m3's rounding, bit for bit):
- *   - kv_write_fp8_vec_kernel under the fast path's conditions (the cache side aligned to its
- *     units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
+ *   - kv_write_vec_kernel<DT> under the fast path's conditions (the cache side aligned to
+ *     its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
  *   - kv_write_fp8_kernel otherwise: one element at a time with any strides.
  *
  * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
@@ -30,70 +30,13 @@
 #include <string.h>
 
 #define KV_WRITE_MAX_THREADS 256
+/* kv_write_vec_kernel's OUT for a cache of the inputs' dtype (no dk_dtype is negative) */
+#define KV_COPY (-1)
 /* Tokens one thread of the fast path moves per unit: its 2 * KV_WRITE_TOKENS 16-byte loads
  * (K and V) are all in flight before the first store, 128 bytes per thread, enough to cover
  * HBM latency at a modest occupancy (one unit per thread did not: docs/performance.md, KV
  * write). */
 #define KV_WRITE_TOKENS 4
-
-/*
- * Fast path: 16-byte units (elems_per_unit elements), dim strides 1, all addresses 16-byte
- * aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and owns the tile of
- * blockDim.y * KV_WRITE_TOKENS consecutive tokens starting at blockIdx.x * tile; lane y moves
- * tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads * units_per_head
- * units of a token row in steps of blockDim.x (a single step whenever the row fits the CTA)
- * and moves the same unit of K and of V.  It loads every one of its tokens' units first
- * (key/value are read-only here, hence the non-coherent path), then stores those whose slot is
- * in the cache.  Rows of skipped tokens are loaded too: they lie inside key/value, and the
- * loads need not wait for the slots.
- */
-static __global__ void
-kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
-                    int32_t elems_per_unit)
-{
-    const int32_t units = (int32_t)a.num_kv_heads * units_per_head;
-    const int64_t capacity = a.num_blocks * a.block_size;
-    const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * KV_WRITE_TOKENS + threadIdx.y;
-    const char *key = (const char *)a.key;
-    const char *value = (const char *)a.value;
-    char *key_cache = (char *)a.key_cache;
-    char *value_cache = (char *)a.value_cache;
-    int64_t slot[KV_WRITE_TOKENS];
-#pragma unroll
-    for (int i = 0; i < KV_WRITE_TOKENS; i++) {
-        int64_t t = t0 + (int64_t)i * blockDim.y;
-        slot[i] = t < a.num_tokens ? __ldg(a.slot_mapping + t * a.slot_stride) : -1;
-    }
-    for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
-        const int64_t h = u / units_per_head;
-        const int64_t d = (int64_t)(u % units_per_head) * elems_per_unit;
-        const int64_t key_off = h * a.key_stride_head + d;
-        const int64_t value_off = h * a.value_stride_head + d;
-        const int64_t cache_off = h * a.cache_stride_head + d;
-        uint4 k[KV_WRITE_TOKENS];
-        uint4 v[KV_WRITE_TOKENS];
-#pragma unroll
-        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
-            int64_t t = t0 + (int64_t)i * blockDim.y;
-            k[i] = make_uint4(0, 0, 0, 0);
-            v[i] = make_uint4(0, 0, 0, 0);
-            if (t < a.num_tokens) {
-                k[i] = __ldg((const uint4 *)(key + (t * a.key_stride_token + key_off) * elem_size));
-                v[i] = __ldg(
-                    (const uint4 *)(value + (t * a.value_stride_token + value_off) * elem_size));
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
-            if (slot[i] >= 0 && slot[i] < capacity) {
-                int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
-                              (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
-                *(uint4 *)(key_cache + off * elem_size) = k[i];
-                *(uint4 *)(value_cache + off * elem_size) = v[i];
-            }
-        }
-    }
-}
 
 /*
  * Strided fallback.  One block per token; its threads walk the (tensor, head, unit) items of
@@ -183,25 +126,60 @@ load_element(const char *src, int64_t i)
     return __half2float(__ushort_as_half(bits));
 }
 
-/*
- * The fast path into a float8_e4m3fn cache: kv_write_vec_kernel's tiling and loads (16-byte
- * units of DT, elems_per_unit = 16 / sizeof(DT) elements), each unit quantized with its head's
- * scales and stored as elems_per_unit bytes (8: a uint2, 4: a uint32).
- */
-template <int DT>
-static __global__ void
-kv_write_fp8_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
-                        int32_t elems_per_unit)
+/* A unit of the vec kernel into the cache at dst: as it is (OUT == KV_COPY, 16 bytes), or
+ * quantized with scale from DT = OUT values (16 / sizeof(DT) bytes, element j at byte j). */
+template <int OUT>
+static __device__ __forceinline__ void
+store_unit(char *dst, const uint4 &unit, float scale)
 {
-    constexpr int E = DT == DK_F32 ? 4 : 8;
-    (void)elems_per_unit; /* E */
+    if (OUT == KV_COPY) {
+        *(uint4 *)dst = unit;
+        return;
+    }
+    constexpr int E = OUT == DK_F32 ? 4 : 8;
+    uint32_t q[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < E; j++) {
+        q[j / 4] |= (uint32_t)quantize_e4m3(unit_element<OUT>(unit, j), scale) << (8 * (j % 4));
+    }
+    if (E == 8) {
+        *(uint2 *)dst = make_uint2(q[0], q[1]);
+    }
+    else {
+        *(uint32_t *)dst = q[0];
+    }
+}
+
+/*
+ * Fast path: 16-byte units (elems_per_unit elements), dim strides 1, all addresses 16-byte
+ * aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and owns the tile of
+ * blockDim.y * KV_WRITE_TOKENS consecutive tokens starting at blockIdx.x * tile; lane y moves
+ * tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads * units_per_head
+ * units of a token row in steps of blockDim.x (a single step whenever the row fits the CTA)
+ * and moves the same unit of K and of V.  It loads every one of its tokens' units first
+ * (key/value are read-only here, hence the non-coherent path), then stores those whose slot is
+ * in the cache.  Rows of skipped tokens are loaded too: they lie inside key/value, and the
+ * loads need not wait for the slots.
+ *
+ * OUT is KV_COPY for a cache of the inputs' dtype (each unit stored as it is), or the inputs'
+ * dtype DT for a float8_e4m3fn cache: each unit quantized with its head's scales and stored as
+ * elems_per_unit = 16 / sizeof(DT) bytes (8: a uint2, 4: a uint32), the cache offsets in bytes.
+ */
+template <int OUT>
+static __global__ void
+kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                    int32_t elems_per_unit)
+{
     const int32_t units = (int32_t)a.num_kv_heads * units_per_head;
     const int64_t capacity = a.num_blocks * a.block_size;
     const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * KV_WRITE_TOKENS + threadIdx.y;
     const char *key = (const char *)a.key;
     const char *value = (const char *)a.value;
-    uint8_t *key_cache = (uint8_t *)a.key_cache;
-    uint8_t *value_cache = (uint8_t *)a.value_cache;
+    char *key_cache = (char *)a.key_cache;
+    char *value_cache = (char *)a.value_cache;
+    const int64_t cache_elem_size = OUT == KV_COPY ? elem_size : 1;
+    /* fp8: 16 / sizeof(DT), what prepare_fp8 passes, known here at compile time */
+    const int32_t unit_elems = OUT == KV_COPY ? elems_per_unit : (OUT == DK_F32 ? 4 : 8);
     int64_t slot[KV_WRITE_TOKENS];
 #pragma unroll
     for (int i = 0; i < KV_WRITE_TOKENS; i++) {
@@ -210,12 +188,15 @@ kv_write_fp8_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t uni
     }
     for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
         const int64_t h = u / units_per_head;
-        const int64_t d = (int64_t)(u % units_per_head) * E;
+        const int64_t d = (int64_t)(u % units_per_head) * unit_elems;
         const int64_t key_off = h * a.key_stride_head + d;
         const int64_t value_off = h * a.value_stride_head + d;
         const int64_t cache_off = h * a.cache_stride_head + d;
-        const float ks = __ldg(a.k_scale + h * a.scale_stride_head);
-        const float vs = __ldg(a.v_scale + h * a.scale_stride_head);
+        float ks = 0.0f, vs = 0.0f;
+        if (OUT != KV_COPY) {
+            ks = __ldg(a.k_scale + h * a.scale_stride_head);
+            vs = __ldg(a.v_scale + h * a.scale_stride_head);
+        }
         uint4 k[KV_WRITE_TOKENS];
         uint4 v[KV_WRITE_TOKENS];
 #pragma unroll
@@ -234,23 +215,8 @@ kv_write_fp8_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t uni
             if (slot[i] >= 0 && slot[i] < capacity) {
                 int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
                               (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
-                /* bytes packed little-endian into words: element j at byte j */
-                uint32_t qk[2] = {0, 0}, qv[2] = {0, 0};
-#pragma unroll
-                for (int j = 0; j < E; j++) {
-                    qk[j / 4] |= (uint32_t)quantize_e4m3(unit_element<DT>(k[i], j), ks)
-                                 << (8 * (j % 4));
-                    qv[j / 4] |= (uint32_t)quantize_e4m3(unit_element<DT>(v[i], j), vs)
-                                 << (8 * (j % 4));
-                }
-                if (E == 8) {
-                    *(uint2 *)(key_cache + off) = make_uint2(qk[0], qk[1]);
-                    *(uint2 *)(value_cache + off) = make_uint2(qv[0], qv[1]);
-                }
-                else {
-                    *(uint32_t *)(key_cache + off) = qk[0];
-                    *(uint32_t *)(value_cache + off) = qv[0];
-                }
+                store_unit<OUT>(key_cache + off * cache_elem_size, k[i], ks);
+                store_unit<OUT>(value_cache + off * cache_elem_size, v[i], vs);
             }
         }
     }
@@ -344,9 +310,9 @@ prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
         p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
         p->block[0] = (uint32_t)bx;
         p->block[1] = (uint32_t)by;
-        p->func = a->dtype == DK_F32   ? (const void *)kv_write_fp8_vec_kernel<DK_F32>
-                  : a->dtype == DK_F16 ? (const void *)kv_write_fp8_vec_kernel<DK_F16>
-                                       : (const void *)kv_write_fp8_vec_kernel<DK_BF16>;
+        p->func = a->dtype == DK_F32   ? (const void *)kv_write_vec_kernel<DK_F32>
+                  : a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16>
+                                       : (const void *)kv_write_vec_kernel<DK_BF16>;
         return DK_OK;
     }
     p->elems_per_unit = 1;
@@ -422,7 +388,7 @@ dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_err
         p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
         p->block[0] = (uint32_t)bx;
         p->block[1] = (uint32_t)by;
-        p->func = (const void *)kv_write_vec_kernel;
+        p->func = (const void *)kv_write_vec_kernel<KV_COPY>;
         return DK_OK;
     }
     int64_t items = 2 * a->num_kv_heads * p->units_per_head;
