@@ -46,12 +46,15 @@ bf16, and to e4m3 with cuDNN's scale_o).
                                    [--data gaussian,outlier]
                                    [--baselines diffkv_bf16,cudnn_fp8,cudnn_fp8_paged,cudnn_bf16]
                                    [--no-layer] [--no-accuracy] [--no-profile] [--json out.json]
+                                   [--kernel auto|sm80|sm90]
 
 cuDNN fp8 needs the ``cudnn`` module of ``nvidia-cudnn-frontend`` (``pip install --no-deps
 nvidia-cudnn-frontend``: the backend path needs neither cutlass-dsl nor tvm-ffi); without it, or
 when its graph does not build, cuDNN fp8 is reported n/a with the reason and the rest runs.
 --quick: smaller shapes (2048 tokens; HunyuanImage rows of 1025 queries after the same 500 /
-3500-token prefixes).  --device cpu runs diffkv only (the CPU reference), for a smoke test.
+3500-token prefixes).  --kernel sm80 runs diffkv's fp8 and bf16 calls on the mma.sync kernels
+(what an A100 runs; on Hopper, the sm80 fp8 form against the sm80 bf16 kernel on the same
+shapes).  --device cpu runs diffkv only (the CPU reference), for a smoke test.
 """
 
 from __future__ import annotations
@@ -1050,6 +1053,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--json", default=None, help="write a JSON record here")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--kernel",
+        default="auto",
+        choices=("auto", "sm80", "sm90"),
+        help="diffkv's attention kernel choice for its fp8 and bf16 calls (sm80: the mma.sync kernels)",
+    )
     args = parser.parse_args(argv)
 
     cases = _cases(args.quick)
@@ -1078,6 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
 
     env = environment(device, checkout=__file__)
+    env["attention_kernel_choice"] = args.kernel
+    _C.set_attention_kernel(args.kernel)
     if device.type == "cuda" and any(b.startswith("cudnn_fp8") for b in args.baselines):
         cudnn, why = _cudnn()
         env["cudnn_frontend"] = getattr(cudnn, "__version__", None) if cudnn else None
@@ -1090,7 +1101,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"diffkv fp8 paged attention vs cuDNN on {env.get('gpu', device)} (torch {env['torch']}, "
         f"cuDNN {env.get('cudnn')}, cudnn-frontend {env.get('cudnn_frontend')}, diffkv {env['diffkv']}); "
-        f"head {HEAD}, block {BLOCK}, bf16 activations; median of {args.reps} after {args.warmup} warm-up"
+        f"head {HEAD}, block {BLOCK}, bf16 activations, diffkv kernel choice {args.kernel}; "
+        f"median of {args.reps} after {args.warmup} warm-up"
         + (", L2 flushed before each" if device.type == "cuda" else "")
     )
     if env.get("cudnn_frontend_error"):

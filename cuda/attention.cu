@@ -15,10 +15,11 @@
  *         "sm90").
  *   - other fp16/bf16 calls: the mma.sync kernel (attention_sm80.cu, "sm80").
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, head 64 or 128, K/V rows in 16-byte
- *     chunks, on the Hopper kernels: the e4m3 wgmma kernel (attention_sm90_fp8.cu), fed by TMA
+ *     chunks: on the Hopper kernels the e4m3 wgmma kernel (attention_sm90_fp8.cu), fed by TMA
  *     boxes of 16-key chunks ("sm90-fp8-tma": head 128, blocks of a multiple of 16 keys) or
- *     cp.async rows ("sm90-fp8"); anything else over an fp8 cache is refused
- *     (NotImplementedError) before it runs.
+ *     cp.async rows ("sm90-fp8"); elsewhere (and with the kernel choice sm80) the mma.sync
+ *     kernel with the cache widened to fp16 in shared memory ("sm80-fp8"); anything else over
+ *     an fp8 cache is refused (NotImplementedError) before it runs.
  * docs/hopper-kernels.md has the measurements behind each rule.
  *
  * Masks: every mask is a per-token exclusive key limit L (key j visible iff j < L):
@@ -190,23 +191,17 @@ aligned4(int64_t bytes)
 }
 
 /*
- * Launches a checked fp16/bf16 call over a float8_e4m3fn cache (attention_sm90_fp8.cu), or
- * refuses it with DK_ERR_NOT_IMPLEMENTED before anything runs: the e4m3 kernel needs the Hopper
- * kernels (compute capability 9.x, sm_90a code, kernel choice not sm80) and K/V rows of 16-byte
- * chunks.  Returns DK_ERR_CUDA with the launch's error in err, else DK_OK.
+ * Launches a checked fp16/bf16 call over a float8_e4m3fn cache, or refuses it with
+ * DK_ERR_NOT_IMPLEMENTED before anything runs (K/V rows not in 16-byte chunks): on the Hopper
+ * kernels (compute capability 9.x, sm_90a code, kernel choice not sm80) the e4m3 wgmma kernel
+ * (attention_sm90_fp8.cu), elsewhere the mma.sync kernel's fp8 form (attention_sm80.cu,
+ * "sm80-fp8": e4m3 widened to fp16 in shared memory).  Returns DK_ERR_CUDA with the launch's
+ * error in err, else DK_OK.
  */
 static dk_status
-attn_fp8(const dk_attention_args *a, int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
-         bool o_vec, void *stream, dk_error *err)
+attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
+         bool neg_q, bool q_vec, bool o_vec, void *stream, dk_error *err)
 {
-    if (!h90_ready()) {
-        return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
-                       "paged_attention(): attention over a float8_e4m3fn kv_cache needs a "
-                       "Hopper GPU (compute capability 9.0) and diffkv's sm_90a kernels on "
-                       "CUDA so far, got %s",
-                       dk_attention_kernel_choice() == DK_KERNEL_SM80 ? "the kernel choice sm80"
-                                                                      : "another device");
-    }
     /* e4m3: one byte per element, so 16-byte chunks are 16 elements */
     const bool kv16 = a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
                       ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
@@ -218,15 +213,24 @@ attn_fp8(const dk_attention_args *a, int64_t head_group, float scale_log2, bool 
                        "dims, 16-byte aligned storage and block, token and head strides that "
                        "are multiples of 16 on CUDA");
     }
-    bool tma = false;
-    const cudaError_t e = attn_sm90_fp8_launch(a, head_group, scale_log2, neg_q, q_vec, o_vec,
-                                               (cudaStream_t)stream, &tma);
+    const char *kernel = "sm80-fp8";
+    cudaError_t e;
+    if (h90_ready()) {
+        bool tma = false;
+        e = attn_sm90_fp8_launch(a, head_group, scale_log2, neg_q, q_vec, o_vec,
+                                 (cudaStream_t)stream, &tma);
+        kernel = tma ? "sm90-fp8-tma" : "sm90-fp8";
+    }
+    else {
+        e = attn_mma_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, true, o_vec,
+                            (cudaStream_t)stream);
+    }
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* reported here: not the next call's error */
         return dk_fail(err, DK_ERR_CUDA, "paged_attention(): CUDA error %s (%d)",
                        cudaGetErrorString(e), (int)e);
     }
-    attn_note(tma ? "sm90-fp8-tma" : "sm90-fp8");
+    attn_note(kernel);
     return dk_cuda_after_launch("paged_attention()", stream, err);
 }
 
@@ -371,7 +375,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
         }
     }
     if (a->kv_fp8) {
-        return attn_fp8(a, hg, mma_scale_log2, neg_q, q_vec, o_vec, stream, err);
+        return attn_fp8(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, o_vec, stream, err);
     }
     if (h90_ready()) {
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,

@@ -287,8 +287,9 @@ kv_row(const char *base, const char *base2, int64_t off)
     return (off & 1) ? base2 + (off - 1) : base + off;
 }
 
-/* kv_block_offset of key j of the row (head kv_head), or 0 (a harmless address, never read)
- * when j >= kv_end. */
+/* kv_block_offset<ES> of key j of the row (head kv_head), or 0 (a harmless address, never
+ * read) when j >= kv_end. */
+template <int ES = 2>
 static __device__ int64_t
 kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, int32_t j,
               int32_t kv_end)
@@ -298,7 +299,7 @@ kv_key_offset(const dk_attention_args &a, const int32_t *bt, int64_t kv_head, in
     }
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t uj = (uint32_t)j;
-    return kv_block_offset(a, dk_safe_block(a, bt[uj / bs]), uj % bs, kv_head);
+    return kv_block_offset<ES>(a, dk_safe_block(a, bt[uj / bs]), uj % bs, kv_head);
 }
 
 /*

@@ -57,6 +57,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #define ATTN_WARPS 4 /* warps per CTA (ATTN_BM query rows: attention_internal.cuh) */
 #define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
 #define ATTN_THREADS (ATTN_WARPS * 32)
@@ -127,12 +129,169 @@ load_kv_tile(uint16_t *s, const char *cache, const char *cache2, const int64_t *
     }
 }
 
+/* What kv8_to_half's fp16 values are times the e4m3 values: the conversion instruction of
+ * sm_89 and later gives the values themselves; sm_80's shift and mask give 2^-8 times them. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KV8_UNIT 1.0f
+#else
+#define KV8_UNIT 256.0f
+#endif
+
+/* Four e4m3 bytes (the lowest first) as two fp16 pairs (.x: bytes 0, 1; .y: bytes 2, 3) of
+ * their values / KV8_UNIT, exactly.  sm_80 has no fp8 conversion: an e4m3 byte s.eeee.mmm
+ * moved into fp16's s.eeeee.mmmmmmmmmm as s.0eeee.mmm0000000 is 2^-8 times its value (fp16's
+ * exponent bias is 15, e4m3's 7), subnormals included -- except the NaN code 0x7F, which reads
+ * as 1.875 * 2^-8 there: kv8_nan_words finds it, kv8_nan_fix sets it apart.  sm_89 and later
+ * convert with one instruction per pair, NaN included. */
+static __device__ __forceinline__ uint2
+kv8_to_half(uint32_t w)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint2 r;
+    asm("{\n.reg .b16 lo, hi;\n"
+        "mov.b32 {lo, hi}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(r.x), "=r"(r.y)
+        : "r"(w));
+    return r;
+#else
+    /* each byte into the low byte of a 16-bit lane: b + (b & 0x80) moves the sign from bit 7
+     * to bit 8, and << 7 places sign, exponent and mantissa (no lane carries into the next) */
+    const uint32_t u0 = __byte_perm(w, 0u, 0x4140u), u1 = __byte_perm(w, 0u, 0x4342u);
+    return make_uint2((u0 + (u0 & 0x00800080u)) << 7, (u1 + (u1 & 0x00800080u)) << 7);
+#endif
+}
+
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+/* Whether any of the sixteen bytes of w is an e4m3 NaN code: the bytes of (w & 0x7F..) ^ 0x7F..
+ * are zero exactly there, and (t - 0x01..) & ~t & 0x80.. is nonzero iff some byte of t is. */
+static __device__ __forceinline__ bool
+kv8_nan_words(const uint4 &w)
+{
+    uint32_t any = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t t = ((&w.x)[i] & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;
+        any |= (t - 0x01010101u) & ~t & 0x80808080u;
+    }
+    return any != 0;
+}
+
+/* An fp16 pair from kv8_to_half with its NaN codes' lanes (magnitude 0x3F80) made NaNs: z has
+ * those lanes zero, and (z - 1) & ~z sets bit 15 of exactly them (every other lane of z is a
+ * nonzero multiple of 0x80 under 0x8000, so no borrow turns another lane's bit 15 on). */
+static __device__ __forceinline__ uint32_t
+kv8_nan_fix(uint32_t h)
+{
+    const uint32_t z = (h & 0x7FFF7FFFu) ^ 0x3F803F80u;
+    return h | (((z - 0x00010001u) & ~z & 0x80008000u) >> 15) * 0x7E00u;
+}
+#endif
+
+/* Byte offset of 16-byte chunk c of row r in an e4m3 staging tile of D-byte rows: the chunks
+ * numbered row by row, eight to a 128-byte line, XOR-swizzled by the line's index, so that the
+ * eight rows of one chunk column that 8 threads read together lie in distinct bank groups. */
+template <int D>
+static __device__ __forceinline__ uint32_t
+kv8_pos(int r, int c)
+{
+    const uint32_t n = (uint32_t)(r * (D / 16) + c);
+    const uint32_t line = n >> 3;
+    return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
+}
+
+/* The staging chunks thread tid copies and converts: chunk column (tid / 8) % (D / 16) of rows
+ * kv8_row0 + k * (ATTN_THREADS / (D / 16)), all with the same r % 8 = tid % 8. */
+template <int D>
+static __device__ __forceinline__ int
+kv8_row0(int tid)
+{
+    return (tid / (8 * (D / 16))) * 8 + (tid & 7);
+}
+
+/*
+ * Copies one e4m3 K or V tile of BN keys (byte offsets offs[0 .. BN), rows of D bytes in
+ * 16-byte chunks) into the staging tile at slot with cp.async; rows >= valid_rows become zeros
+ * (e4m3 zero: masked probabilities never meet a NaN code).
+ */
+template <int D, int BN>
+static __device__ __forceinline__ void
+stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64_t *offs,
+               int32_t valid_rows)
+{
+    constexpr int ROWS = ATTN_THREADS / (D / 16); /* rows per pass */
+    const int tid = (int)threadIdx.x;
+    const int c = (tid >> 3) % (D / 16);
+    const int r0 = kv8_row0<D>(tid);
+#pragma unroll
+    for (int pass = 0; pass < BN / ROWS; pass++) {
+        const int r = r0 + pass * ROWS;
+        cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
+                   r < valid_rows ? 16u : 0u);
+    }
+}
+
+/*
+ * Converts the staged e4m3 K and V tiles at slot (K then V, BN * D bytes each) into the fp16
+ * tiles at tile (K [BN][D], then V), swizzled as load_kv_tile lays them out: each thread the
+ * chunks it staged (its own cp.async copies, waited for by the caller), 16 bytes into two
+ * 16-byte fp16 chunks.
+ */
+template <int D, int BN>
+static __device__ __forceinline__ void
+convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
+{
+    constexpr int ROWS = ATTN_THREADS / (D / 16);
+    const int tid = (int)threadIdx.x;
+    const int c = (tid >> 3) % (D / 16);
+    const int r0 = kv8_row0<D>(tid);
+    const uint32_t dst = smem_addr(tile);
+#pragma unroll
+    for (int kv = 0; kv < 2; kv++) {
+#pragma unroll
+        for (int pass = 0; pass < BN / ROWS; pass++) {
+            const int r = r0 + pass * ROWS;
+            const uint4 w = *reinterpret_cast<const uint4 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
+            const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
+            const uint2 h2 = kv8_to_half(w.z), h3 = kv8_to_half(w.w);
+            uint4 lo = make_uint4(h0.x, h0.y, h1.x, h1.y), hi = make_uint4(h2.x, h2.y, h3.x, h3.y);
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+            if (kv8_nan_words(w)) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    (&lo.x)[i] = kv8_nan_fix((&lo.x)[i]);
+                    (&hi.x)[i] = kv8_nan_fix((&hi.x)[i]);
+                }
+            }
+#endif
+            const uint32_t row = dst + (uint32_t)((kv * BN + r) * D * 2);
+            st_shared16(row + (uint32_t)(((2 * c) ^ (r & 7)) * 16), lo);
+            st_shared16(row + (uint32_t)(((2 * c + 1) ^ (r & 7)) * 16), hi);
+        }
+    }
+}
+
 /*
  * grid.x = num_heads * num_rows * tiles_per_row (order: attn_cta_place); tiles past a row's
  * end exit at once.  ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
  * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
+ *
+ * KV8: the cache holds e4m3 (kv_fp8; K/V rows in 16-byte chunks, kv_vec), T the query and
+ * output dtype; the products run in fp16 on the same tiles:
+ *   - K/V tiles land by cp.async as bytes in a staging slot (stage_kv8_tile) and each thread
+ *     widens the chunks it copied into the fp16 K and V tiles (convert_kv8_tiles, values /
+ *     KV8_UNIT).  The shared memory of the second fp16 stage holds two staging slots instead,
+ *     so there is one fp16 stage: per tile, a barrier (tile kt - 1 done), tile kt + 1's copies
+ *     issued, tile kt converted, a barrier, then the math.
+ *   - bf16 queries become fp16 in place, times one power of two 2^e for the CTA's Q tile
+ *     (its largest magnitude just under 2^15): fp16's 11-bit significand holds bf16's 8, and
+ *     values under 2^-39 of the tile's largest lose bits -- each such score's error is under
+ *     2^-39 of the largest score's magnitude.  fp16 queries are used as they are (e = 0).
+ *   - the scores' multiplier is scale_log2 * k_scale * KV8_UNIT * 2^-e; O is multiplied by
+ *     v_scale * KV8_UNIT before the division by the row sum; P is fp16.
  */
-template <typename T, int D>
+template <typename T, int D, bool KV8>
 /* clang-format does not know __launch_bounds__ is an attribute. */
 /* clang-format off */
 static __global__ void __launch_bounds__(ATTN_THREADS, ATTN_CTAS_PER_SM)
@@ -148,6 +307,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     constexpr int NTILES = BN / 8;                    /* n-tiles of S */
     constexpr int DTILES = D / 8;                     /* n-tiles of O */
     constexpr uint32_t STAGE_BYTES = 2u * BN * D * 2; /* one K and one V tile */
+    constexpr int ES = KV8 ? 1 : 2;                   /* bytes per cache element */
+    using MT = std::conditional_t<KV8, __half, T>;    /* the MMAs' operand type */
     static_assert(ATTN_BM == ATTN_WARPS * ATTN_MT * 16, "warps x m-tiles cover the Q tile");
     static_assert(ATTN_BM == ATTN_THREADS, "one thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
@@ -156,9 +317,12 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [ATTN_BM][D] */
     uint16_t *const s_kv = s_q + ATTN_BM * D; /* [2 stages][K [BN][D], V [BN][D]] */
     int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * D); /* [2][BN] */
+    /* KV8: the second stage's bytes hold 2 staging slots of e4m3 [K [BN][D], V [BN][D]] */
+    const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * D);
     __shared__ int32_t s_wmax[ATTN_WARPS];
     __shared__ int32_t s_lim[ATTN_BM]; /* key limit of each query row */
     __shared__ int32_t s_row;
+    __shared__ uint32_t s_qmax[ATTN_WARPS]; /* KV8, bf16 queries: each warp's largest |q| */
 
     attn_cta cta;
     if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, ATTN_BM, &s_row, &cta)) {
@@ -214,6 +378,27 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                 *p = v;
             }
         }
+        if constexpr (KV8 && !std::is_same_v<T, __half>) {
+            /* this thread's largest bf16 magnitude (bit patterns order as magnitudes) */
+            cp_async_wait_all();
+            uint32_t mx = 0;
+#pragma unroll
+            for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(
+                    s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+                mx = max(mx, max(max(v.x & 0x7FFFu, v.x >> 16 & 0x7FFFu),
+                                 max(v.y & 0x7FFFu, v.y >> 16 & 0x7FFFu)));
+                mx = max(mx, max(max(v.z & 0x7FFFu, v.z >> 16 & 0x7FFFu),
+                                 max(v.w & 0x7FFFu, v.w >> 16 & 0x7FFFu)));
+            }
+#pragma unroll
+            for (int sh = 16; sh > 0; sh >>= 1) {
+                mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, sh));
+            }
+            if (lane == 0) {
+                s_qmax[warp] = mx;
+            }
+        }
     }
 
     /* Key limit of query row tid (0 past the row's end).  Warp w's threads hold exactly the
@@ -229,11 +414,44 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     for (int w = 0; w < ATTN_WARPS; w++) {
         kv_end = max(kv_end, s_wmax[w]);
     }
+    /* the scores' multiplier (KV8: times k_scale * KV8_UNIT * 2^-e) */
+    float sl = scale_log2;
+    if constexpr (KV8) {
+        sl *= a.k_scale[kv_head * a.scale_stride_head] * KV8_UNIT;
+    }
+    if constexpr (KV8 && !std::is_same_v<T, __half>) {
+        /* e: the Q tile's largest magnitude (exponent field E) times 2^e is under 2^15;
+         * this thread's own chunks (landed: waited for above) become fp16 in place */
+        uint32_t qmax = 0;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            qmax = max(qmax, s_qmax[w]);
+        }
+        const int e = min(141 - (int)(qmax >> 7), 126); /* -114 (inf, NaN) .. 126 */
+        const float up = __int_as_float((e + 127) << 23);
+        sl *= __int_as_float((127 - e) << 23);
+        const int c = tid % CHUNKS;
+        const int r0 = tid / CHUNKS;
+        const int pc = c ^ (r0 & 7);
+#pragma unroll
+        for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
+            uint4 *p = reinterpret_cast<uint4 *>(s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+            uint4 v = *p;
+            uint32_t *w = &v.x;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float lo = __uint_as_float(w[i] << 16) * up;
+                const float hi = __uint_as_float(w[i] & 0xFFFF0000u) * up;
+                w[i] = half_ops<__half>::pack(lo, hi);
+            }
+            *p = v;
+        }
+    }
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
     /* offsets of key tiles 0 and 1 (thread tid < BN owns key tid of every tile) */
     if (tid < BN) {
-        s_off[tid] = kv_key_offset(a, bt, kv_head, tid, kv_end);
-        s_off[BN + tid] = kv_key_offset(a, bt, kv_head, BN + tid, kv_end);
+        s_off[tid] = kv_key_offset<ES>(a, bt, kv_head, tid, kv_end);
+        s_off[BN + tid] = kv_key_offset<ES>(a, bt, kv_head, BN + tid, kv_end);
     }
     __syncthreads();
 
@@ -242,8 +460,14 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     const char *kc2 = (const char *)a.key_cache2;
     const char *vc2 = (const char *)a.value_cache2;
     if (n_tiles > 0) {
-        load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
-        load_kv_tile<D, BN>(s_kv + BN * D, vc, vc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        if constexpr (KV8) {
+            stage_kv8_tile<D, BN>(smem_addr(s_kv8), kc, kc2, s_off, kv_end);
+            stage_kv8_tile<D, BN>(smem_addr(s_kv8 + BN * D), vc, vc2, s_off, kv_end);
+        }
+        else {
+            load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
+            load_kv_tile<D, BN>(s_kv + BN * D, vc, vc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
+        }
         cp_async_commit();
     }
 
@@ -296,10 +520,21 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
      */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
-        const uint32_t stage = (uint32_t)(kt & 1) * STAGE_BYTES;
+        const uint32_t stage = KV8 ? 0u : (uint32_t)(kt & 1) * STAGE_BYTES;
         cp_async_wait_all(); /* tile kt (and Q) landed */
         __syncthreads();     /* ... for every thread; every warp is done with tile kt - 1 */
-        if (kt + 1 < n_tiles) {
+        if constexpr (KV8) {
+            if (kt + 1 < n_tiles) {
+                const uint8_t *next = s_kv8 + ((kt + 1) & 1) * 2 * BN * D;
+                const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
+                stage_kv8_tile<D, BN>(smem_addr(next), kc, kc2, noff, kv_end - j0 - BN);
+                stage_kv8_tile<D, BN>(smem_addr(next + BN * D), vc, vc2, noff, kv_end - j0 - BN);
+                cp_async_commit();
+            }
+            convert_kv8_tiles<D, BN>(s_kv8 + (kt & 1) * 2 * BN * D, s_kv);
+            __syncthreads(); /* tile kt in fp16 for every warp */
+        }
+        else if (kt + 1 < n_tiles) {
             uint16_t *next = s_kv + ((kt + 1) & 1) * 2 * BN * D;
             const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
             load_kv_tile<D, BN>(next, kc, kc2, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
@@ -339,8 +574,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     ldsm_x4(b, k_addr[kk & 3] + stage + (kk >> 2) * 128 + np * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < ATTN_MT; mt++) {
-                        half_ops<T>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
-                        half_ops<T>::mma(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
+                        half_ops<MT>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
+                        half_ops<MT>::mma(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
                     }
                 }
             }
@@ -391,14 +626,14 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     grew |= mn != m[mt][hf];
                     /* A row with no visible key so far keeps max -inf; subtract 0 then, so
                      * that 2^(-inf - base) = 0 instead of nan. */
-                    const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, scale_log2);
-                    alpha[mt][hf] = fast_exp2(__fmul_rn(m[mt][hf], scale_log2) - base);
+                    const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, sl);
+                    alpha[mt][hf] = fast_exp2(__fmul_rn(m[mt][hf], sl) - base);
                     m[mt][hf] = mn;
                     float sum = 0.0f;
 #pragma unroll
                     for (int nt = 0; nt < NTILES; nt++) {
-                        const float p0 = fast_exp2(fmaf(s[mt][nt][2 * hf], scale_log2, -base));
-                        const float p1 = fast_exp2(fmaf(s[mt][nt][2 * hf + 1], scale_log2, -base));
+                        const float p0 = fast_exp2(fmaf(s[mt][nt][2 * hf], sl, -base));
+                        const float p1 = fast_exp2(fmaf(s[mt][nt][2 * hf + 1], sl, -base));
                         s[mt][nt][2 * hf] = p0;
                         s[mt][nt][2 * hf + 1] = p1;
                         sum += p0 + p1;
@@ -427,10 +662,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                 uint32_t pa[ATTN_MT][4];
 #pragma unroll
                 for (int mt = 0; mt < ATTN_MT; mt++) {
-                    pa[mt][0] = half_ops<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = half_ops<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = half_ops<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = half_ops<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    pa[mt][0] = half_ops<MT>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = half_ops<MT>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = half_ops<MT>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = half_ops<MT>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
 #pragma unroll
                 for (int dp = 0; dp < D / 16; dp++) {
@@ -438,8 +673,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     ldsm_x4_trans(b, v_addr[dp & 3] + stage + (dp >> 2) * 128 + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < ATTN_MT; mt++) {
-                        half_ops<T>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
-                        half_ops<T>::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                        half_ops<MT>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                        half_ops<MT>::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
                     }
                 }
             }
@@ -449,7 +684,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         if (want_off) {
             s_off[(kt & 1) * BN + tid] =
                 j2 < kv_end
-                    ? kv_block_offset(a, blk2, (uint32_t)j2 % (uint32_t)a.block_size, kv_head)
+                    ? kv_block_offset<ES>(a, blk2, (uint32_t)j2 % (uint32_t)a.block_size, kv_head)
                     : 0;
         }
     }
@@ -458,13 +693,26 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
     int64_t eh, t0, tile_rows;
     attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, ATTN_BM, &eh, &t0, &tile_rows);
+    if constexpr (KV8) {
+        const float vs = a.v_scale[kv_head * a.scale_stride_head] * KV8_UNIT;
+#pragma unroll
+        for (int mt = 0; mt < ATTN_MT; mt++) {
+#pragma unroll
+            for (int dt = 0; dt < DTILES; dt++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    o[mt][dt][i] *= vs;
+                }
+            }
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < ATTN_MT; mt++) {
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int r = warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
-            attn_store_row<T, DTILES>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf],
-                                      scale_log2, &o[mt][0][2 * hf], tq, o_vec);
+            attn_store_row<T, DTILES>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf], sl,
+                                      &o[mt][0][2 * hf], tq, o_vec);
         }
     }
 }
@@ -472,14 +720,15 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 /* Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute error (the
  * launch's own is read by dk_cuda_after_launch).  The shared-memory attribute is set once per
  * (instantiation, device): a race sets the same value twice, which is harmless. */
-template <typename T, int D>
+template <typename T, int D, bool KV8>
 static cudaError_t
 launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
            bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     const size_t smem = attn_tile<D>::SMEM;
-    const cudaError_t e = attn_allow_smem((const void *)attention_mma_kernel<T, D>, smem, attr_set);
+    const cudaError_t e =
+        attn_allow_smem((const void *)attention_mma_kernel<T, D, KV8>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
@@ -488,25 +737,25 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
     /* the kernel's parameters, in order (with a pending KV write: one submission) */
     void *args[] = {(void *)a, &tiles_per_row, &head_group, &scale_log2, &neg_q,
                     &q_vec,    &kv_vec,        &o_vec,      &sort_rows};
-    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D>, dim3(blocks),
+    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D, KV8>, dim3(blocks),
                            dim3(ATTN_THREADS), smem, s, args);
 }
 
-/* attention_internal.cuh's contract: the instantiation for the call's dtype and head size. */
+/* attention_internal.cuh's contract: the instantiation for the call's dtype, head size and
+ * cache dtype (kv_fp8: e4m3, whose K/V rows the caller checked are in 16-byte chunks). */
 cudaError_t
 attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                 float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
 {
-    const bool bf16 = a->dtype == DK_BF16;
-    const int64_t hg = head_group;
-    const float sl = scale_log2;
-    if (a->head_size == 64) {
-        return bf16 ? launch_mma<__nv_bfloat16, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
-                                                    o_vec, s)
-                    : launch_mma<__half, 64>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec,
-                                             s);
-    }
-    return bf16 ? launch_mma<__nv_bfloat16, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec,
-                                                 o_vec, s)
-                : launch_mma<__half, 128>(a, tiles_per_row, hg, sl, neg_q, q_vec, kv_vec, o_vec, s);
+    typedef cudaError_t (*launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
+                                    bool, bool, cudaStream_t);
+    /* [kv_fp8][bf16][head 128] */
+    static const launcher table[2][2][2] = {
+        {{launch_mma<__half, 64, false>, launch_mma<__half, 128, false>},
+         {launch_mma<__nv_bfloat16, 64, false>, launch_mma<__nv_bfloat16, 128, false>}},
+        {{launch_mma<__half, 64, true>, launch_mma<__half, 128, true>},
+         {launch_mma<__nv_bfloat16, 64, true>, launch_mma<__nv_bfloat16, 128, true>}},
+    };
+    return table[a->kv_fp8 != 0][a->dtype == DK_BF16][a->head_size == 128](
+        a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
 }

@@ -12,7 +12,8 @@
  * A float8_e4m3fn cache (cache_dtype DK_F8E4M3) stores each element quantized, x / scale in
  * fp32 rounded to e4m3 (dk_f32_to_e4m3's rounding, bit for bit):
  *   - kv_write_vec_kernel<DT> under the fast path's conditions (the cache side aligned to
- *     its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
+ *     its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores, the quotient
+ *     from the scale's reciprocal and two exact residual steps (quotient_e4m3: no division);
  *   - kv_write_fp8_kernel otherwise: one element at a time with any strides.
  *
  * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
@@ -126,11 +127,63 @@ load_element(const char *src, int64_t i)
     return __half2float(__ushort_as_half(bits));
 }
 
+/* The scales the vec kernel divides by with quotient_e4m3 instead of quantize_e4m3's
+ * division: within them 1 / scale is a normal number and the residuals below are exact. */
+#define KV_FAST_SCALE_MIN 0x1p-64f
+#define KV_FAST_SCALE_MAX 0x1p64f
+
+/* RN(1 / scale) when scale is within [KV_FAST_SCALE_MIN, KV_FAST_SCALE_MAX], else 0 (the vec
+ * kernel then divides). */
+static __device__ __forceinline__ float
+fast_reciprocal(float scale)
+{
+    float r;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(scale));
+    return scale >= KV_FAST_SCALE_MIN && scale <= KV_FAST_SCALE_MAX ? r : 0.0f;
+}
+
+/* RN(x / scale) as far as its e4m3 rounding can tell, from neg_scale = -scale and
+ * r = RN(1 / scale): q0 = x * r is
+ * within 1.5 ulp of x / scale; one residual step (x - q0 * scale is exact in an fma) brings it
+ * within 1 ulp, and a second gives the correctly rounded quotient (Markstein's theorem: r
+ * correctly rounded, the quotient within 1 ulp, no underflow -- the scale's range above keeps
+ * every quotient that e4m3 does not flush to zero out of it).  Where |q0| >= 1024 (saturated
+ * to 448 either way, or inf, or NaN: x * r is a NaN only for a NaN x) q0 itself is returned,
+ * so the residuals never see an infinity.  The sign is x's: the residual steps would turn
+ * -0 / scale into +0.  Non-ftz PTX, as --use_fast_math would flush the subnormal residuals. */
+static __device__ __forceinline__ float
+quotient_e4m3(float x, float neg_scale, float r)
+{
+    float q0, e, q1, q2;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(q0) : "f"(x), "f"(r));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(e) : "f"(q0), "f"(neg_scale), "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(q1) : "f"(e), "f"(r), "f"(q0));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(e) : "f"(q1), "f"(neg_scale), "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(q2) : "f"(e), "f"(r), "f"(q1));
+    return fabsf(q0) < 1024.0f ? copysignf(q2, x) : q0;
+}
+
+/* Two fp32 quotients as e4m3 bytes, a in the low byte: saturating round to nearest even, a
+ * NaN as 0x7F (the GPU's quotients carry no NaN sign).  One conversion for both on sm_89+. */
+static __device__ __forceinline__ uint32_t
+pack_e4m3x2(float a, float b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint16_t d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(b), "f"(a));
+    return d;
+#else
+    return (uint32_t)__nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3) |
+           (uint32_t)__nv_cvt_float_to_fp8(b, __NV_SATFINITE, __NV_E4M3) << 8;
+#endif
+}
+
 /* A unit of the vec kernel into the cache at dst: as it is (OUT == KV_COPY, 16 bytes), or
- * quantized with scale from DT = OUT values (16 / sizeof(DT) bytes, element j at byte j). */
+ * quantized with scale from DT = OUT values (16 / sizeof(DT) bytes, element j at byte j);
+ * recip is fast_reciprocal(scale). */
 template <int OUT>
 static __device__ __forceinline__ void
-store_unit(char *dst, const uint4 &unit, float scale)
+store_unit(char *dst, const uint4 &unit, float scale, float recip)
 {
     if (OUT == KV_COPY) {
         *(uint4 *)dst = unit;
@@ -138,9 +191,19 @@ store_unit(char *dst, const uint4 &unit, float scale)
     }
     constexpr int E = OUT == DK_F32 ? 4 : 8;
     uint32_t q[2] = {0, 0};
+    if (recip != 0.0f) {
 #pragma unroll
-    for (int j = 0; j < E; j++) {
-        q[j / 4] |= (uint32_t)quantize_e4m3(unit_element<OUT>(unit, j), scale) << (8 * (j % 4));
+        for (int j = 0; j < E; j += 2) {
+            const float a = quotient_e4m3(unit_element<OUT>(unit, j), -scale, recip);
+            const float b = quotient_e4m3(unit_element<OUT>(unit, j + 1), -scale, recip);
+            q[j / 4] |= pack_e4m3x2(a, b) << (8 * (j % 4));
+        }
+    }
+    else {
+#pragma unroll
+        for (int j = 0; j < E; j++) {
+            q[j / 4] |= (uint32_t)quantize_e4m3(unit_element<OUT>(unit, j), scale) << (8 * (j % 4));
+        }
     }
     if (E == 8) {
         *(uint2 *)dst = make_uint2(q[0], q[1]);
@@ -192,10 +255,12 @@ kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_p
         const int64_t key_off = h * a.key_stride_head + d;
         const int64_t value_off = h * a.value_stride_head + d;
         const int64_t cache_off = h * a.cache_stride_head + d;
-        float ks = 0.0f, vs = 0.0f;
+        float ks = 0.0f, vs = 0.0f, kr = 0.0f, vr = 0.0f;
         if (OUT != KV_COPY) {
             ks = __ldg(a.k_scale + h * a.scale_stride_head);
             vs = __ldg(a.v_scale + h * a.scale_stride_head);
+            kr = fast_reciprocal(ks);
+            vr = fast_reciprocal(vs);
         }
         uint4 k[KV_WRITE_TOKENS];
         uint4 v[KV_WRITE_TOKENS];
@@ -215,8 +280,8 @@ kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_p
             if (slot[i] >= 0 && slot[i] < capacity) {
                 int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
                               (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
-                store_unit<OUT>(key_cache + off * cache_elem_size, k[i], ks);
-                store_unit<OUT>(value_cache + off * cache_elem_size, v[i], vs);
+                store_unit<OUT>(key_cache + off * cache_elem_size, k[i], ks, kr);
+                store_unit<OUT>(value_cache + off * cache_elem_size, v[i], vs, vr);
             }
         }
     }

@@ -125,40 +125,27 @@ def test_cuda_refuses_float32_queries_over_an_fp8_cache_before_running():
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_what_the_e4m3_kernel_does_not_take():
-    """On CUDA: an fp8 cache whose rows are not 16-byte chunks, and the kernel choice sm80 (no
-    e4m3 kernel there yet), each refused before anything runs."""
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
+def test_cuda_refuses_an_fp8_cache_without_16_byte_rows(attention_kernel, choice):
+    """On CUDA both fp8 kernels (the Hopper e4m3 one and the mma.sync kernels' fp8 form) read
+    K/V rows in 16-byte chunks: a cache whose rows are not is refused before anything runs."""
+    attention_kernel(choice)
     table = torch.tensor([[1, 0]], dtype=torch.int32)
     starts, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     query = torch.randn(3, 4, 64, device="cuda", dtype=torch.bfloat16)
     one = torch.ones(1, device="cuda")
     padded = torch.zeros(2, 3, 16, 2, 68, dtype=F8, device="cuda")[..., :64]  # 136-byte tokens
-    cases = [
-        (
-            padded,
-            "paged_attention(): a float8_e4m3fn kv_cache must have contiguous head dims, 16-byte "
-            "aligned storage and block, token and head strides that are multiples of 16 on CUDA",
-            "auto",
-        ),
-        (
-            torch.zeros(2, 3, 16, 2, 64, dtype=F8, device="cuda"),
-            "paged_attention(): attention over a float8_e4m3fn kv_cache needs a Hopper GPU (compute "
-            "capability 9.0) and diffkv's sm_90a kernels on CUDA so far, got the kernel choice sm80",
-            "sm80",
-        ),
-    ]
-    for cache, message, choice in cases:
-        out = torch.zeros_like(query)
-        _C.set_attention_kernel(choice)
-        try:
-            with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
-                _C.paged_attention(
-                    query, cache, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL, 0.125,
-                    out, table, starts, lens, one, one,
-                )  # fmt: skip
-        finally:
-            _C.set_attention_kernel("auto")
-        assert not out.any()
+    message = (
+        "paged_attention(): a float8_e4m3fn kv_cache must have contiguous head dims, 16-byte "
+        "aligned storage and block, token and head strides that are multiples of 16 on CUDA"
+    )
+    out = torch.zeros_like(query)
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
+        _C.paged_attention(
+            query, padded, table.cuda(), starts.cuda(), lens.cuda(), None, _C.MASK_CAUSAL, 0.125,
+            out, table, starts, lens, one, one,
+        )  # fmt: skip
+    assert not out.any()
 
 
 def _layer_call_inputs(device):

@@ -1,4 +1,5 @@
-"""Paged attention over a float8_e4m3fn cache on CUDA: the Hopper e4m3 kernel ("sm90-fp8").
+"""Paged attention over a float8_e4m3fn cache on CUDA: the Hopper e4m3 kernel ("sm90-fp8") and
+the mma.sync kernels' fp8 form ("sm80-fp8", the kernel choice sm80: what an A100 runs).
 
 Both products run on e4m3 tensor cores: Q is rounded to e4m3 with one scale per (token, head)
 (its largest magnitude / 448), P as 2^8 p.  The reference is float64 over the dequantized cache
@@ -8,7 +9,13 @@ left between them is P's rounding to e4m3: a relative error of at most 2^-4 per 
 the keys -- the output's relative L2 error stays near 0.02.  The tolerance is 2^-4 relative L2
 and 2^-2 of the largest output for any element; the test data's scores spread with a standard
 deviation of about 3, so a k_scale 10 % off (a different temperature) or a v_scale 10 % off
-fails both (``test_a_wrong_scale_fails_the_tolerance``)."""
+fails both (``test_a_wrong_scale_fails_the_tolerance``).
+
+The sm80 form widens the e4m3 K/V to fp16 exactly and keeps Q in fp16 (bf16 queries times one
+power of two per CTA: exact for every value within 2^39 of the tile's largest), P in fp16: its
+reference is float64 over the dequantized cache and the query as it is, and what is left is P's
+rounding to fp16 (2^-11 relative) and the output's to bf16 (2^-9): tolerances 2^-8 relative L2
+and 2^-6 of the largest output, which a scale 10 % off fails as well."""
 
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ pytestmark = pytest.mark.gpu
 F8 = torch.float8_e4m3fn
 REL_L2 = 2.0**-4
 REL_MAX = 2.0**-2
+SM80_REL_L2 = 2.0**-8
+SM80_REL_MAX = 2.0**-6
 
 
 def _layout(values: torch.Tensor, layout: str) -> torch.Tensor:
@@ -64,11 +73,13 @@ def _run(query, cache, table, starts, lens, k_scale, v_scale, mode, scale, limit
     return out
 
 
-def _expected(query, cache, table, starts, lens, k_scale, v_scale, visible_of, scale):
+def _expected(query, cache, table, starts, lens, k_scale, v_scale, visible_of, scale, round_q=True):
+    """float64 attention over the dequantized cache; the query rounded as the Hopper kernel
+    rounds it (round_q), else as it is (the sm80 form)."""
     deq = cache.double().cpu()
     deq[0] *= k_scale.double().cpu().view(-1, 1)  # one per tensor or one per KV head
     deq[1] *= v_scale.double().cpu().view(-1, 1)
-    q = e4m3_rows(query.cpu())
+    q = e4m3_rows(query.cpu()) if round_q else query.double().cpu()
     parts = []
     for r in range(len(lens)):
         lo, hi, seq_len = int(starts[r]), int(starts[r + 1]), int(lens[r])
@@ -77,13 +88,14 @@ def _expected(query, cache, table, starts, lens, k_scale, v_scale, visible_of, s
     return torch.cat(parts)
 
 
-def _check(out, exact):
+def _check(out, exact, sm80=False):
     out = out.double().cpu()
     assert torch.isfinite(out).all()
     diff = out - exact
     rel_l2 = (diff.norm() / exact.norm()).item()
     rel_max = (diff.abs().max() / exact.abs().max()).item()
-    assert rel_l2 <= REL_L2 and rel_max <= REL_MAX, (rel_l2, rel_max)
+    limits = (SM80_REL_L2, SM80_REL_MAX) if sm80 else (REL_L2, REL_MAX)
+    assert rel_l2 <= limits[0] and rel_max <= limits[1], (rel_l2, rel_max)
     return rel_l2
 
 
@@ -130,6 +142,59 @@ def test_fp8_attention_matches_the_reference(size, dtype, mask, block, layout, p
     _check(out, _expected(*prob, _visible(mask, limits), scale))
 
 
+@pytest.mark.parametrize("size", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize(
+    ("block", "layout", "per_head"),
+    [(16, "contiguous", False), (1, "contiguous", True), (16, "hnd", True), (64, "block_major", False)],
+)
+def test_sm80_fp8_matches_the_reference(attention_kernel, size, dtype, mask, block, layout, per_head):
+    attention_kernel("sm80")
+    rows = [(300, 700), (129, 129), (1, 333), (64, 900)]
+    prob = _problem(rows, 8, 2, size, block, layout, per_head, dtype, seed=size + block)
+    limits = _limits(rows, 5) if mask == "limits" else None
+    scale = size**-0.5
+    out = _run(*prob, MODES[mask], scale, limits)
+    assert _C.last_attention_kernel() == "sm80-fp8"
+    _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=False), sm80=True)
+
+
+@pytest.mark.parametrize("factor", [1e5, 1e-25])
+def test_sm80_fp8_takes_bf16_queries_outside_fp16s_range(attention_kernel, factor):
+    """bf16 queries 1e5 times larger (fp16 overflows at 65504) or 1e-25 times smaller (fp16
+    flushes under 2^-24) than usual, the key scale divided by the same factor: the same scores,
+    the same outputs -- the sm80 form's power of two per Q tile keeps them in fp16's range."""
+    attention_kernel("sm80")
+    rows = [(200, 500), (60, 60)]
+    query, cache, table, starts, lens, k_scale, v_scale = _problem(
+        rows, 4, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=21
+    )
+    query = (query.float() * factor).to(torch.bfloat16)
+    k_scale = k_scale / factor
+    prob = (query, cache, table, starts, lens, k_scale, v_scale)
+    out = _run(*prob, _C.MASK_CAUSAL, 128**-0.5)
+    _check(out, _expected(*prob, _visible("causal", None), 128**-0.5, round_q=False), sm80=True)
+
+
+def test_sm80_fp8_nan_codes_reach_the_rows_that_read_them(attention_kernel):
+    """An e4m3 NaN code (0x7F / 0xFF) in K or V makes the output of every row that sees that key
+    NaN, as the reference's dequantized NaN does (sm_80's shift-and-mask widening sets the code
+    apart); rows of other batch entries stay exact."""
+    attention_kernel("sm80")
+    rows = [(50, 100), (50, 100), (50, 100)]
+    prob = _problem(rows, 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=13)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    codes = cache.view(torch.uint8)
+    codes[0, int(table[0, 2]), 5, 1] = 0x7F  # a key of row 0, kv head 1
+    codes[1, int(table[1, 4]), 9, 0] = 0xFF  # a value of row 1, kv head 0
+    out = _run(*prob, _C.MASK_NONE, 128**-0.5).double().cpu()
+    assert torch.isnan(out[0:50, 2:4]).all() and torch.isnan(out[50:100, 0:2]).all()
+    assert torch.isfinite(out[0:50, 0:2]).all() and torch.isfinite(out[50:100, 2:4]).all()
+    exact = _expected(*prob, _visible("none", None), 128**-0.5, round_q=False)
+    _check(out[100:], exact[100:], sm80=True)
+
+
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_both_producers_compute_the_same_bits(mask):
     """The TMA producer (16-key blocks) and the cp.async one (the same cache seen as 8-key
@@ -146,18 +211,22 @@ def test_both_producers_compute_the_same_bits(mask):
     assert torch.equal(out16, out8)
 
 
-def test_a_wrong_scale_fails_the_tolerance():
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
+def test_a_wrong_scale_fails_the_tolerance(attention_kernel, choice):
     """The tolerance is tight enough to see a scale 10 % off."""
+    attention_kernel(choice)
+    sm80 = choice == "sm80"
     rows = [(256, 1024)]
     prob = _problem(rows, 4, 4, 128, 16, "contiguous", False, torch.bfloat16, seed=1)
     query, cache, table, starts, lens, k_scale, v_scale = prob
     out = _run(*prob, _C.MASK_NONE, 128**-0.5)
     visible = _visible("none", None)
-    _check(out, _expected(*prob, visible, 128**-0.5))
+    _check(out, _expected(*prob, visible, 128**-0.5, round_q=not sm80), sm80)
     for k_f, v_f in ((1.1, 1.0), (1.0, 1.1)):
-        wrong = _expected(query, cache, table, starts, lens, k_scale * k_f, v_scale * v_f, visible, 128**-0.5)
+        scales = (k_scale * k_f, v_scale * v_f)
+        wrong = _expected(query, cache, table, starts, lens, *scales, visible, 128**-0.5, round_q=not sm80)
         with pytest.raises(AssertionError):
-            _check(out, wrong)
+            _check(out, wrong, sm80)
 
 
 def test_strided_query_and_output_and_one_tile_rows():
@@ -193,9 +262,11 @@ def test_long_rows_and_gqa_groups():
     _check(out, _expected(*prob, _visible("causal", None), 128**-0.5))
 
 
-def test_the_fp8_layer_call_on_cuda_is_write_then_attention():
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
+def test_the_fp8_layer_call_on_cuda_is_write_then_attention(attention_kernel, choice):
     """forward_paged over an fp8 cache on CUDA: the quantizing write then the e4m3 attention, in
     one submission -- the same cache bytes and the same output as the two calls."""
+    attention_kernel(choice)
     gen = torch.Generator().manual_seed(3)
     rows = [(40, 300), (7, 77)]
     prob = _problem(rows, 8, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=3)
@@ -221,7 +292,9 @@ def test_the_fp8_layer_call_on_cuda_is_write_then_attention():
     assert torch.equal(out, expected)
 
 
-def test_fp8_attention_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
+def test_fp8_attention_replays_in_a_cuda_graph(attention_kernel, choice):
+    attention_kernel(choice)
     rows = [(100, 400)]
     prob = _problem(rows, 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=6)
     query, cache, table, starts, lens, k_scale, v_scale = prob
