@@ -4,8 +4,7 @@
  *
  * Entry points: dk_fail, dk_dtype_size, dk_dtype_name, dk_tensor_numel, dk_f16_to_f32,
  * dk_f32_to_f16, dk_bf16_to_f32, dk_f32_to_bf16, dk_f32_to_e4m3, dk_e4m3_to_f32,
- * dk_attention_kernel_choice,
- * dk_set_attention_kernel.
+ * dk_attention_kernel_choice, dk_set_attention_kernel, dk_head_size_supported.
  */
 #include "diffkv.h"
 
@@ -54,6 +53,24 @@ dk_set_attention_kernel(dk_kernel_choice choice)
 {
     (void)dk_attention_kernel_choice(); /* the environment's, if nothing was chosen yet */
     return (dk_kernel_choice)atomic_exchange(&kernel_choice, (int)choice);
+}
+
+int
+dk_head_size_supported(int32_t device_type, dk_dtype dtype, int64_t head_size)
+{
+    if (dtype != DK_F32 && dtype != DK_F16 && dtype != DK_BF16) {
+        return 0;
+    }
+    if (device_type == DK_CPU) {
+        return head_size >= 1 && head_size <= DK_REF_MAX_HEAD_SIZE;
+    }
+    if (device_type != DK_CUDA || !dk_cuda_compiled()) {
+        return 0;
+    }
+    if (dtype == DK_F32) {
+        return head_size >= 1 && head_size <= DK_CUDA_F32_MAX_HEAD;
+    }
+    return head_size == 64 || head_size == 128;
 }
 
 dk_status

@@ -590,6 +590,17 @@ dk_kernel_choice dk_attention_kernel_choice(void);
 /* Sets the choice; returns the one it replaces. */
 dk_kernel_choice dk_set_attention_kernel(dk_kernel_choice choice);
 
+/* Head sizes the attention paths serve (the one place that says so; the paths check with it):
+ *   - the CPU reference: any head_size in [1, DK_REF_MAX_HEAD_SIZE], every float dtype;
+ *   - CUDA float32: any in [1, DK_CUDA_F32_MAX_HEAD] (attention_f32.cu's per-lane registers);
+ *   - CUDA float16/bfloat16: 64 and 128, the tensor-core kernels' instantiations.
+ * A CPU-only build serves no CUDA head size. */
+#define DK_REF_MAX_HEAD_SIZE 1024
+#define DK_CUDA_F32_MAX_HEAD 256
+/* Whether paged attention on device_type (DK_CPU or DK_CUDA) takes head_size for dtype (an
+ * activation dtype: DK_F32, DK_F16, DK_BF16; anything else: 0).  Cannot fail. */
+int dk_head_size_supported(int32_t device_type, dk_dtype dtype, int64_t head_size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -16,9 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Largest head_size the reference accepts (its per-token fp32 rows live in the scratch). */
-#define DK_REF_MAX_HEAD_SIZE 1024
-
 /* ------------------------------------------------------------------------------------------ */
 /* Element helpers                                                                             */
 /* ------------------------------------------------------------------------------------------ */

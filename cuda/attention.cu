@@ -276,7 +276,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                            ATTN_F32_MAX_HEAD, (long long)a->head_size);
         }
     }
-    else if (a->head_size != 64 && a->head_size != 128) {
+    else if (!dk_head_size_supported(DK_CUDA, a->dtype, a->head_size)) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
                        "paged_attention(): head_size must be one of 64, 128 for "
                        "float16/bfloat16 on CUDA, got %lld",

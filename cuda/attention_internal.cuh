@@ -24,7 +24,7 @@
 #define ATTN_MAX_DEVICES 64 /* devices whose kernel attributes are cached */
 #define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
 #define ATTN_F32_WARPS 4    /* warps per CTA of the fp32 kernel: one per (token, head) */
-#define ATTN_F32_MAX_HEAD 256
+#define ATTN_F32_MAX_HEAD DK_CUDA_F32_MAX_HEAD
 
 #define LOG2E 1.4426950408889634f
 

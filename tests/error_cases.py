@@ -160,6 +160,32 @@ def _cases_module() -> dict[str, list[Case]]:
                 _C.set_bridge_path,
             ),
         ],
+        "supported_head_sizes": [
+            ok("supported_head_sizes cpu", _C.supported_head_sizes, "cpu", "float16"),
+            bad(
+                "supported_head_sizes device",
+                ValueError,
+                "supported_head_sizes(): device_type must be 'cpu' or 'cuda', got 'tpu'",
+                _C.supported_head_sizes,
+                "tpu",
+                "float16",
+            ),
+            bad(
+                "supported_head_sizes dtype",
+                ValueError,
+                "supported_head_sizes(): dtype must be 'float32', 'float16' or 'bfloat16', got torch.int8",
+                _C.supported_head_sizes,
+                "cpu",
+                torch.int8,
+            ),
+            bad(
+                "supported_head_sizes nargs",
+                TypeError,
+                "supported_head_sizes() takes 2 arguments, got 1",
+                _C.supported_head_sizes,
+                "cpu",
+            ),
+        ],
         "set_attention_kernel": [
             ok("set_attention_kernel auto", _C.set_attention_kernel, "auto"),
             bad(
@@ -2389,8 +2415,8 @@ def _cases_layer_adapter() -> dict[str, list[Case]]:
         layer_case(
             "layer standalone selection head size",
             ValueError,
-            "get_attn_backend(): head_size must be one of [64, 128], got 48",
-            layer_kwargs(head_size=48),
+            "get_attn_backend(): head_size must be between 1 and 1024 for float32 on cpu, got 1032",
+            layer_kwargs(head_size=1032),
         ),
         layer_case(
             "layer key and value head sizes",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -41,16 +42,28 @@ class PagedSequence:
 class Harness:
     """An adapter over two layers of one cache group, with the expected state kept in torch."""
 
-    def __init__(self, device, dtype, block_size, *, non_causal, seq_lens=(40, 33), layout="layer_major"):
+    def __init__(
+        self,
+        device,
+        dtype,
+        block_size,
+        *,
+        non_causal,
+        seq_lens=(40, 33),
+        layout="layer_major",
+        head_size=HEAD_SIZE,
+    ):
         self.device = device
+        self.head_size = head_size
+        self.scale = head_size**-0.5
         self.dtype = dtype
         self.block_size = block_size
         config = diffkv.DiffusionConfig(diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=block_size))
-        spec = diffkv.AttentionSpec(block_size, NUM_KV_HEADS, HEAD_SIZE, dtype, non_causal=non_causal)
+        spec = diffkv.AttentionSpec(block_size, NUM_KV_HEADS, self.head_size, dtype, non_causal=non_causal)
         self.layers = {
             name: diffkv.DiffusionPagedAttentionLayerAdapter(
                 layer_name=name,
-                layer=SimpleNamespace(num_heads=NUM_HEADS, softmax_scale=SCALE),
+                layer=SimpleNamespace(num_heads=NUM_HEADS, softmax_scale=self.scale),
                 spec=spec,
                 vllm_config=config,
                 device=device,
@@ -99,8 +112,8 @@ class Harness:
         self.logical = {
             name: [
                 (
-                    torch.zeros(s.seq_len, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype),
-                    torch.zeros(s.seq_len, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype),
+                    torch.zeros(s.seq_len, NUM_KV_HEADS, self.head_size, dtype=dtype),
+                    torch.zeros(s.seq_len, NUM_KV_HEADS, self.head_size, dtype=dtype),
                 )
                 for s in self.sequences
             ]
@@ -120,8 +133,8 @@ class Harness:
         """Random Q/K/V in the caller's layout (K/V strided views of one QKV projection) and the
         packed per-row tensors the reference uses."""
         query_lens = [row.query_len for row in rows]
-        width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_SIZE
-        k0, v0 = NUM_HEADS * HEAD_SIZE, (NUM_HEADS + NUM_KV_HEADS) * HEAD_SIZE
+        width = (NUM_HEADS + 2 * NUM_KV_HEADS) * self.head_size
+        k0, v0 = NUM_HEADS * self.head_size, (NUM_HEADS + NUM_KV_HEADS) * self.head_size
         if layout.startswith("packed"):
             qkv = torch.randn(sum(query_lens), width).to(self.dtype)
             starts = [sum(query_lens[:r]) for r in range(len(rows))]
@@ -134,14 +147,14 @@ class Harness:
         q, k, v = qkv_dev[..., :k0], qkv_dev[..., k0:v0], qkv_dev[..., v0:]
         if "heads" in layout:
             lead = q.shape[:-1]
-            q = q.reshape(*lead, NUM_HEADS, HEAD_SIZE)
-            k = k.unflatten(-1, (NUM_KV_HEADS, HEAD_SIZE))
-            v = v.unflatten(-1, (NUM_KV_HEADS, HEAD_SIZE))
+            q = q.reshape(*lead, NUM_HEADS, self.head_size)
+            k = k.unflatten(-1, (NUM_KV_HEADS, self.head_size))
+            v = v.unflatten(-1, (NUM_KV_HEADS, self.head_size))
         packed = [
             (
-                t[:, :k0].reshape(-1, NUM_HEADS, HEAD_SIZE),
-                t[:, k0:v0].reshape(-1, NUM_KV_HEADS, HEAD_SIZE),
-                t[:, v0:].reshape(-1, NUM_KV_HEADS, HEAD_SIZE),
+                t[:, :k0].reshape(-1, NUM_HEADS, self.head_size),
+                t[:, k0:v0].reshape(-1, NUM_KV_HEADS, self.head_size),
+                t[:, v0:].reshape(-1, NUM_KV_HEADS, self.head_size),
             )
             for t in per_row
         ]
@@ -159,7 +172,7 @@ class Harness:
         padded = not layout.startswith("packed")
         out_rows = []
         cursor = 0
-        flat = out.reshape(*out.shape[: 2 if padded else 1], NUM_HEADS, HEAD_SIZE)
+        flat = out.reshape(*out.shape[: 2 if padded else 1], NUM_HEADS, self.head_size)
         for r, row in enumerate(rows):
             if padded:
                 out_rows.append(flat[r, : row.query_len])
@@ -186,7 +199,7 @@ class Harness:
                 visible = mask_causal(positions, row.seq_len)
             else:
                 visible = mask_spans(positions, row.seq_len, spans[r])
-            assert_attention_close(out_rows[r], qr, keys, values, visible, SCALE)
+            assert_attention_close(out_rows[r], qr, keys, values, visible, self.scale)
         assert torch.equal(self.caches[name], self.expected_caches[name])
 
     def run_steps(self, prefill, denoise, layout, mask_kind, spans=None, steps=3):
@@ -213,6 +226,43 @@ def test_non_causal_non_suffix_denoise(device, dtype, block_size, layout):
     # the whole row: the tail keeps its prefill K/V.
     h = Harness(device, dtype, block_size, non_causal=True)
     h.run_steps(prefill=[(0, 40), (0, 33)], denoise=[(10, 16), (5, 16)], layout=layout, mask_kind="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [8, 72, 80, 96, 200])
+def test_cpu_layers_take_every_head_size_the_reference_does(dtype, head_size):
+    """A CPU layer's backend selection takes what the C reference serves (1 to 1024), so the
+    whole layer path runs at head sizes the CUDA kernels do not have."""
+    h = Harness(torch.device("cpu"), dtype, 4, non_causal=True, head_size=head_size)
+    steps = dict(prefill=[(0, 40), (0, 33)], denoise=[(10, 16), (5, 16)])
+    h.run_steps(**steps, layout="packed_heads", mask_kind="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_layers_take_the_cuda_kernels_head_sizes(dtype):
+    """A CUDA layer's selection takes the head sizes the CUDA kernels are built for (fp16/bf16:
+    64 and 128) and names them; it fails before the layer touches the device."""
+    config = diffkv.DiffusionConfig(diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=16))
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    if _C.cuda_compiled():
+        message = f"get_attn_backend(): head_size must be one of [64, 128] for {name} on cuda, got 96"
+    else:
+        message = (
+            f"get_attn_backend(): head_size 96 cannot run for {name} on cuda: this diffkv was built "
+            "without CUDA kernels"
+        )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        diffkv.DiffusionPagedAttentionLayerAdapter(
+            layer_name="blocks.0.attn",
+            layer=SimpleNamespace(num_heads=4, softmax_scale=0.1),
+            spec=diffkv.AttentionSpec(16, 2, 96, dtype),
+            vllm_config=config,
+            device=torch.device("cuda"),
+        )
+    sizes = diffkv.backends.diffkv.supported_head_sizes
+    assert sizes("cuda", dtype) == ([64, 128] if _C.cuda_compiled() else [])
+    assert sizes("cuda", torch.float32) == (list(range(1, 257)) if _C.cuda_compiled() else [])
+    assert sizes("cpu", dtype) == list(range(1, 1025))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -286,8 +336,15 @@ def test_backend_class():
     assert backend.get_impl_cls() is diffkv.DiffKVAttentionImpl
     assert backend.get_metadata_cls() is diffkv.PagedAttentionMetadata
     assert backend.get_builder_cls().reorder_batch_threshold is None
-    assert backend.get_supported_head_sizes() == [64, 128]
-    assert backend.supports_head_size(128) and not backend.supports_head_size(96)
+    # the sizes of the device selection is for: the platform's here (no layer is being selected)
+    if diffkv.platform.current_omni_platform.is_cuda():
+        assert backend.get_supported_head_sizes() == [64, 128]
+        assert backend.supports_head_size(128) and not backend.supports_head_size(96)
+    else:
+        assert backend.get_supported_head_sizes() == list(range(1, 1025))
+        assert backend.supports_head_size(96) and not backend.supports_head_size(1025)
+    with diffkv.platform.selecting_for("cpu"):
+        assert backend.get_supported_head_sizes() == list(range(1, 1025))
     assert backend.indexes_kv_by_block_stride() is True
     assert issubclass(backend, diffkv.AttentionBackend)
     assert issubclass(diffkv.DiffKVAttentionImpl, diffkv.AttentionImpl)

@@ -571,6 +571,32 @@ def test_layers_diffkv_cannot_serve_run_omnis_own_forward_paged(omni, caplog):
     assert f"hands paged attention layer {harness.names[0]!r} back to OmniFlashAttentionImpl" in caplog.text
 
 
+def test_layers_of_a_head_size_the_kernels_lack_run_omnis_own_forward_paged(omni, monkeypatch, caplog):
+    """A layer whose query diffkv's kernels do not take on its device (a head size the device's
+    kernels lack: on CUDA, 96 for fp16/bf16) runs vLLM-Omni's own forward_paged; here the CPU's
+    head sizes are narrowed to the CUDA kernels' so that the layer's D is one of them."""
+    monkeypatch.setattr(integration, "_head_sizes_cache", {})
+    monkeypatch.setattr(integration, "supported_head_sizes", lambda device_type, dtype: [64, 128])
+    assert D not in (64, 128)
+    inst = integration.install()
+    harness = Harness(omni, "cpu", "kv_first")
+    batch = harness.adapter.prepare_batch(harness.metadata.prefill_rows)
+    n = sum(row.query_len for row in harness.metadata.prefill_rows)
+    q, k, v = torch.randn(n, (H + 2 * HKV) * D).split([H * D, HKV * D, HKV * D], dim=-1)
+    caplog.set_level(logging.INFO, logger="diffkv.integrations.vllm_omni")
+    with harness.adapter.activate(batch):
+        out = harness.omni_layers[harness.names[0]](q, k, v)
+    assert torch.equal(out, q * 2)  # what Omni's own forward_paged returned
+    assert harness.caches[harness.names[0]].abs().sum() == 0  # diffkv wrote nothing
+    assert inst.layer_choices[harness.names[0]] == (
+        f"handed back to OmniFlashAttentionImpl: head size {D} is not among diffkv's float32 kernels "
+        "on cpu ([64, 128])"
+    )
+    assert f"hands paged attention layer {harness.names[0]!r} back to OmniFlashAttentionImpl" in caplog.text
+    assert integration.unservable_query(torch.zeros(3, 4, 64)) is None
+    assert integration.unservable_query("not a tensor") is None
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [

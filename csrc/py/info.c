@@ -3,7 +3,7 @@
  *
  * Entry points: configure, set_bridge_path, bridge_path, tensor_info, bridge_noop4 (the bridge's
  * cost, for benchmarks), cuda_compiled, build_info, driver_check, last_attention_kernel,
- * set_attention_kernel.
+ * set_attention_kernel, supported_head_sizes.
  */
 #include "binding.h"
 
@@ -191,6 +191,63 @@ py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return NULL;
 }
 
+/* supported_head_sizes(device_type, dtype) -> tuple of the head sizes paged attention takes on
+ * 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16' (dk_head_size_supported). */
+static PyObject *
+py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (dkpy_check_nargs("supported_head_sizes", nargs, 2) != 0) {
+        return NULL;
+    }
+    static const char *const devices[] = {"cpu", "cuda"};
+    static const int32_t device_codes[] = {DK_CPU, DK_CUDA};
+    static const char *const dtypes[] = {"float32", "float16", "bfloat16"};
+    static const dk_dtype dtype_codes[] = {DK_F32, DK_F16, DK_BF16};
+    int device = -1, dtype = -1;
+    const char *dev = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8AndSize(args[0], NULL) : NULL;
+    for (int i = 0; dev != NULL && i < 2; i++) {
+        device = strcmp(dev, devices[i]) == 0 ? i : device;
+    }
+    const char *dt = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8AndSize(args[1], NULL) : NULL;
+    for (int i = 0; dt != NULL && i < 3; i++) {
+        dtype = strcmp(dt, dtypes[i]) == 0 ? i : dtype;
+    }
+    PyErr_Clear();
+    if (device < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "supported_head_sizes(): device_type must be 'cpu' or 'cuda', got %R",
+                     args[0]);
+        return NULL;
+    }
+    if (dtype < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "supported_head_sizes(): dtype must be 'float32', 'float16' or 'bfloat16', "
+                     "got %R",
+                     args[1]);
+        return NULL;
+    }
+    int64_t n = 0;
+    for (int64_t d = 1; d <= DK_REF_MAX_HEAD_SIZE; d++) {
+        n += dk_head_size_supported(device_codes[device], dtype_codes[dtype], d);
+    }
+    PyObject *out = PyTuple_New((Py_ssize_t)n);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    for (int64_t d = 1; d <= DK_REF_MAX_HEAD_SIZE; d++) {
+        if (dk_head_size_supported(device_codes[device], dtype_codes[dtype], d)) {
+            PyObject *v = PyLong_FromLongLong((long long)d);
+            if (v == NULL || PyTuple_SetItem(out, k++, v) != 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+    }
+    return out;
+}
+
 PyMethodDef dkpy_info_methods[] = {
     FAST(configure, "configure(to_dlpack, raw_stream_getter): the DLPack fallback path."),
     FAST(set_bridge_path, "set_bridge_path('auto' | 'capsule')."),
@@ -198,6 +255,9 @@ PyMethodDef dkpy_info_methods[] = {
     FAST(tensor_info, "tensor_info(tensor) -> dict of what C sees."),
     FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
     FAST(cuda_compiled, "cuda_compiled() -> bool."),
+    FAST(supported_head_sizes,
+         "supported_head_sizes(device_type, dtype) -> tuple of the head sizes paged attention "
+         "takes on 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16'."),
     FAST(build_info, "build_info() -> dict."),
     FAST(driver_check, "driver_check(driver_version, runtime_version) -> None or the refusal."),
     FAST(last_attention_kernel,

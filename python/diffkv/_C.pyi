@@ -40,6 +40,10 @@ def bridge_noop4(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
     Used by benchmarks/bench_bridge.py."""
 
 def cuda_compiled() -> bool: ...
+def supported_head_sizes(device_type: str, dtype: str) -> tuple[int, ...]:
+    """The head sizes paged attention takes on 'cpu' or 'cuda' for 'float32', 'float16' or
+    'bfloat16' (a CPU-only build: none on 'cuda')."""
+
 def build_info() -> dict[str, Any]:
     """{'cuda_compiled': bool, 'cuda_runtime_version': int, 'device_count': int,
     'archs': str, 'limited_api': str, 'attention_kernel': 'sm90-tma' | 'sm90' | 'sm80' |

@@ -37,6 +37,7 @@ from .platform import (
     cdiv,
     current_omni_platform,
     override_paged_kv_adapter,
+    selecting_for,
     set_current_vllm_config,
 )
 from .selector import get_attn_backend
@@ -181,7 +182,7 @@ class DiffusionPagedAttentionLayerAdapter(AttentionLayerBase):
                 attention_config.backend_per_kind = {}
             if previous_pcp_size is not None:
                 parallel_config.prefill_context_parallel_size = 1
-            with set_current_vllm_config(vllm_config):
+            with set_current_vllm_config(vllm_config), selecting_for(device):
                 attn_backend = get_attn_backend(
                     head_size=spec.head_size,
                     dtype=vllm_config.model_config.dtype,

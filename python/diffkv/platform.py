@@ -125,6 +125,7 @@ _current_vllm_config: ContextVar[Any | None] = ContextVar("diffkv_current_vllm_c
 _current_paged_kv_adapter: ContextVar[Any | None] = ContextVar(
     "diffkv_current_paged_kv_adapter", default=None
 )
+_selection_device: ContextVar[str | None] = ContextVar("diffkv_selection_device", default=None)
 
 
 def _restore(var: ContextVar, token: Token, previous: Any) -> None:
@@ -166,3 +167,26 @@ def override_paged_kv_adapter(adapter: Any) -> Iterator[None]:
 def current_paged_kv_adapter() -> Any | None:
     """The adapter installed by the innermost active ``override_paged_kv_adapter`` (or None)."""
     return _current_paged_kv_adapter.get()
+
+
+@contextmanager
+def selecting_for(device: torch.device | str) -> Iterator[None]:
+    """Backend selection inside the block is for a layer on ``device`` (its type, 'cpu' or
+    'cuda', decides the head sizes the backend takes); the layer adapter sets it around
+    ``get_attn_backend``.  The previous one is restored on exit (also on error)."""
+    device_type = torch.device(device).type
+    previous = _selection_device.get()
+    token = _selection_device.set(device_type)
+    try:
+        yield
+    finally:
+        _restore(_selection_device, token, previous)
+
+
+def selection_device_type() -> str:
+    """The device type backend selection is for: the innermost ``selecting_for``'s, else the
+    platform's ('cuda' where torch sees a CUDA device, else 'cpu')."""
+    chosen = _selection_device.get()
+    if chosen is not None:
+        return chosen
+    return "cuda" if current_omni_platform.is_cuda() else "cpu"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .backends.diffkv import FP8_CACHE_DTYPES, DiffKVAttentionBackend
-from .platform import AttentionType
+from .backends.diffkv import FP8_CACHE_DTYPES, DiffKVAttentionBackend, supported_head_sizes
+from .platform import AttentionType, selection_device_type
 
 __all__ = ["get_attn_backend"]
 
@@ -33,13 +33,29 @@ def get_attn_backend(
 ) -> type:
     """Select the attention backend for a layer: ``DiffKVAttentionBackend``.
 
-    Raises ValueError naming the argument when the backend cannot serve the layer.
+    The head sizes it takes are the kernels' on the device the selection is for
+    (``diffkv.platform.selection_device_type``: the layer adapter's device, else the
+    platform's) and for ``dtype``.  Raises ValueError naming the argument when the backend
+    cannot serve the layer.
     """
-    supported_head_sizes = list(DiffKVAttentionBackend.get_supported_head_sizes())
-    if type(head_size) is not int or head_size not in supported_head_sizes:
-        raise ValueError(
-            f"get_attn_backend(): head_size must be one of {supported_head_sizes}, got {head_size!r}"
-        )
+    # the head size first (then the dtype), for the dtype's kernels -- bfloat16's when the
+    # dtype is not one diffkv runs
+    device_type = selection_device_type()
+    size_dtype = dtype if dtype in _SUPPORTED_DTYPES else torch.bfloat16
+    sizes = supported_head_sizes(device_type, size_dtype)
+    if type(head_size) is not int or head_size not in sizes:
+        where = f"for {_DTYPE_NAMES[size_dtype]} on {device_type}"
+        if not sizes:
+            raise ValueError(
+                f"get_attn_backend(): head_size {head_size!r} cannot run {where}: this diffkv was built "
+                "without CUDA kernels"
+            )
+        if sizes == list(range(sizes[0], sizes[-1] + 1)) and len(sizes) > 2:
+            raise ValueError(
+                f"get_attn_backend(): head_size must be between {sizes[0]} and {sizes[-1]} {where}, "
+                f"got {head_size!r}"
+            )
+        raise ValueError(f"get_attn_backend(): head_size must be one of {sizes} {where}, got {head_size!r}")
     supported_dtypes = [_DTYPE_NAMES[d] for d in _SUPPORTED_DTYPES]
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"get_attn_backend(): dtype must be one of {supported_dtypes}, got {dtype!r}")

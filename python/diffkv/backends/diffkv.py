@@ -19,9 +19,10 @@ import torch
 from .. import _C, ops
 from ..dense import dense_forward
 from ..native import PagedAttentionMetadata, PagedMetadataBuilder
+from ..platform import selection_device_type
 from .abstract import AttentionBackend, AttentionImpl
 
-__all__ = ["DiffKVAttentionBackend", "DiffKVAttentionImpl", "DiffKVMetadataBuilder"]
+__all__ = ["DiffKVAttentionBackend", "DiffKVAttentionImpl", "DiffKVMetadataBuilder", "supported_head_sizes"]
 
 _PLATFORM_MESSAGE = "DiffKVAttentionImpl: diffkv runs on CPU and CUDA tensors only, not on {}"
 
@@ -29,6 +30,24 @@ _PLATFORM_MESSAGE = "DiffKVAttentionImpl: diffkv runs on CPU and CUDA tensors on
 _UNQUANTIZED_CACHE_DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # kv_cache_dtype values of a float8_e4m3fn cache (vLLM's names; e5m2 is refused).
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+_ACTIVATION_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def supported_head_sizes(device_type: str, dtype: torch.dtype) -> list[int]:
+    """The head sizes paged and dense attention take on ``device_type`` ('cpu' or 'cuda') for
+    the activation ``dtype`` (float32, float16 or bfloat16), as the build serves them: the CPU
+    reference 1 to 1024; CUDA float32 1 to 256, float16/bfloat16 64 and 128; none on CUDA in a
+    CPU-only build.  ``_C.supported_head_sizes`` is the one place that says so."""
+    name = _ACTIVATION_DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(
+            f"supported_head_sizes(): dtype must be one of {list(_ACTIVATION_DTYPE_NAMES.values())}, "
+            f"got {dtype!r}"
+        )
+    return list(_C.supported_head_sizes(device_type, name))
+
+
 # vLLM's calculate_kv_scales constants: a layer's first KV write sets k_scale = amax|K| / 200
 # and v_scale = amax|V| / 100 (vllm.envs K_SCALE_CONSTANT, V_SCALE_CONSTANT).
 K_SCALE_CONSTANT = 200.0
@@ -73,8 +92,11 @@ class DiffKVAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
-        """Head sizes the CUDA kernels are built for (the CPU reference takes any size up to 1024)."""
-        return [64, 128]
+        """Head sizes the kernels take for fp16/bf16 on the device backend selection is for
+        (``diffkv.platform.selection_device_type``: the layer's, else the platform's): on CUDA
+        the tensor-core kernels' (64, 128), on the CPU every size the C reference takes (1 to
+        1024).  ``supported_head_sizes(device_type, dtype)`` answers for any dtype."""
+        return supported_head_sizes(selection_device_type(), torch.bfloat16)
 
     @classmethod
     def supports_attention_mask(cls, attention_spec: object | None = None) -> bool:

@@ -18,8 +18,10 @@ What ``install()`` leaves alone: the platform and what its metadata builders ret
 objects ``prepare_batch`` stores and contexts carry are the builder's own), vLLM-Omni's own
 classes and functions (its ``FlashAttentionImpl.forward_paged`` still runs a context diffkv's
 adapter made), and every layer diffkv cannot serve: a layer whose native metadata is not vLLM
-FlashAttention's runs vLLM-Omni's own ``forward_paged`` (``Installation.layer_choices`` and a log
-line say so), and a layer of another backend never reaches diffkv.
+FlashAttention's, or whose query diffkv's kernels do not take (``unservable_query``: a head size
+the device's kernels lack, e.g. 96 on CUDA), runs vLLM-Omni's own ``forward_paged``
+(``Installation.layer_choices`` and a log line say so), and a layer of another backend never
+reaches diffkv.
 
 What ``install()`` changes (each one recorded in ``Installation.patches``):
 
@@ -56,7 +58,12 @@ from typing import Any
 import torch
 
 from .. import adapter as _adapter
-from ..backends.diffkv import DiffKVAttentionBackend, run_forward_paged, run_prepared_call
+from ..backends.diffkv import (
+    DiffKVAttentionBackend,
+    run_forward_paged,
+    run_prepared_call,
+    supported_head_sizes,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ __all__ = [
     "install",
     "installed",
     "kv_cache_view",
+    "unservable_query",
     "unservable_reason",
     "vllm_paged_metadata",
 ]
@@ -248,6 +256,35 @@ def unservable_reason(native: Any) -> str | None:
     return None
 
 
+_head_sizes_cache: dict[tuple[str, torch.dtype], frozenset[int]] = {}
+
+
+def unservable_query(query: Any) -> str | None:
+    """Why diffkv's kernels cannot take a layer whose query is ``query`` ``[N, H, D]`` (its
+    device, dtype or head size D: ``supported_head_sizes``), or None when they can (also for
+    anything that is not a tensor: the layer call says what is wrong with it).  Cannot fail."""
+    if not isinstance(query, torch.Tensor) or query.dim() < 1:
+        return None
+    device_type = query.device.type
+    if device_type not in ("cpu", "cuda"):
+        return f"diffkv runs on CPU and CUDA tensors, not {device_type}"
+    key = (device_type, query.dtype)
+    sizes = _head_sizes_cache.get(key)
+    if sizes is None:
+        try:
+            sizes = frozenset(supported_head_sizes(device_type, query.dtype))
+        except ValueError:
+            return f"diffkv's kernels do not take {query.dtype} queries"
+        _head_sizes_cache[key] = sizes
+    head_size = int(query.shape[-1])
+    if head_size not in sizes:
+        return (
+            f"head size {head_size} is not among diffkv's {str(query.dtype).removeprefix('torch.')} "
+            f"kernels on {device_type} ({sorted(sizes) if len(sizes) <= 16 else 'up to ' + str(max(sizes))})"
+        )
+    return None
+
+
 def vllm_paged_metadata(native: Any) -> VllmPagedMetadata | None:
     """diffkv's view of vLLM's native metadata (``VllmPagedMetadata``), or None when
     ``unservable_reason(native)`` names a reason.  Copies the three tables to the host in one
@@ -316,17 +353,21 @@ class _DiffKVPagedMixin:
         layer's mask mode and returns the output in the caller's layout (padded rows are
         zeros).  The call diffkv's adapter described when it made the context runs as is; any
         other context is read here (its metadata's tables copied to the host once per call).
-        A layer whose native metadata diffkv cannot serve (``unservable_reason``) is handed to
-        the native impl's own ``forward_paged``, as vLLM-Omni runs it without diffkv;
-        ``Installation.layer_choices`` and a log line say which way each layer went."""
-        out = run_prepared_call(paged_kv_context)
-        if out is not None:
-            _record_choice(paged_kv_context, None)
-            return out
+        A layer diffkv cannot serve -- its query's device, dtype or head size
+        (``unservable_query``: e.g. head size 96 on CUDA) or its native metadata
+        (``unservable_reason``) -- is handed to the native impl's own ``forward_paged``, as
+        vLLM-Omni runs it without diffkv; ``Installation.layer_choices`` and a log line say
+        which way each layer went."""
+        reason = unservable_query(getattr(paged_kv_context, "query", None))
+        if reason is None:
+            out = run_prepared_call(paged_kv_context)
+            if out is not None:
+                _record_choice(paged_kv_context, None)
+                return out
         native = getattr(paged_kv_context, "native_metadata", None)
-        paged = vllm_paged_metadata(native)
+        paged = None if reason is not None else vllm_paged_metadata(native)
         if paged is None:
-            reason = unservable_reason(native)
+            reason = reason or unservable_reason(native)
             _record_choice(paged_kv_context, f"{self._diffkv_native_impl.__qualname__}: {reason}")
             native_forward = getattr(super(), "forward_paged", None)
             if native_forward is None:
