@@ -122,6 +122,7 @@ def _limits(rows, seed):
 MODES = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}
 
 
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
 @pytest.mark.parametrize("size", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", ["none", "causal", "limits"])
@@ -129,35 +130,23 @@ MODES = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMIT
     ("block", "layout", "per_head"),
     [(16, "contiguous", False), (1, "contiguous", True), (16, "hnd", True), (64, "block_major", False)],
 )
-def test_fp8_attention_matches_the_reference(size, dtype, mask, block, layout, per_head):
+def test_fp8_attention_matches_the_reference(
+    attention_kernel, choice, size, dtype, mask, block, layout, per_head
+):
+    """Both kernels: the Hopper e4m3 kernel (auto on the H200) and the mma.sync kernels' fp8 form
+    (the kernel choice sm80), each against its own reference and tolerance."""
+    attention_kernel(choice)
+    sm80 = choice == "sm80"
     rows = [(300, 700), (129, 129), (1, 333), (64, 900)]
     heads, kv_heads = 8, 2
     prob = _problem(rows, heads, kv_heads, size, block, layout, per_head, dtype, seed=size + block)
-    query, cache, table, starts, lens, k_scale, v_scale = prob
     limits = _limits(rows, 5) if mask == "limits" else None
     scale = size**-0.5
     out = _run(*prob, MODES[mask], scale, limits)
-    # TMA boxes of 16-key chunks at head 128 with blocks of a multiple of 16 keys, else cp.async
-    assert _C.last_attention_kernel() == ("sm90-fp8-tma" if size == 128 and block % 16 == 0 else "sm90-fp8")
-    _check(out, _expected(*prob, _visible(mask, limits), scale))
-
-
-@pytest.mark.parametrize("size", [128, 64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
-@pytest.mark.parametrize(
-    ("block", "layout", "per_head"),
-    [(16, "contiguous", False), (1, "contiguous", True), (16, "hnd", True), (64, "block_major", False)],
-)
-def test_sm80_fp8_matches_the_reference(attention_kernel, size, dtype, mask, block, layout, per_head):
-    attention_kernel("sm80")
-    rows = [(300, 700), (129, 129), (1, 333), (64, 900)]
-    prob = _problem(rows, 8, 2, size, block, layout, per_head, dtype, seed=size + block)
-    limits = _limits(rows, 5) if mask == "limits" else None
-    scale = size**-0.5
-    out = _run(*prob, MODES[mask], scale, limits)
-    assert _C.last_attention_kernel() == "sm80-fp8"
-    _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=False), sm80=True)
+    # Hopper: TMA boxes of 16-key chunks at head 128 with blocks of a multiple of 16 keys, else cp.async
+    hopper = "sm90-fp8-tma" if size == 128 and block % 16 == 0 else "sm90-fp8"
+    assert _C.last_attention_kernel() == ("sm80-fp8" if sm80 else hopper)
+    _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
 @pytest.mark.parametrize("factor", [1e5, 1e-25])

@@ -316,15 +316,7 @@ def test_capabilities_are_true_and_honoured():
     assert backend.supports_prefix_kv_slicing is True
     assert backend.supports_piecewise_spans is True
     assert backend.accept_output_buffer is False  # forward allocates its output
-    # the sizes of the device selection is for: the platform's here (no layer is being selected)
-    if diffkv.platform.current_omni_platform.is_cuda():
-        assert backend.get_supported_head_sizes() == [64, 128]
-        assert backend.supports_head_size(128) and not backend.supports_head_size(96)
-    else:
-        assert backend.get_supported_head_sizes() == list(range(1, 1025))
-        assert backend.supports_head_size(96) and not backend.supports_head_size(1025)
-    with diffkv.platform.selecting_for("cpu"):
-        assert backend.get_supported_head_sizes() == list(range(1, 1025))
+    # head sizes per device: test_forward_paged.py, test_backend_class
 
 
 def _raises(exc, text, fn):

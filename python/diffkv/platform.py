@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -136,15 +136,21 @@ def _restore(var: ContextVar, token: Token, previous: Any) -> None:
 
 
 @contextmanager
-def set_current_vllm_config(vllm_config: Any) -> Iterator[None]:
-    """Make ``vllm_config`` the current config inside the block; the previous one is restored
-    on exit (also on error)."""
-    previous = _current_vllm_config.get()
-    token = _current_vllm_config.set(vllm_config)
+def _scoped(var: ContextVar, value: Any) -> Iterator[None]:
+    """``var`` holds ``value`` inside the block; the previous value is restored on exit (also on
+    error)."""
+    previous = var.get()
+    token = var.set(value)
     try:
         yield
     finally:
-        _restore(_current_vllm_config, token, previous)
+        _restore(var, token, previous)
+
+
+def set_current_vllm_config(vllm_config: Any) -> AbstractContextManager[None]:
+    """Make ``vllm_config`` the current config inside the block; the previous one is restored
+    on exit (also on error)."""
+    return _scoped(_current_vllm_config, vllm_config)
 
 
 def get_current_vllm_config() -> Any | None:
@@ -152,16 +158,10 @@ def get_current_vllm_config() -> Any | None:
     return _current_vllm_config.get()
 
 
-@contextmanager
-def override_paged_kv_adapter(adapter: Any) -> Iterator[None]:
+def override_paged_kv_adapter(adapter: Any) -> AbstractContextManager[None]:
     """Install ``adapter`` as the forward context's paged-KV adapter inside the block; the
     previous one is restored on exit (also on error)."""
-    previous = _current_paged_kv_adapter.get()
-    token = _current_paged_kv_adapter.set(adapter)
-    try:
-        yield
-    finally:
-        _restore(_current_paged_kv_adapter, token, previous)
+    return _scoped(_current_paged_kv_adapter, adapter)
 
 
 def current_paged_kv_adapter() -> Any | None:
@@ -169,18 +169,11 @@ def current_paged_kv_adapter() -> Any | None:
     return _current_paged_kv_adapter.get()
 
 
-@contextmanager
-def selecting_for(device: torch.device | str) -> Iterator[None]:
+def selecting_for(device: torch.device | str) -> AbstractContextManager[None]:
     """Backend selection inside the block is for a layer on ``device`` (its type, 'cpu' or
     'cuda', decides the head sizes the backend takes); the layer adapter sets it around
     ``get_attn_backend``.  The previous one is restored on exit (also on error)."""
-    device_type = torch.device(device).type
-    previous = _selection_device.get()
-    token = _selection_device.set(device_type)
-    try:
-        yield
-    finally:
-        _restore(_selection_device, token, previous)
+    return _scoped(_selection_device, torch.device(device).type)
 
 
 def selection_device_type() -> str:
