@@ -533,9 +533,9 @@ def test_dense_attention_binding_checks_key_index():
     )
     _raises(
         ValueError,
-        "dense_attention(): consecutive must be 0 to 3 (bits 1 and 2), got 4",
+        "dense_attention(): consecutive must be 0 to 7 (bits 1, 2 and 4), got 8",
         lambda: _C.dense_attention(
-            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 4
+            q, k, k.clone(), index, qsl, sl, None, 0, 0.5, out, None, None, None, 0, None, None, 1, 8
         ),
     )
     _raises(
@@ -824,6 +824,42 @@ def test_fp8_dense_forward(device, causal, fields, name):
     out = impl.forward(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == dtype
     _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+
+
+def test_fp8_dense_scales_from_the_inputs_are_not_checked(device):
+    """consecutive & 4: the dense forward's scales come from K/V themselves, so the binding does
+    not copy them to the host to check them (no synchronisation on CUDA); a NaN scale -- what a
+    NaN among the inputs makes -- then gives NaN outputs instead of the check's ValueError."""
+    q = torch.randn(6, 2, 64, device=device, dtype=torch.bfloat16)
+    k8 = (torch.randn(6, 2, 64) * 50).to(torch.float8_e4m3fn).to(device)
+    index = torch.arange(6, dtype=torch.int32, device=device).view(1, 6)
+    qsl = torch.tensor([0, 6], dtype=torch.int32, device=device)
+    sl = torch.tensor([6], dtype=torch.int32, device=device)
+    one = torch.ones(1, device=device)
+    nan = torch.full((1,), float("nan"), device=device)
+
+    def run(consecutive, k_scale):
+        out = torch.zeros_like(q)
+        _C.dense_attention(
+            q, k8, k8.clone(), index, qsl, sl, None, 0, 0.125, out, None, None, None, 6, None, None, 1,
+            consecutive, k_scale, one,
+        )  # fmt: skip
+        return out
+
+    assert torch.isfinite(run(4, one)).all() and torch.equal(run(4, one), run(0, one))
+    with pytest.raises(ValueError, match="k_scale"):
+        run(0, nan)
+    assert torch.isnan(run(4, nan)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp8_dense_forward_of_nan_or_inf_keys_is_nan(device, bad):
+    """A NaN or inf key makes its rows' outputs NaN, as unquantized attention does, with no
+    exception from the scales computed from it."""
+    q, k, v = _qkv(1, 8, 8, 64, torch.bfloat16, device, seed=4)
+    k[0, 3, 1, 5] = bad
+    out = _impl(64).forward(q, k, v, AttentionMetadata(extra={"kv_cache_dtype": "fp8"}))
+    assert torch.isnan(out).any()
 
 
 def test_fp8_dense_forward_refuses_what_it_cannot_honour():

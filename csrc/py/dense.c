@@ -85,9 +85,13 @@ joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
  * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them): 1 every
  * row's keys are runs of consecutive rows whose 128-key tiles each lie in one source; 2 every
  * 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting at a
- * multiple of 8 (the row's last 16 may run past its keys).  Then, optionally, k_scale and
- * v_scale: key/value (and joint_key/joint_value) are float8_e4m3fn, read as e4m3 * scale
- * (paged_attention's scales: float32, one per tensor or per KV head, finite and positive).
+ * multiple of 8 (the row's last 16 may run past its keys); 4 (with scales) the scales were
+ * computed from key/value themselves (the dense forward's amax / 448, never <= 0), so their
+ * values are not copied to the host to be checked -- no synchronisation; a NaN or inf among
+ * them comes from NaN or inf inputs and gives NaN outputs, as unquantized attention does.
+ * Then, optionally, k_scale and v_scale: key/value (and joint_key/joint_value) are
+ * float8_e4m3fn, read as e4m3 * scale (paged_attention's scales: float32, one per tensor or
+ * per KV head, finite and positive unless bit 4 says otherwise).
  */
 static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -151,9 +155,10 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dkpy_get_i64(args[17], op, "consecutive", &consecutive) != 0) {
         return NULL;
     }
-    if (consecutive < 0 || consecutive > 3) {
-        PyErr_Format(PyExc_ValueError, "%s(): consecutive must be 0 to 3 (bits 1 and 2), got %lld",
-                     op, (long long)consecutive);
+    if (consecutive < 0 || consecutive > 7) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): consecutive must be 0 to 7 (bits 1, 2 and 4), got %lld", op,
+                     (long long)consecutive);
         return NULL;
     }
     int64_t mask = 0;
@@ -175,8 +180,9 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rc != 0) {
         return NULL;
     }
-    if (a.kv_fp8 && dkpy_check_scales(module, args + 18, args[0], &q, a.k_scale, a.v_scale,
-                                      a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
+    if (a.kv_fp8 && !(consecutive & 4) &&
+        dkpy_check_scales(module, args + 18, args[0], &q, a.k_scale, a.v_scale,
+                          a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
         return NULL;
     }
     if (consecutive & 1) {

@@ -301,6 +301,9 @@ def dense_attention(
     the keys j0 <= j < seq_lens[r] of a tile starting at j0, a multiple of 128: packed varlen
     documents, joint tokens in whole tiles), which lets Hopper bring one-token blocks in as TMA
     boxes (a row that breaks the promise reads the wrong keys, never outside the key tensors);
+    consecutive & 2: every 16 keys of a row are 16 consecutive rows of one source starting at a
+    multiple of 8; consecutive & 4 (with k_scale, v_scale): the scales were computed from
+    key/value (amax / 448), so their values are not checked on the host (no synchronisation);
     0 = no promise.
     Serves DiffKVAttentionImpl.forward (diffkv.dense).  As in paged_attention_lse, a row may
     have fewer keys than queries in every mask mode.  max_query_len > 0 sizes the CUDA launch

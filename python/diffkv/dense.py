@@ -35,9 +35,10 @@ Supported ``AttentionMetadata`` fields:
 
 ``extra["kv_cache_dtype"]`` ``"fp8"`` / ``"fp8_e4m3"``: K and V are rounded to float8_e4m3fn
 with one scale each computed from them (amax / 448) and the attention runs over e4m3 K/V (on
-Hopper the e4m3 kernel, which also rounds Q and P; elsewhere on CUDA ``NotImplementedError``);
-the scales are new each call, so the binding's check of their values synchronises the stream
-once per call.  Not with the joint tensors or packed varlen documents.
+Hopper the e4m3 kernel, which also rounds Q and P; on other GPUs the mma.sync kernels' fp8
+form).  The scales stay on the device: the binding is told they come from K/V themselves
+(``consecutive & 4``), so nothing synchronises; NaN or inf inputs give NaN outputs, as they do
+unquantized.  Not with the joint tensors or packed varlen documents.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
@@ -567,6 +568,6 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q, None, None, key_block, consecutive, *scales,
+        None, None, None, s_q, None, None, key_block, consecutive | (4 if fp8 else 0), *scales,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
