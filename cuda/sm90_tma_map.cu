@@ -35,9 +35,15 @@ h90_encoder(void)
     if (!tried) {
         void *p = NULL;
         cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                             &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+        /* CUDA 13 has only the ByVersion form (12.5 added it) */
+        const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                               cudaEnableDefault, &q);
+#else
+        const cudaError_t e =
+            cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+        if (e == cudaSuccess && q == cudaDriverEntryPointSuccess) {
             fn = (h90_encode_fn)p;
         }
         tried = 1; /* a race fetches the same pointer twice */
