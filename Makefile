@@ -10,6 +10,12 @@
 #                  of their own, ~9 GB: they pin a torch of their own)
 #   make sanitize-gpu  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
 #                  every CUDA kernel (tests/gpu_sanitize.py), on a CUDA machine
+#   make wheel     a release wheel in dist/: abi3, manylinux_2_28_x86_64, the kernels inside, built
+#                  with this machine's nvcc (diffkv-<version>+cu13-...whl for CUDA 13);
+#                  `make wheel CUDA=12` builds the CUDA 12 one with a CUDA 12.4 toolkit put
+#                  together from PyPI and Debian packages (packaging/cuda12-toolkit.sh)
+#   make test-wheel  make wheel, then the wheel installed into a fresh virtual environment with
+#                  torch from PyPI, and the CPU suite run against it (not against the tree)
 
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -17,7 +23,8 @@ PYTEST_ARGS ?=
 # Every C and CUDA file, subfolders included (csrc/py/ and any later one).
 C_FILES := $(shell find csrc cuda -name '*.[ch]' -o -name '*.cu' -o -name '*.cuh' | sort)
 
-.PHONY: deps install inplace demo test test-gpu test-vllm bench lint format asan fuzz sanitize-gpu clean
+.PHONY: deps install inplace demo test test-gpu test-vllm bench lint format asan fuzz sanitize-gpu clean \
+	wheel test-wheel
 
 # torch is a large download: install it only when no suitable one (>= 2.10) imports.
 deps:
@@ -64,12 +71,12 @@ bench: install
 
 lint:
 	@$(PYTHON) -c "import ruff" 2>/dev/null || $(PIP) install --quiet ruff
-	$(PYTHON) -m ruff check python tests benchmarks setup.py
-	$(PYTHON) -m ruff format --check python tests benchmarks setup.py
+	$(PYTHON) -m ruff check python tests benchmarks packaging setup.py
+	$(PYTHON) -m ruff format --check python tests benchmarks packaging setup.py
 	clang-format --dry-run -Werror $(C_FILES)
 
 format:
-	$(PYTHON) -m ruff format python tests benchmarks setup.py
+	$(PYTHON) -m ruff format python tests benchmarks packaging setup.py
 	clang-format -i $(C_FILES)
 
 asan: deps
@@ -88,6 +95,54 @@ sanitize-gpu: inplace
 		PYTHONPATH=python compute-sanitizer --tool $$tool --error-exitcode 1 \
 			$(PYTHON) tests/gpu_sanitize.py || exit 1; \
 	done
+
+# Release wheels.  The tools live in a virtual environment of their own (WHEEL_TOOLS): zig links
+# the extension against glibc 2.28's symbol versions (setup.py, DIFFKV_MANYLINUX=1) and
+# auditwheel judges the result (packaging/check_wheel.py).  The wheel is built with the flags of
+# `make install` (DIFFKV_WERROR=1), so after `make install` only the link runs again.
+# CUDA=12 puts a CUDA 12.4 toolkit together in CUDA12_HOME first; CUDA unset: the nvcc setup.py
+# finds (CUDA_HOME, PATH, /usr/local/cuda), whatever its major version, or a +cpu wheel without one.
+CUDA ?=
+WHEEL_TOOLS ?= build/wheel-tools
+CUDA12_HOME ?= build/cuda-12.4
+ZIGLANG_VERSION ?= 0.17.1
+AUDITWHEEL_VERSION ?= 6.8.2
+WHEEL_TEST_VENV ?= build/wheel-test
+TORCH_SPEC ?= torch>=2.10
+WHEEL_ENV = DIFFKV_MANYLINUX=1 DIFFKV_WERROR=1 ZIG_GLOBAL_CACHE_DIR=$(CURDIR)/build/zig-cache \
+	$(if $(filter 12,$(CUDA)),CUDA_HOME=$(CURDIR)/$(CUDA12_HOME))
+
+$(WHEEL_TOOLS)/ready:
+	rm -rf $(WHEEL_TOOLS)
+	$(PYTHON) -m venv $(WHEEL_TOOLS)
+	$(WHEEL_TOOLS)/bin/pip install --quiet "setuptools>=70.1" wheel "ziglang==$(ZIGLANG_VERSION)" \
+		"auditwheel==$(AUDITWHEEL_VERSION)"
+	touch $@
+
+wheel: $(WHEEL_TOOLS)/ready
+	@case "$(CUDA)" in ""|12|13) ;; *) echo "make wheel: CUDA must be 12, 13 or unset, got $(CUDA)"; exit 1;; esac
+	$(if $(filter 12,$(CUDA)),PYTHON=$(WHEEL_TOOLS)/bin/python bash packaging/cuda12-toolkit.sh $(CUDA12_HOME))
+	rm -rf build/wheel-out
+	$(WHEEL_ENV) $(WHEEL_TOOLS)/bin/python -m pip wheel --quiet --no-build-isolation --no-deps \
+		-w build/wheel-out .
+	@wheel=$$(ls build/wheel-out/diffkv-*.whl) && case "$(CUDA)" in "") ;; *) \
+		case "$$wheel" in *+cu$(CUDA)-*) ;; *) echo "make wheel: $$wheel is not CUDA $(CUDA)"; exit 1;; esac;; esac
+	$(WHEEL_TOOLS)/bin/python packaging/check_wheel.py build/wheel-out/diffkv-*.whl
+	@wheel=$$(cd build/wheel-out && ls diffkv-*.whl) && mkdir -p dist && mv build/wheel-out/$$wheel dist/ \
+		&& echo dist/$$wheel >build/last-wheel && echo "make wheel: dist/$$wheel"
+
+# The wheel as a user gets it: a fresh virtual environment, the wheel and its dependencies (torch
+# from PyPI), then the CPU suite from outside the tree, so every import is the installed wheel's.
+test-wheel: wheel
+	rm -rf $(WHEEL_TEST_VENV)
+	$(PYTHON) -m venv $(WHEEL_TEST_VENV)
+	$(WHEEL_TEST_VENV)/bin/pip install --quiet "$$(cat build/last-wheel)" "$(TORCH_SPEC)" pytest hypothesis \
+		"setuptools>=61" wheel
+	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -c "import sys, diffkv, diffkv._C; \
+		assert diffkv.__file__.startswith(sys.prefix), diffkv.__file__; print(diffkv.__version__, diffkv.__file__)"
+	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -m diffkv info
+	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -m pytest -q -m "not gpu" -p no:cacheprovider \
+		--rootdir=$(CURDIR) $(CURDIR)/tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist python/*.egg-info python/diffkv/_C*.so

@@ -11,6 +11,12 @@ Environment:
                          plain-number target, compute_80 by default, which newer GPUs JIT)
   DIFFKV_WERROR=1        warnings are errors (CI and development builds)
   DIFFKV_SANITIZE=1      -fsanitize=address,undefined on the C sources (CPU-only builds)
+  DIFFKV_MANYLINUX=1     a release wheel (`make wheel`): the extension is linked for glibc 2.28
+                         by `python -m ziglang c++` (the ziglang package), with the C++ runtime
+                         static and only PyInit__C exported; the wheel is tagged
+                         manylinux_2_28_x86_64 and its version gets the local label +cu<major>
+                         (the CUDA major nvcc compiled for) or +cpu.  The objects are the same as
+                         without it: only the link differs
   CUDA_HOME              where to look for nvcc first
 
 What gets rebuilt.  decide_build() makes every choice the environment drives (CPU or CUDA,
@@ -28,8 +34,10 @@ build_temp/diffkv-link.json records it), so `DIFFKV_CUDA=0 pip wheel .` after a 
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,6 +67,13 @@ SANITIZE_FLAGS = [
     "-g",
 ]
 CUDA_LINK_LIBS = ["-lcudart_static", "-lrt", "-lpthread", "-ldl", "-lstdc++"]
+# The release wheel's link (DIFFKV_MANYLINUX=1): zig's clang and lld against the symbol versions
+# of glibc 2.28 (manylinux_2_28).  `zig c++` links its own libc++abi and libunwind statically,
+# built for that glibc: gcc's static libsupc++/libgcc_eh would bring references to glibc 2.32
+# and 2.35 symbols (__libc_single_threaded, _dl_find_object).
+MANYLINUX_GLIBC = "2.28"
+MANYLINUX_PLATFORM = "manylinux_2_28_x86_64"
+ZIG_TARGET = f"x86_64-linux-gnu.{MANYLINUX_GLIBC}"
 # The compiler environment that changes C objects without appearing in our own flags.
 C_COMPILER_ENV = ("CC", "CFLAGS", "CPPFLAGS", "LDSHARED", "LDFLAGS")
 LINK_STAMP = "diffkv-link.json"
@@ -126,6 +141,8 @@ class BuildConfig:
     ldflags: tuple  # linker flags
     nvcc_flags: tuple  # nvcc flags ((): no CUDA)
     library_dirs: tuple  # where the static CUDA runtime is
+    manylinux: bool = False  # DIFFKV_MANYLINUX=1: the release wheel's link (objects unchanged)
+    cuda_major: int = 0  # the CUDA major version nvcc compiles for (0: CPU-only)
 
     @property
     def cuda(self):
@@ -134,13 +151,50 @@ class BuildConfig:
     @functools.cached_property
     def identity(self):
         """A directory name: the mode, the archs and a hash of every path and flag above plus
-        the C compiler and its environment (a different build must not reuse these objects)."""
+        the C compiler and its environment (a different build must not reuse these objects).
+        The release wheel's link (manylinux) changes no object, so it is not part of it: a
+        release wheel reuses the objects of the development build with the same flags."""
         compiler = {name: os.environ.get(name, "") for name in C_COMPILER_ENV}
         compiler["sysconfig_cc"] = sysconfig.get_config_var("CC") or ""
-        described = {**{f.name: str(getattr(self, f.name)) for f in fields(self)}, **compiler}
+        described = {f.name: str(getattr(self, f.name)) for f in fields(self) if f.name not in LINK_ONLY}
+        described.update(compiler)
         digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
         mode = "cuda-" + "-".join(self.archs) if self.cuda else "cpu"
         return f"{mode}-{digest}"
+
+    @property
+    def link(self):
+        """How the extension is linked: "manylinux_2_28_x86_64" or "default" (in the stamp)."""
+        return MANYLINUX_PLATFORM if self.manylinux else "default"
+
+    @property
+    def local_version(self):
+        """The local version label of a release wheel: cu12, cu13, ... or cpu."""
+        return f"cu{self.cuda_major}" if self.cuda else "cpu"
+
+
+# BuildConfig fields that change only the link, not an object.
+LINK_ONLY = ("manylinux", "cuda_major")
+
+
+def nvcc_major(nvcc):
+    """The CUDA major version of an nvcc ("release 12.4," in `nvcc --version`)."""
+    out = subprocess.run([str(nvcc), "--version"], check=True, capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+)\.\d+", out)
+    if found is None:
+        raise RuntimeError(f"diffkv: cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+    return int(found.group(1))
+
+
+def manylinux_linker():
+    """The release wheel's link command: zig's c++ driver for glibc 2.28, from the ziglang
+    package of the Python that builds."""
+    if importlib.util.find_spec("ziglang") is None:
+        raise RuntimeError(
+            "diffkv: DIFFKV_MANYLINUX=1 links with zig: install the ziglang package into the Python that "
+            "builds (`make wheel` does)"
+        )
+    return [sys.executable, "-m", "ziglang", "c++", "-target", ZIG_TARGET, "-shared"]
 
 
 @functools.cache
@@ -148,6 +202,9 @@ def decide_build():
     """The one place that decides CPU or CUDA and every flag (the environment is read once)."""
     werror = env_flag("DIFFKV_WERROR")
     sanitize = env_flag("DIFFKV_SANITIZE")
+    manylinux = env_flag("DIFFKV_MANYLINUX")
+    if manylinux and sanitize:
+        raise RuntimeError("diffkv: DIFFKV_MANYLINUX=1 (a release wheel) excludes DIFFKV_SANITIZE=1")
     cflags = ["-std=c11", "-O2", *C_WARNINGS] + (["-Werror"] if werror else [])
     ldflags = []
     if sanitize:
@@ -172,6 +229,7 @@ def decide_build():
             ldflags=tuple(ldflags),
             nvcc_flags=(),
             library_dirs=(),
+            manylinux=manylinux,
         )
 
     if not cuda_sources():
@@ -208,6 +266,8 @@ def decide_build():
         ldflags=(*ldflags, *CUDA_LINK_LIBS),
         nvcc_flags=tuple(nvcc_flags),
         library_dirs=tuple(map(str, lib_dirs)),
+        manylinux=manylinux,
+        cuda_major=nvcc_major(nvcc) if manylinux else 0,
     )
 
 
@@ -252,23 +312,33 @@ class BuildExt(build_ext):
         ext.library_dirs = list(cfg.library_dirs)
         ext.depends = c_headers()
         ext.extra_objects = list(map(str, self.compile_cuda(cfg, temp / "cuda"))) if cfg.cuda else []
+        linker = self.compiler.linker_so
+        if cfg.manylinux:
+            linker = manylinux_linker()
+            exports = temp / "exports.map"  # the module's init function is all Python needs
+            exports.parent.mkdir(parents=True, exist_ok=True)
+            exports.write_text("{ global: PyInit__C; local: *; };\n")
+            ext.extra_link_args = [a for a in cfg.ldflags if a != "-lstdc++"]  # zig links libc++abi
+            ext.extra_link_args.append(f"-Wl,--version-script={exports}")
 
         ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
         stamp_path = Path(self.build_temp) / LINK_STAMP
-        wanted = {"identity": cfg.identity, "sources": ext.sources + ext.extra_objects}
+        wanted = {"identity": cfg.identity, "link": cfg.link, "sources": ext.sources + ext.extra_objects}
         reason = self.relink_reason(ext, ext_path, self.read_stamp(stamp_path).get(str(ext_path)), wanted)
         if reason is None:
             print(f"diffkv: {ext_path.name} up to date ({cfg.identity})", file=sys.stderr)
             return
         print(f"diffkv: linking {ext_path.name} ({cfg.identity}): {reason}", file=sys.stderr)
-        saved = self.build_temp, self.force, self.compiler.force
+        saved = self.build_temp, self.force, self.compiler.force, self.compiler.linker_so
         # force: setuptools and the compiler would skip the link when no object is newer than
         # the .so, which is wrong after a switch back to an earlier identity's objects.
         self.build_temp, self.force, self.compiler.force = str(temp), True, True
+        self.compiler.set_executable("linker_so", linker)
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp, self.force, self.compiler.force = saved
+            self.build_temp, self.force, self.compiler.force, linker_so = saved
+            self.compiler.set_executable("linker_so", linker_so)
         stat = ext_path.stat()
         stamps = self.read_stamp(stamp_path)
         stamps[str(ext_path)] = {**wanted, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -292,6 +362,8 @@ class BuildExt(build_ext):
             return "not linked from this build directory"
         if linked["identity"] != wanted["identity"]:
             return f"the build's identity changed (was {linked['identity']})"
+        if linked.get("link", "default") != wanted["link"]:
+            return f"the link changed (was {linked.get('link', 'default')})"
         if linked["sources"] != wanted["sources"]:
             return "the list of sources changed"
         stat = ext_path.stat()
@@ -342,13 +414,29 @@ if _bdist_wheel is not None:
 
         def get_tag(self):
             python, abi, plat = super().get_tag()
+            if decide_build().manylinux:  # linked for glibc 2.28: make wheel checks it (auditwheel)
+                plat = MANYLINUX_PLATFORM
             if python.startswith("cp"):
                 return "cp310", "abi3", plat
             return python, abi, plat
 
     cmdclass["bdist_wheel"] = BdistWheelAbi3
 
+
+def version():
+    """python/diffkv/_version.py's version; a release wheel's carries the local label of its
+    variant (0.1.0+cu13), the way PyTorch's wheels name theirs."""
+    text = (ROOT / "python" / "diffkv" / "_version.py").read_text()
+    found = re.search(r'__version__ = "([^"]+)"', text)
+    if found is None:
+        raise RuntimeError("diffkv: python/diffkv/_version.py holds no __version__")
+    if env_flag("DIFFKV_MANYLINUX"):
+        return f"{found.group(1)}+{decide_build().local_version}"
+    return found.group(1)
+
+
 setup(
+    version=version(),
     ext_modules=[
         Extension(
             "diffkv._C",

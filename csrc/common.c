@@ -117,14 +117,20 @@ dk_driver_check(int driver, int runtime, dk_error *err)
         int major;
         const char *driver;
     } oldest[] = {{11, "450.80.02"}, {12, "525.60.13"}, {13, "580.65.06"}};
+    /* the CUDA major versions diffkv's release wheels are built for: +cu12 and +cu13 */
+    const int oldest_wheel = 12;
     const int major = runtime / 1000;
     if (runtime <= 0 || (driver > 0 && driver / 1000 >= major)) {
         return DK_OK;
     }
     const char *needs = "a newer one";
+    const char *wheel_needs = "a newer one";
     for (size_t i = 0; i < sizeof(oldest) / sizeof(oldest[0]); i++) {
         if (oldest[i].major == major) {
             needs = oldest[i].driver;
+        }
+        if (oldest[i].major == oldest_wheel) {
+            wheel_needs = oldest[i].driver;
         }
     }
     if (driver <= 0) {
@@ -134,12 +140,22 @@ dk_driver_check(int driver, int runtime, dk_error *err)
             "or newer), but no driver was found",
             major, (runtime % 1000) / 10, major, needs);
     }
-    return dk_fail(err, DK_ERR_CUDA,
-                   "diffkv was built with CUDA %d.%d and needs an NVIDIA driver for CUDA %d (%s or "
-                   "newer), but this driver supports CUDA %d.%d: install a diffkv built with CUDA "
-                   "%d (build it with that toolkit's nvcc: README, Install) or update the driver",
-                   major, (runtime % 1000) / 10, major, needs, driver / 1000, (driver % 1000) / 10,
-                   driver / 1000);
+    if (driver / 1000 < oldest_wheel) {
+        return dk_fail(
+            err, DK_ERR_CUDA,
+            "diffkv was built with CUDA %d.%d and needs an NVIDIA driver for CUDA %d (%s or "
+            "newer), but this driver supports CUDA %d.%d: update the driver (diffkv's "
+            "oldest wheel, +cu%d, needs %s or newer)",
+            major, (runtime % 1000) / 10, major, needs, driver / 1000, (driver % 1000) / 10,
+            oldest_wheel, wheel_needs);
+    }
+    return dk_fail(
+        err, DK_ERR_CUDA,
+        "diffkv was built with CUDA %d.%d and needs an NVIDIA driver for CUDA %d (%s or "
+        "newer), but this driver supports CUDA %d.%d: install the diffkv wheel for CUDA %d "
+        "(the +cu%d variant: README, Install) or update the driver",
+        major, (runtime % 1000) / 10, major, needs, driver / 1000, (driver % 1000) / 10,
+        driver / 1000, driver / 1000);
 }
 
 const char *

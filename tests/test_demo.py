@@ -71,8 +71,30 @@ def test_info_runs():
             12080,
             13000,
             "diffkv was built with CUDA 13.0 and needs an NVIDIA driver for CUDA 13 (580.65.06 or newer), "
-            "but this driver supports CUDA 12.8: install a diffkv built with CUDA 12 (build it with that "
-            "toolkit's nvcc: README, Install) or update the driver",
+            "but this driver supports CUDA 12.8: install the diffkv wheel for CUDA 12 (the +cu12 variant: "
+            "README, Install) or update the driver",
+        ),
+        (
+            12000,
+            13000,
+            "diffkv was built with CUDA 13.0 and needs an NVIDIA driver for CUDA 13 (580.65.06 or newer), "
+            "but this driver supports CUDA 12.0: install the diffkv wheel for CUDA 12 (the +cu12 variant: "
+            "README, Install) or update the driver",
+        ),
+        (12000, 12040, None),  # the +cu12 wheel (CUDA 12.4) on the oldest CUDA 12 driver
+        (
+            11080,
+            12040,
+            "diffkv was built with CUDA 12.4 and needs an NVIDIA driver for CUDA 12 (525.60.13 or newer), "
+            "but this driver supports CUDA 11.8: update the driver (diffkv's oldest wheel, +cu12, needs "
+            "525.60.13 or newer)",
+        ),
+        (
+            11080,
+            13000,
+            "diffkv was built with CUDA 13.0 and needs an NVIDIA driver for CUDA 13 (580.65.06 or newer), "
+            "but this driver supports CUDA 11.8: update the driver (diffkv's oldest wheel, +cu12, needs "
+            "525.60.13 or newer)",
         ),
         (
             0,
@@ -85,5 +107,6 @@ def test_info_runs():
 )
 def test_driver_check(driver, runtime, message):
     """The check every CUDA call makes once (dk_cuda_device_enter): a driver too old for the
-    build's CUDA is refused with both versions and what to do."""
+    build's CUDA is refused with both versions and what to do: the wheel variant (+cu12, +cu13)
+    that driver runs, or a driver update when no variant runs on it."""
     assert cli._C.driver_check(driver, runtime) == message
