@@ -136,7 +136,7 @@ wheel: $(WHEEL_TOOLS)/ready
 test-wheel: wheel
 	rm -rf $(WHEEL_TEST_VENV)
 	$(PYTHON) -m venv $(WHEEL_TEST_VENV)
-	$(WHEEL_TEST_VENV)/bin/pip install --quiet "$$(cat build/last-wheel)" "$(TORCH_SPEC)" pytest hypothesis \
+	$(WHEEL_TEST_VENV)/bin/pip install --quiet "$$(cat build/last-wheel)[test,bench]" "$(TORCH_SPEC)" \
 		"setuptools>=61" wheel
 	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -c "import sys, diffkv, diffkv._C; \
 		assert diffkv.__file__.startswith(sys.prefix), diffkv.__file__; print(diffkv.__version__, diffkv.__file__)"

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 try:  # setuptools >= 70.1 ships bdist_wheel; older ones use the wheel package's
     from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
@@ -405,7 +406,18 @@ class BuildExt(build_ext):
         return objects
 
 
-cmdclass = {"build_ext": BuildExt}
+class BuildPy(build_py):
+    """Writes the built package's _version.py with the version of this build, so that
+    diffkv.__version__ names a release wheel's variant (0.1.0+cu13) as its metadata does."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "diffkv" / "_version.py"
+        if target.exists():
+            target.write_text(f'__version__ = "{version()}"\n')
+
+
+cmdclass = {"build_ext": BuildExt, "build_py": BuildPy}
 
 if _bdist_wheel is not None:
 

@@ -14,7 +14,7 @@
 # DEST whose nvcc reports the release is kept).
 set -euo pipefail
 
-DEST=${1:?usage: cuda12-toolkit.sh DEST}
+DEST=$(realpath -m "${1:?usage: cuda12-toolkit.sh DEST}")  # apt wants absolute folders
 NVCC_PYPI=12.4.131
 RUNTIME_HEADERS_PYPI=12.4.127
 RUNTIME_STATIC_PYPI=12.9.79
