@@ -64,11 +64,14 @@ def imported_symbols(elf):
 
 
 def exported_symbols(elf):
+    """Every defined global or weak dynamic symbol."""
     dynsym = elf.get_section_by_name(".dynsym")
     return sorted(
         sym.name
         for sym in dynsym.iter_symbols()
-        if sym["st_shndx"] != "SHN_UNDEF" and sym["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK") and sym.name
+        if sym.name
+        and sym["st_shndx"] != "SHN_UNDEF"
+        and sym["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK")
     )
 
 
