@@ -21,15 +21,15 @@ Environment:
 
 What gets rebuilt.  decide_build() makes every choice the environment drives (CPU or CUDA,
 the arch list, sanitizers, -Werror, the compilers) in one place, and the build's identity is a
-hash of the resulting compiler paths and flags.  Objects live in a directory per identity
-under build_temp (e.g. build/temp.*/cuda-90a-<hash>/), so a CPU build and a CUDA build never
-mix objects and switching back to an earlier configuration reuses its objects.  Each .cu
-object is recompiled only when its source or a header it includes (nvcc -MD writes the list
-next to the object) is newer, and the extension is relinked when any object changed, a C
-source or csrc/**/*.h header changed, the list of sources changed, or the extension file on
-disk is not the one this build directory last linked for this identity (the stamp
-build_temp/diffkv-link.json records it), so `DIFFKV_CUDA=0 pip wheel .` after a CUDA build
-(or the reverse) relinks instead of packaging the other mode's .so.
+hash of the resulting compiler paths, versions (nvcc's and ptxas's) and flags.  Objects live in
+a directory per identity under build_temp (e.g. build/temp.*/cuda-90a-<hash>/), so a CPU build
+and a CUDA build never mix objects and switching back to an earlier configuration reuses its
+objects.  Each .cu object is recompiled only when its source or a header it includes (nvcc -MD
+writes the list next to the object) is newer, and the extension is relinked when any object
+changed, a C source or csrc/**/*.h header changed, the list of sources changed, or the
+extension file on disk is not the one this build directory last linked for this identity and
+link (the stamp build_temp/diffkv-link.json records it), so `DIFFKV_CUDA=0 pip wheel .` after a
+CUDA build (or the reverse) relinks instead of packaging the other mode's .so.
 """
 
 import functools
@@ -142,6 +142,7 @@ class BuildConfig:
     ldflags: tuple  # linker flags
     nvcc_flags: tuple  # nvcc flags ((): no CUDA)
     library_dirs: tuple  # where the static CUDA runtime is
+    toolchain: str = ""  # what nvcc and its ptxas say of their version (a toolkit changed in place)
     manylinux: bool = False  # DIFFKV_MANYLINUX=1: the release wheel's link (objects unchanged)
     cuda_major: int = 0  # the CUDA major version nvcc compiles for (0: CPU-only)
 
@@ -178,12 +179,24 @@ class BuildConfig:
 LINK_ONLY = ("manylinux", "cuda_major")
 
 
-def nvcc_major(nvcc):
-    """The CUDA major version of an nvcc ("release 12.4," in `nvcc --version`)."""
-    out = subprocess.run([str(nvcc), "--version"], check=True, capture_output=True, text=True).stdout
-    found = re.search(r"release (\d+)\.\d+", out)
+def toolchain_versions(nvcc):
+    """The build lines of `nvcc --version` and of the ptxas beside it (the one nvcc runs), e.g.
+    "Build cuda_12.4.r12.4/compiler.34097967_0; Build cuda_12.9.r12.9/compiler.36037853_0"."""
+    lines = []
+    for tool in (nvcc, nvcc.parent / "ptxas"):
+        if tool.is_file():
+            out = subprocess.run([str(tool), "--version"], check=True, capture_output=True, text=True).stdout
+            lines += [
+                line.strip() for line in out.splitlines() if line.startswith(("Build ", "Cuda compilation"))
+            ]
+    return "; ".join(lines)
+
+
+def nvcc_major(toolchain, nvcc):
+    """The CUDA major version nvcc compiles for ("release 12.4," in `nvcc --version`)."""
+    found = re.search(r"release (\d+)\.\d+", toolchain)
     if found is None:
-        raise RuntimeError(f"diffkv: cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+        raise RuntimeError(f"diffkv: cannot read the CUDA release from `{nvcc} --version`: {toolchain}")
     return int(found.group(1))
 
 
@@ -253,6 +266,7 @@ def decide_build():
     if werror:
         nvcc_flags += ["-Werror", "all-warnings"]
     cuda_home = nvcc.parent.parent
+    toolchain = toolchain_versions(nvcc)
     lib_dirs = [
         d
         for d in (cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib")
@@ -267,8 +281,9 @@ def decide_build():
         ldflags=(*ldflags, *CUDA_LINK_LIBS),
         nvcc_flags=tuple(nvcc_flags),
         library_dirs=tuple(map(str, lib_dirs)),
+        toolchain=toolchain,
         manylinux=manylinux,
-        cuda_major=nvcc_major(nvcc) if manylinux else 0,
+        cuda_major=nvcc_major(toolchain, nvcc),
     )
 
 
@@ -395,7 +410,14 @@ class BuildExt(build_ext):
             cmd = [str(cfg.nvcc), *cfg.nvcc_flags, "-MD", "-MF", str(tmp_dep)]
             cmd += ["-c", str(ROOT / src), "-o", str(tmp_obj)]
             print(" ".join(cmd), file=sys.stderr)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            print(proc.stdout, end="", file=sys.stderr)
+            proc.check_returncode()
+            # ptxas says so when it serializes wgmma (C7513; CUDA 12.4's ptxas did for every
+            # Hopper kernel): not a warning to nvcc, but as costly as one, so -Werror refuses it
+            losses = [line for line in proc.stdout.splitlines() if "Potential Performance Loss" in line]
+            if losses and "-Werror" in cfg.nvcc_flags:
+                raise RuntimeError(f"diffkv: ptxas reports a performance loss in {src}: {losses[0]}")
             os.replace(tmp_obj, obj)
             os.replace(tmp_dep, depfile)
 
