@@ -130,7 +130,8 @@ load_kv_tile(uint16_t *s, const char *cache, const char *cache2, const int64_t *
 }
 
 /* What kv8_to_half's fp16 values are times the e4m3 values: the conversion instruction of
- * sm_89 and later gives the values themselves; sm_80's shift and mask give 2^-8 times them. */
+ * sm_89 and later gives the values themselves; sm_80's byte permute, add and shift give 2^-8
+ * times them. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define KV8_UNIT 1.0f
 #else
