@@ -335,23 +335,18 @@ def _build_sdpa_fp8(
         name="q", dim=[b, h, sq, d], stride=[sq * h * d, d, h * d, 1], data_type=dt.FP8_E4M3
     )
     kwargs: dict[str, Any] = {"generate_stats": False, "attn_scale": d**-0.5}
-    if paged is None:
-        for n in ("k", "v"):
-            t[n] = graph.tensor(
-                name=n,
-                dim=[b, kv_heads, skv, d],
-                stride=[skv * kv_heads * d, d, kv_heads * d, 1],
-                data_type=dt.FP8_E4M3,
-            )
-    else:
-        num_blocks, cols = paged
-        for n in ("k", "v"):
-            t[n] = graph.tensor(
-                name=n,
-                dim=[num_blocks, kv_heads, BLOCK, d],
-                stride=[BLOCK * kv_heads * d, d, kv_heads * d, 1],
-                data_type=dt.FP8_E4M3,
-            )
+    # K/V [outer, Hkv, rows, D] in BSHD memory: dense [b, Hkv, skv, D], or the paged cache's
+    # [num_blocks, Hkv, BLOCK, D]
+    outer, rows = (b, skv) if paged is None else (paged[0], BLOCK)
+    for n in ("k", "v"):
+        t[n] = graph.tensor(
+            name=n,
+            dim=[outer, kv_heads, rows, d],
+            stride=[rows * kv_heads * d, d, kv_heads * d, 1],
+            data_type=dt.FP8_E4M3,
+        )
+    if paged is not None:
+        cols = paged[1]
         for n in ("k_table", "v_table"):
             t[n] = graph.tensor(name=n, dim=[b, 1, cols, 1], stride=[cols, cols, 1, 1], data_type=dt.INT32)
         for n in ("seq_len_q", "seq_len_kv"):

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from .backends.diffkv import FP8_CACHE_DTYPES, DiffKVAttentionBackend, supported_head_sizes
+from .backends.diffkv import (
+    ACTIVATION_DTYPE_NAMES,
+    FP8_CACHE_DTYPES,
+    DiffKVAttentionBackend,
+    supported_head_sizes,
+)
 from .platform import AttentionType, selection_device_type
 
 __all__ = ["get_attn_backend"]
 
-# Activation dtypes the DIFFKV kernels are built for (C reference and CUDA path alike).
+# Activation dtypes the DIFFKV kernels are built for, in the order the refusal names them.
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = ACTIVATION_DTYPE_NAMES
 
 
 def get_attn_backend(

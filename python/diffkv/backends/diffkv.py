@@ -31,7 +31,8 @@ _UNQUANTIZED_CACHE_DTYPES = ("auto", "float32", "float", "float16", "half", "bfl
 # kv_cache_dtype values of a float8_e4m3fn cache (vLLM's names; e5m2 is refused).
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
-_ACTIVATION_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# The activation dtypes the kernels run (C reference and CUDA alike), by their names.
+ACTIVATION_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def supported_head_sizes(device_type: str, dtype: torch.dtype) -> list[int]:
@@ -39,10 +40,10 @@ def supported_head_sizes(device_type: str, dtype: torch.dtype) -> list[int]:
     the activation ``dtype`` (float32, float16 or bfloat16), as the build serves them: the CPU
     reference 1 to 1024; CUDA float32 1 to 256, float16/bfloat16 64 and 128; none on CUDA in a
     CPU-only build.  ``_C.supported_head_sizes`` is the one place that says so."""
-    name = _ACTIVATION_DTYPE_NAMES.get(dtype)
+    name = ACTIVATION_DTYPE_NAMES.get(dtype)
     if name is None:
         raise ValueError(
-            f"supported_head_sizes(): dtype must be one of {list(_ACTIVATION_DTYPE_NAMES.values())}, "
+            f"supported_head_sizes(): dtype must be one of {list(ACTIVATION_DTYPE_NAMES.values())}, "
             f"got {dtype!r}"
         )
     return list(_C.supported_head_sizes(device_type, name))
@@ -52,7 +53,7 @@ def supported_head_sizes(device_type: str, dtype: torch.dtype) -> list[int]:
 # and v_scale = amax|V| / 100 (vllm.envs K_SCALE_CONSTANT, V_SCALE_CONSTANT).
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
-_MODEL_TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MODEL_TORCH_DTYPES = tuple(ACTIVATION_DTYPE_NAMES)
 
 
 class DiffKVMetadataBuilder(PagedMetadataBuilder):
