@@ -56,7 +56,7 @@ dk_set_attention_kernel(dk_kernel_choice choice)
 }
 
 int
-dk_head_size_supported(int32_t device_type, dk_dtype dtype, int64_t head_size)
+dk_head_size_supported(int32_t device_type, dk_dtype dtype, int kv_fp8, int64_t head_size)
 {
     if (dtype != DK_F32 && dtype != DK_F16 && dtype != DK_BF16) {
         return 0;
@@ -68,9 +68,24 @@ dk_head_size_supported(int32_t device_type, dk_dtype dtype, int64_t head_size)
         return 0;
     }
     if (dtype == DK_F32) {
-        return head_size >= 1 && head_size <= DK_CUDA_F32_MAX_HEAD;
+        return !kv_fp8 && head_size >= 1 && head_size <= DK_CUDA_F32_MAX_HEAD;
     }
-    return head_size == 64 || head_size == 128;
+#define DK_HEAD_CASE(d) case d:
+    if (kv_fp8) {
+        switch (head_size) {
+            DK_CUDA_FP8_HEAD_SIZES(DK_HEAD_CASE)
+            return 1;
+        default:
+            return 0;
+        }
+    }
+    switch (head_size) {
+        DK_CUDA_HEAD_SIZES(DK_HEAD_CASE)
+        return 1;
+    default:
+        return 0;
+    }
+#undef DK_HEAD_CASE
 }
 
 dk_status

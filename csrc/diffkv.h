@@ -593,13 +593,21 @@ dk_kernel_choice dk_set_attention_kernel(dk_kernel_choice choice);
 /* Head sizes the attention paths serve (the one place that says so; the paths check with it):
  *   - the CPU reference: any head_size in [1, DK_REF_MAX_HEAD_SIZE], every float dtype;
  *   - CUDA float32: any in [1, DK_CUDA_F32_MAX_HEAD] (attention_f32.cu's per-lane registers);
- *   - CUDA float16/bfloat16: 64 and 128, the tensor-core kernels' instantiations.
+ *   - CUDA float16/bfloat16: DK_CUDA_HEAD_SIZES, the tensor-core kernels' instantiations (the
+ *     mma.sync kernel's, attention_sm80.cu; on Hopper the wgmma kernels take 64 and 128);
+ *     over a float8_e4m3fn cache DK_CUDA_FP8_HEAD_SIZES (the e4m3 kernels' and the mma.sync
+ *     kernel's e4m3 form).
  * A CPU-only build serves no CUDA head size. */
 #define DK_REF_MAX_HEAD_SIZE 1024
 #define DK_CUDA_F32_MAX_HEAD 256
+/* X-macro lists, ascending: X(size) for each */
+#define DK_CUDA_HEAD_SIZES(X) X(32) X(64) X(72) X(80) X(96) X(128) X(160)
+#define DK_CUDA_FP8_HEAD_SIZES(X) X(64) X(128)
 /* Whether paged attention on device_type (DK_CPU or DK_CUDA) takes head_size for dtype (an
- * activation dtype: DK_F32, DK_F16, DK_BF16; anything else: 0).  Cannot fail. */
-int dk_head_size_supported(int32_t device_type, dk_dtype dtype, int64_t head_size);
+ * activation dtype: DK_F32, DK_F16, DK_BF16; anything else: 0) over a cache of the activation
+ * dtype (kv_fp8 0) or a float8_e4m3fn one (kv_fp8 1: on CUDA fp16/bf16 queries only).  Cannot
+ * fail. */
+int dk_head_size_supported(int32_t device_type, dk_dtype dtype, int kv_fp8, int64_t head_size);
 
 #ifdef __cplusplus
 }

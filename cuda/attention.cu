@@ -13,8 +13,11 @@
  *         of 176 keys instead of 128 over long rows where TMA can cut them;
  *       - otherwise the wgmma kernel whose warpgroups load their own tiles (attention_sm90.cu,
  *         "sm90").
- *   - other fp16/bf16 calls: the mma.sync kernel (attention_sm80.cu, "sm80").
- *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, head 64 or 128, K/V rows in 16-byte
+ *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
+ *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the head sizes other than 64 and
+ *     128, which the wgmma kernels do not take.
+ *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
+ *     (64, 128), K/V rows in 16-byte
  *     chunks: on the Hopper kernels the e4m3 wgmma kernel (attention_sm90_fp8.cu), fed by TMA
  *     boxes of 16-key chunks ("sm90-fp8-tma": head 128, blocks of a multiple of 16 keys) or
  *     cp.async rows ("sm90-fp8"); elsewhere (and with the kernel choice sm80) the mma.sync
@@ -57,6 +60,19 @@
 
 /* The kernel the last call launched, for dk_cuda_last_attention_kernel (a string literal). */
 static const char *volatile attn_last_kernel = "none";
+
+/* "32, 64, ..." of an X-macro list of head sizes, for messages. */
+#define ATTN_HEAD_TEXT(d) ", " #d
+static const char attn_heads_text[] = DK_CUDA_HEAD_SIZES(ATTN_HEAD_TEXT);
+static const char attn_fp8_heads_text[] = DK_CUDA_FP8_HEAD_SIZES(ATTN_HEAD_TEXT);
+#undef ATTN_HEAD_TEXT
+
+/* Whether the wgmma kernels (attention_sm90*.cu) take head_size.  Cannot fail. */
+static bool
+h90_head(int64_t head_size)
+{
+    return head_size == 64 || head_size == 128;
+}
 
 /* Records the kernel a call launched.  Cannot fail. */
 static void
@@ -207,6 +223,12 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
                       ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
                       ptr_aligned16(a->value_cache2) && aligned16(a->cache_stride_block) &&
                       aligned16(a->cache_stride_token) && aligned16(a->cache_stride_head);
+    if (!dk_head_size_supported(DK_CUDA, a->dtype, 1, a->head_size)) {
+        return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
+                       "paged_attention(): a float8_e4m3fn kv_cache takes head_size %s on CUDA, "
+                       "got %lld",
+                       attn_fp8_heads_text + 2, (long long)a->head_size);
+    }
     if (!kv16) {
         return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
                        "paged_attention(): a float8_e4m3fn kv_cache must have contiguous head "
@@ -276,11 +298,11 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
                            ATTN_F32_MAX_HEAD, (long long)a->head_size);
         }
     }
-    else if (!dk_head_size_supported(DK_CUDA, a->dtype, a->head_size)) {
+    else if (!dk_head_size_supported(DK_CUDA, a->dtype, 0, a->head_size)) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): head_size must be one of 64, 128 for "
-                       "float16/bfloat16 on CUDA, got %lld",
-                       (long long)a->head_size);
+                       "paged_attention(): head_size must be one of %s for float16/bfloat16 on "
+                       "CUDA, got %lld",
+                       attn_heads_text + 2, (long long)a->head_size);
     }
     if (a->mask != DK_MASK_NONE && a->mask != DK_MASK_CAUSAL && a->mask != DK_MASK_LIMITS) {
         return dk_fail(err, DK_ERR_VALUE, "paged_attention(): mask must be 0, 1 or 2, got %d",
@@ -377,7 +399,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     if (a->kv_fp8) {
         return attn_fp8(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, o_vec, stream, err);
     }
-    if (h90_ready()) {
+    if (h90_ready() && h90_head(a->head_size)) {
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,
                          err);
     }

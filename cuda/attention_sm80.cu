@@ -1,15 +1,19 @@
 /*
  * attention_sm80.cu -- the mma.sync paged attention kernel for the masks of dk_mask (diffkv.h),
- * for Ampere and later (Hopper runs the sm90 kernels unless the kernel choice says sm80).
+ * for Ampere and later (Hopper runs the sm90 kernels at head 64 and 128 unless the kernel choice
+ * says sm80, and this one at the other head sizes).
  *
- * fp16/bf16, head_size 64 or 128: FlashAttention-2 style on mma.sync.m16n8k16 (fp32
- * accumulation).  One CTA of 4 warps per (query tile of 128 tokens of one batch row, head);
- * each warp owns 32 query rows (two 16-row m-tiles, so every K/V fragment read from shared
- * memory feeds two MMAs).  Key tiles are 64 keys (head 128) or 128 keys (head 64).
- *   - Shared memory: the Q tile and two stages of (K tile, V tile), rows of head_size
- *     elements whose 16-byte chunks are XOR-swizzled (chunk c of row r sits at c ^ (r % 8)),
- *     so the 8 row addresses of every ldmatrix and every 16-byte cp.async hit distinct bank
- *     groups.
+ * fp16/bf16, every head size of DK_CUDA_HEAD_SIZES (diffkv.h: 32, 64, 72, 80, 96, 128, 160):
+ * FlashAttention-2 style on mma.sync.m16n8k16 (fp32 accumulation).  One CTA of 4 warps per
+ * (query tile of 128 tokens of one batch row, head); each warp owns 32 query rows (two 16-row
+ * m-tiles, so every K/V fragment read from shared memory feeds two MMAs).  Key tiles of 128
+ * keys up to head 64, 64 up to head 128, 32 above (attn_tile: O of two m-tiles, D / 2 fp32
+ * registers per thread, and S must fit 255 registers).  Head 72 computes 80 dims, the last 8
+ * zeros in every tile.
+ *   - Shared memory: the Q tile and two stages of (K tile, V tile), rows of head_size rounded
+ *     up to 64 elements whose 16-byte chunks are XOR-swizzled (chunk c of row r sits at
+ *     c ^ (r % 8)), so the 8 row addresses of every ldmatrix and every 16-byte cp.async hit
+ *     distinct bank groups.
  *   - Paging: before a key tile is loaded, one thread per key resolves its byte offset in
  *     the cache through the block table into a small double-buffered shared array (any
  *     block_size; the block-table entry is read two tiles ahead, at the start of an
@@ -64,60 +68,134 @@
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_CTAS_PER_SM 2
 
-/* Keys per K/V tile: 64 for head 128 (S, P and O of two m-tiles per warp fit the register
- * file), 128 for head 64 (faster than 64 there: docs/hopper-kernels.md). */
+/* A head size's tiles.  Keys per K/V tile BN: 128 up to head 64 (faster than 64 there:
+ * docs/hopper-kernels.md), 64 up to head 128 (S, P and O of two m-tiles per warp fit the
+ * register file), 32 above.  DK: the head dims the MMAs compute, D rounded up to their 16-dim
+ * k-step (head 72: 80; dims D .. DK - 1 are zeros in every tile).  DS: elements per row of the
+ * shared-memory tiles, D rounded up to 64 (eight 16-byte chunks), so that the XOR swizzle of a
+ * chunk's index with its row's (c ^ (r % 8)) stays inside the row. */
 template <int D> struct attn_tile {
-    static constexpr int BN = D == 128 ? 64 : 128;
+    static_assert(D % 8 == 0 && D >= 32 && D <= 160, "a head size the kernel tiles");
+    static constexpr int BN = D <= 64 ? 128 : D <= 128 ? 64 : 32;
+    static constexpr int DK = (D + 15) / 16 * 16;
+    static constexpr int DS = (D + 63) / 64 * 64;
     /* bytes of dynamic shared memory: the Q tile, 2 stages of K and V tiles, then 2 x BN key
-     * offsets (97 KiB for head 128, 82 KiB for head 64: two CTAs per SM) */
-    static constexpr size_t SMEM = (size_t)(ATTN_BM + 4 * BN) * D * 2 + 2 * BN * sizeof(int64_t);
+     * offsets (97 KiB for heads 72 to 160, 82 KiB for head 64, 81 KiB for head 32: two CTAs
+     * per SM) */
+    static constexpr size_t SMEM = (size_t)(ATTN_BM + 4 * BN) * DS * 2 + 2 * BN * sizeof(int64_t);
 };
+
+/* Element offset of 16-byte chunk c of row r in a swizzled tile of DS-element rows. */
+template <int DS>
+static __device__ __forceinline__ int
+tile_pos(int r, int c)
+{
+    return r * DS + (c ^ (r & 7)) * 8;
+}
+
+/* Calls f(r, c, pos) for the 16-byte chunks c < D / 8 of rows r < ROWS of a tile of DS-element
+ * rows that thread tid owns, pos = tile_pos<DS>(r, c): chunk column tid % (D / 8) of rows
+ * tid / (D / 8) + k * (ATTN_THREADS / (D / 8)) where the threads cover whole rows in passes of
+ * a multiple of 8 rows (every row of a thread then has the same r % 8, so the swizzle is
+ * computed once), else item tid + k * ATTN_THREADS of the tile's chunks in row order.  The same
+ * thread always owns the same chunks, so a thread may read back what its own cp.async copies
+ * wrote once it waited for them. */
+template <int D, int DS, int ROWS, typename F>
+static __device__ __forceinline__ void
+for_own_chunks(int tid, F &&f)
+{
+    constexpr int CHUNKS = D / 8;
+    if constexpr (ATTN_THREADS % CHUNKS == 0 && (ATTN_THREADS / CHUNKS) % 8 == 0) {
+        constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
+        const int c = tid % CHUNKS;
+        const int r0 = tid / CHUNKS;
+        const int pc = c ^ (r0 & 7);
+#pragma unroll
+        for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
+            const int r = r0 + pass * ROWS_PER_PASS;
+            f(r, c, r * DS + pc * 8);
+        }
+    }
+    else {
+#pragma unroll
+        for (int pass = 0; pass < (ROWS * CHUNKS + ATTN_THREADS - 1) / ATTN_THREADS; pass++) {
+            const int item = tid + pass * ATTN_THREADS;
+            if (item < ROWS * CHUNKS) {
+                const int r = item / CHUNKS, c = item % CHUNKS;
+                f(r, c, tile_pos<DS>(r, c));
+            }
+        }
+    }
+}
 
 /*
  * Loads one K or V tile (cache = key_cache or value_cache) of BN keys whose byte offsets are
- * offs[0 .. BN) into the swizzled tile s; rows >= valid_rows become zeros, so masked
- * probabilities (0) never meet garbage (0 * inf = nan).  Thread tid owns chunk
- * c = tid % (D/8) of rows tid / (D/8) + k * (ATTN_THREADS / (D/8)); all its rows have the
- * same r % 8, hence the same swizzled chunk.
+ * offs[0 .. BN) into the swizzled tile s (rows of DS elements); rows >= valid_rows become
+ * zeros, so masked probabilities (0) never meet garbage (0 * inf = nan).  Thread tid copies
+ * the chunks for_own_chunks gives it.
  */
 template <int D, int BN>
 static __device__ __forceinline__ void
 load_kv_tile(uint16_t *s, const char *cache, const char *cache2, const int64_t *offs,
              int32_t valid_rows, int64_t stride_dim, bool vec)
 {
+    constexpr int DS = attn_tile<D>::DS;
     constexpr int CHUNKS = D / 8;
-    constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
-    constexpr int PASSES = BN / ROWS_PER_PASS;
-    static_assert(ROWS_PER_PASS % 8 == 0, "a thread's rows share one swizzle");
     const int tid = (int)threadIdx.x;
-    const int c = tid % CHUNKS;
-    const int r0 = tid / CHUNKS;
-    const int pc = c ^ (r0 & 7);
-    if (vec) {
-        const uint32_t dst = smem_addr(s) + (uint32_t)((r0 * D + pc * 8) * 2);
-        if (valid_rows >= BN && cache2 == NULL) { /* the hot path: one source, a full tile */
-            const char *src = cache + c * 16;
+    if constexpr (ATTN_THREADS % CHUNKS == 0 && (ATTN_THREADS / CHUNKS) % 8 == 0) {
+        /* for_own_chunks's whole-row mapping, its offsets stepped from one base */
+        constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
+        constexpr int PASSES = BN / ROWS_PER_PASS;
+        const int c = tid % CHUNKS;
+        const int r0 = tid / CHUNKS;
+        const int pc = c ^ (r0 & 7);
+        if (vec) {
+            const uint32_t dst = smem_addr(s) + (uint32_t)((r0 * DS + pc * 8) * 2);
+            if (valid_rows >= BN && cache2 == NULL) { /* the hot path: one source, a full tile */
+                const char *src = cache + c * 16;
 #pragma unroll
-            for (int pass = 0; pass < PASSES; pass++) {
-                cp_async16(dst + pass * ROWS_PER_PASS * D * 2,
-                           src + offs[r0 + pass * ROWS_PER_PASS], 16u);
+                for (int pass = 0; pass < PASSES; pass++) {
+                    cp_async16(dst + pass * ROWS_PER_PASS * DS * 2,
+                               src + offs[r0 + pass * ROWS_PER_PASS], 16u);
+                }
+            }
+            else {
+#pragma unroll
+                for (int pass = 0; pass < PASSES; pass++) {
+                    const int r = r0 + pass * ROWS_PER_PASS;
+                    cp_async16(dst + pass * ROWS_PER_PASS * DS * 2,
+                               kv_row(cache, cache2, offs[r]) + c * 16, r < valid_rows ? 16u : 0u);
+                }
             }
         }
         else {
-#pragma unroll
+            /* Kept rolled: unrolled, this cold path's registers made the hot loop spill. */
+#pragma unroll 1
             for (int pass = 0; pass < PASSES; pass++) {
                 const int r = r0 + pass * ROWS_PER_PASS;
-                cp_async16(dst + pass * ROWS_PER_PASS * D * 2,
-                           kv_row(cache, cache2, offs[r]) + c * 16, r < valid_rows ? 16u : 0u);
+                uint16_t *d = s + r * DS + pc * 8;
+                if (r < valid_rows) {
+                    const uint16_t *src = (const uint16_t *)kv_row(cache, cache2, offs[r]);
+                    load_chunk_sync(d, src + (int64_t)c * 8 * stride_dim, stride_dim);
+                }
+                else {
+                    zero_chunk(d);
+                }
             }
         }
     }
+    else if (vec) {
+        const uint32_t base = smem_addr(s);
+        for_own_chunks<D, DS, BN>(tid, [&](int r, int c, int pos) {
+            cp_async16(base + (uint32_t)(pos * 2), kv_row(cache, cache2, offs[r]) + c * 16,
+                       r < valid_rows ? 16u : 0u);
+        });
+    }
     else {
-        /* Kept rolled: unrolled, this cold path's registers made the hot loop spill. */
 #pragma unroll 1
-        for (int pass = 0; pass < PASSES; pass++) {
-            const int r = r0 + pass * ROWS_PER_PASS;
-            uint16_t *d = s + r * D + pc * 8;
+        for (int item = tid; item < BN * CHUNKS; item += ATTN_THREADS) {
+            const int r = item / CHUNKS, c = item % CHUNKS;
+            uint16_t *d = s + tile_pos<DS>(r, c);
             if (r < valid_rows) {
                 const uint16_t *src = (const uint16_t *)kv_row(cache, cache2, offs[r]);
                 load_chunk_sync(d, src + (int64_t)c * 8 * stride_dim, stride_dim);
@@ -302,22 +380,23 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 /* clang-format on */
 {
     constexpr int BN = attn_tile<D>::BN;
-    constexpr int CHUNKS = D / 8;
-    constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
-    constexpr int KSTEPS = D / 16;                    /* k-steps of S = Q K^T */
-    constexpr int NTILES = BN / 8;                    /* n-tiles of S */
-    constexpr int DTILES = D / 8;                     /* n-tiles of O */
-    constexpr uint32_t STAGE_BYTES = 2u * BN * D * 2; /* one K and one V tile */
-    constexpr int ES = KV8 ? 1 : 2;                   /* bytes per cache element */
-    using MT = std::conditional_t<KV8, __half, T>;    /* the MMAs' operand type */
+    constexpr int DK = attn_tile<D>::DK;               /* head dims computed (D, zeros past) */
+    constexpr int DS = attn_tile<D>::DS;               /* elements per shared-memory row */
+    constexpr int KSTEPS = DK / 16;                    /* k-steps of S = Q K^T */
+    constexpr int NTILES = BN / 8;                     /* n-tiles of S */
+    constexpr int DTILES = DK / 8;                     /* n-tiles of O */
+    constexpr uint32_t STAGE_BYTES = 2u * BN * DS * 2; /* one K and one V tile */
+    constexpr int ES = KV8 ? 1 : 2;                    /* bytes per cache element */
+    using MT = std::conditional_t<KV8, __half, T>;     /* the MMAs' operand type */
     static_assert(ATTN_BM == ATTN_WARPS * ATTN_MT * 16, "warps x m-tiles cover the Q tile");
     static_assert(ATTN_BM == ATTN_THREADS, "one thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
+    static_assert(!KV8 || (DS == D && D % 16 == 0), "e4m3 rows of whole 16-byte chunks");
 
     extern __shared__ uint4 attn_smem[];
-    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [ATTN_BM][D] */
-    uint16_t *const s_kv = s_q + ATTN_BM * D; /* [2 stages][K [BN][D], V [BN][D]] */
-    int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * D); /* [2][BN] */
+    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [ATTN_BM][DS] */
+    uint16_t *const s_kv = s_q + ATTN_BM * DS; /* [2 stages][K [BN][DS], V [BN][DS]] */
+    int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * DS); /* [2][BN] */
     /* KV8: the second stage's bytes hold 2 staging slots of e4m3 [K [BN][D], V [BN][D]] */
     const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * D);
     __shared__ int32_t s_wmax[ATTN_WARPS];
@@ -339,16 +418,20 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     const int g = lane >> 2; /* accumulator row within an 8-row half */
     const int tq = lane & 3; /* accumulator column pair */
 
+    /* Head dims D .. DK - 1 (head 72's last 8 of 80) are zeros in the Q tile and in both
+     * stages' K and V tiles: no load writes them. */
+    if constexpr (DK > D) {
+        for (int item = tid; item < (ATTN_BM + 4 * BN) * (DK - D) / 8; item += ATTN_THREADS) {
+            const int r = item / ((DK - D) / 8), c = D / 8 + item % ((DK - D) / 8);
+            zero_chunk(s_q + tile_pos<DS>(r, c)); /* s_kv's rows follow s_q's */
+        }
+    }
+
     /* Q tile -> s_q, swizzled (rows past the row's end are zeros); negated for a negative
      * scale once this thread's chunks have landed. */
     {
-        const int c = tid % CHUNKS;
-        const int r0 = tid / CHUNKS;
-        const int pc = c ^ (r0 & 7);
-#pragma unroll
-        for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
-            const int r = r0 + pass * ROWS_PER_PASS;
-            uint16_t *dst = s_q + r * D + pc * 8;
+        for_own_chunks<D, DS, ATTN_BM>(tid, [&](int r, int c, int pos) {
+            uint16_t *dst = s_q + pos;
             if (q0 + r < query_len) {
                 const uint16_t *src = (const uint16_t *)a.query +
                                       (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
@@ -363,35 +446,31 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             else {
                 zero_chunk(dst);
             }
-        }
+        });
         cp_async_commit();
         if (neg_q) {
             cp_async_wait_all();
-#pragma unroll
-            for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
-                uint4 *p =
-                    reinterpret_cast<uint4 *>(s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+            for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+                uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
                 uint4 v = *p;
                 v.x ^= 0x80008000u;
                 v.y ^= 0x80008000u;
                 v.z ^= 0x80008000u;
                 v.w ^= 0x80008000u;
                 *p = v;
-            }
+            });
         }
         if constexpr (KV8 && !std::is_same_v<T, __half>) {
             /* this thread's largest bf16 magnitude (bit patterns order as magnitudes) */
             cp_async_wait_all();
             uint32_t mx = 0;
-#pragma unroll
-            for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
-                const uint4 v = *reinterpret_cast<const uint4 *>(
-                    s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+            for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(s_q + pos);
                 mx = max(mx, max(max(v.x & 0x7FFFu, v.x >> 16 & 0x7FFFu),
                                  max(v.y & 0x7FFFu, v.y >> 16 & 0x7FFFu)));
                 mx = max(mx, max(max(v.z & 0x7FFFu, v.z >> 16 & 0x7FFFu),
                                  max(v.w & 0x7FFFu, v.w >> 16 & 0x7FFFu)));
-            }
+            });
 #pragma unroll
             for (int sh = 16; sh > 0; sh >>= 1) {
                 mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, sh));
@@ -431,12 +510,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         const int e = min(141 - (int)(qmax >> 7), 126); /* -114 (inf, NaN) .. 126 */
         const float up = __int_as_float((e + 127) << 23);
         sl *= __int_as_float((127 - e) << 23);
-        const int c = tid % CHUNKS;
-        const int r0 = tid / CHUNKS;
-        const int pc = c ^ (r0 & 7);
-#pragma unroll
-        for (int pass = 0; pass < ATTN_BM / ROWS_PER_PASS; pass++) {
-            uint4 *p = reinterpret_cast<uint4 *>(s_q + (r0 + pass * ROWS_PER_PASS) * D + pc * 8);
+        for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+            uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
             uint4 v = *p;
             uint32_t *w = &v.x;
 #pragma unroll
@@ -446,7 +521,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                 w[i] = half_ops<__half>::pack(lo, hi);
             }
             *p = v;
-        }
+        });
     }
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
     /* offsets of key tiles 0 and 1 (thread tid < BN owns key tid of every tile) */
@@ -467,7 +542,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         }
         else {
             load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
-            load_kv_tile<D, BN>(s_kv + BN * D, vc, vc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
+            load_kv_tile<D, BN>(s_kv + BN * DS, vc, vc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
         }
         cp_async_commit();
     }
@@ -482,10 +557,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
      * (keys +0, +1), (keys +8, +1). */
     const int l7 = lane & 7;
     const uint32_t q_row =
-        smem_addr(s_q) + (uint32_t)((warp * ATTN_MT * 16 + ((lane >> 3) & 1) * 8 + l7) * D * 2);
-    const uint32_t k_row = smem_addr(s_kv) + (uint32_t)(((lane >> 4) * 8 + l7) * D * 2);
+        smem_addr(s_q) + (uint32_t)((warp * ATTN_MT * 16 + ((lane >> 3) & 1) * 8 + l7) * DS * 2);
+    const uint32_t k_row = smem_addr(s_kv) + (uint32_t)(((lane >> 4) * 8 + l7) * DS * 2);
     const uint32_t v_row =
-        smem_addr(s_kv + BN * D) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * D * 2);
+        smem_addr(s_kv + BN * DS) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * DS * 2);
     const uint32_t q_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
     const uint32_t k_sw = (uint32_t)((((lane >> 3) & 1) ^ l7) * 16);
     const uint32_t v_sw = (uint32_t)(((lane >> 4) ^ l7) * 16);
@@ -536,10 +611,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             __syncthreads(); /* tile kt in fp16 for every warp */
         }
         else if (kt + 1 < n_tiles) {
-            uint16_t *next = s_kv + ((kt + 1) & 1) * 2 * BN * D;
+            uint16_t *next = s_kv + ((kt + 1) & 1) * 2 * BN * DS;
             const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
             load_kv_tile<D, BN>(next, kc, kc2, noff, kv_end - j0 - BN, a.cache_stride_dim, kv_vec);
-            load_kv_tile<D, BN>(next + BN * D, vc, vc2, noff, kv_end - j0 - BN, a.cache_stride_dim,
+            load_kv_tile<D, BN>(next + BN * DS, vc, vc2, noff, kv_end - j0 - BN, a.cache_stride_dim,
                                 kv_vec);
             cp_async_commit();
         }
@@ -567,12 +642,12 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                 uint32_t qa[ATTN_MT][4];
 #pragma unroll
                 for (int mt = 0; mt < ATTN_MT; mt++) {
-                    ldsm_x4(qa[mt], q_addr[kk & 3] + (kk >> 2) * 128 + mt * 16 * D * 2);
+                    ldsm_x4(qa[mt], q_addr[kk & 3] + (kk >> 2) * 128 + mt * 16 * DS * 2);
                 }
 #pragma unroll
                 for (int np = 0; np < NTILES / 2; np++) {
                     uint32_t b[4];
-                    ldsm_x4(b, k_addr[kk & 3] + stage + (kk >> 2) * 128 + np * 16 * D * 2);
+                    ldsm_x4(b, k_addr[kk & 3] + stage + (kk >> 2) * 128 + np * 16 * DS * 2);
 #pragma unroll
                     for (int mt = 0; mt < ATTN_MT; mt++) {
                         half_ops<MT>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
@@ -669,9 +744,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     pa[mt][3] = half_ops<MT>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
 #pragma unroll
-                for (int dp = 0; dp < D / 16; dp++) {
+                for (int dp = 0; dp < DK / 16; dp++) {
                     uint32_t b[4];
-                    ldsm_x4_trans(b, v_addr[dp & 3] + stage + (dp >> 2) * 128 + kk * 16 * D * 2);
+                    ldsm_x4_trans(b, v_addr[dp & 3] + stage + (dp >> 2) * 128 + kk * 16 * DS * 2);
 #pragma unroll
                     for (int mt = 0; mt < ATTN_MT; mt++) {
                         half_ops<MT>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
@@ -712,8 +787,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int r = warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
-            attn_store_row<T, DTILES>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf], sl,
-                                      &o[mt][0][2 * hf], tq, o_vec);
+            attn_store_row<T, D / 8>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf], sl,
+                                     &o[mt][0][2 * hf], tq, o_vec);
         }
     }
 }
@@ -742,21 +817,47 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
                            dim3(ATTN_THREADS), smem, s, args);
 }
 
+/* The launcher of one head size: fp16 / bf16, and the e4m3-cache forms where the cache's rows
+ * are whole 16-byte chunks that the staging takes (heads 64 and 128; NULL elsewhere). */
+typedef cudaError_t (*mma_launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
+                                    bool, bool, cudaStream_t);
+struct mma_launchers {
+    int32_t head;
+    mma_launcher f16, bf16, f16_kv8, bf16_kv8;
+};
+template <int D>
+static constexpr mma_launchers
+mma_head()
+{
+#define MMA_KV8(d) || D == d
+    constexpr bool kv8 = false DK_CUDA_FP8_HEAD_SIZES(MMA_KV8);
+#undef MMA_KV8
+    return {D, launch_mma<__half, D, false>, launch_mma<__nv_bfloat16, D, false>,
+            kv8 ? launch_mma<__half, D, kv8> : NULL,
+            kv8 ? launch_mma<__nv_bfloat16, D, kv8> : NULL};
+}
+#define MMA_HEAD(d) mma_head<d>(),
+static const mma_launchers mma_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
+#undef MMA_HEAD
+
 /* attention_internal.cuh's contract: the instantiation for the call's dtype, head size and
- * cache dtype (kv_fp8: e4m3, whose K/V rows the caller checked are in 16-byte chunks). */
+ * cache dtype (kv_fp8: e4m3, whose K/V rows the caller checked are in 16-byte chunks, head 64
+ * or 128). */
 cudaError_t
 attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                 float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
 {
-    typedef cudaError_t (*launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
-                                    bool, bool, cudaStream_t);
-    /* [kv_fp8][bf16][head 128] */
-    static const launcher table[2][2][2] = {
-        {{launch_mma<__half, 64, false>, launch_mma<__half, 128, false>},
-         {launch_mma<__nv_bfloat16, 64, false>, launch_mma<__nv_bfloat16, 128, false>}},
-        {{launch_mma<__half, 64, true>, launch_mma<__half, 128, true>},
-         {launch_mma<__nv_bfloat16, 64, true>, launch_mma<__nv_bfloat16, 128, true>}},
-    };
-    return table[a->kv_fp8 != 0][a->dtype == DK_BF16][a->head_size == 128](
-        a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
+    for (const mma_launchers &m : mma_heads) {
+        if (m.head != a->head_size) {
+            continue;
+        }
+        const bool bf16 = a->dtype == DK_BF16;
+        const mma_launcher f =
+            a->kv_fp8 ? (bf16 ? m.bf16_kv8 : m.f16_kv8) : (bf16 ? m.bf16 : m.f16);
+        if (f == NULL) {
+            break;
+        }
+        return f(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
+    }
+    return cudaErrorInvalidValue; /* the caller checked the head size: not reached */
 }

@@ -161,7 +161,8 @@ def _cases_module() -> dict[str, list[Case]]:
             ),
         ],
         "supported_head_sizes": [
-            ok("supported_head_sizes cpu", _C.supported_head_sizes, "cpu", "float16"),
+            ok("supported_head_sizes cpu", _C.supported_head_sizes, "cpu", "float16", "auto"),
+            ok("supported_head_sizes cpu fp8", _C.supported_head_sizes, "cpu", "float16", "float8_e4m3fn"),
             bad(
                 "supported_head_sizes device",
                 ValueError,
@@ -169,6 +170,7 @@ def _cases_module() -> dict[str, list[Case]]:
                 _C.supported_head_sizes,
                 "tpu",
                 "float16",
+                "auto",
             ),
             bad(
                 "supported_head_sizes dtype",
@@ -177,13 +179,24 @@ def _cases_module() -> dict[str, list[Case]]:
                 _C.supported_head_sizes,
                 "cpu",
                 torch.int8,
+                "auto",
+            ),
+            bad(
+                "supported_head_sizes cache dtype",
+                ValueError,
+                "supported_head_sizes(): cache_dtype must be 'auto' or 'float8_e4m3fn', got 'fp8_e5m2'",
+                _C.supported_head_sizes,
+                "cpu",
+                "float16",
+                "fp8_e5m2",
             ),
             bad(
                 "supported_head_sizes nargs",
                 TypeError,
-                "supported_head_sizes() takes 2 arguments, got 1",
+                "supported_head_sizes() takes 3 arguments, got 2",
                 _C.supported_head_sizes,
                 "cpu",
+                "float16",
             ),
         ],
         "set_attention_kernel": [

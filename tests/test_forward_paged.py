@@ -229,10 +229,11 @@ def test_non_causal_non_suffix_denoise(device, dtype, block_size, layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_size", [8, 72, 80, 96, 200])
+@pytest.mark.parametrize("head_size", [8, 72, 88, 200])
 def test_cpu_layers_take_every_head_size_the_reference_does(dtype, head_size):
     """A CPU layer's backend selection takes what the C reference serves (1 to 1024), so the
-    whole layer path runs at head sizes the CUDA kernels do not have."""
+    whole layer path runs at head sizes the CUDA kernels do not have (8, 88, 200) as well as
+    those they have."""
     h = Harness(torch.device("cpu"), dtype, 4, non_causal=True, head_size=head_size)
     steps = dict(prefill=[(0, 40), (0, 33)], denoise=[(10, 16), (5, 16)])
     h.run_steps(**steps, layout="packed_heads", mask_kind="none")
@@ -241,28 +242,69 @@ def test_cpu_layers_take_every_head_size_the_reference_does(dtype, head_size):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_layers_take_the_cuda_kernels_head_sizes(dtype):
     """A CUDA layer's selection takes the head sizes the CUDA kernels are built for (fp16/bf16:
-    64 and 128) and names them; it fails before the layer touches the device."""
+    32, 64, 72, 80, 96, 128, 160) and names them; it fails before the layer touches the
+    device."""
     config = diffkv.DiffusionConfig(diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=16))
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     if _C.cuda_compiled():
-        message = f"get_attn_backend(): head_size must be one of [64, 128] for {name} on cuda, got 96"
+        message = (
+            f"get_attn_backend(): head_size must be one of [32, 64, 72, 80, 96, 128, 160] for {name} "
+            "on cuda, got 88"
+        )
     else:
         message = (
-            f"get_attn_backend(): head_size 96 cannot run for {name} on cuda: this diffkv was built "
+            f"get_attn_backend(): head_size 88 cannot run for {name} on cuda: this diffkv was built "
             "without CUDA kernels"
         )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         diffkv.DiffusionPagedAttentionLayerAdapter(
             layer_name="blocks.0.attn",
             layer=SimpleNamespace(num_heads=4, softmax_scale=0.1),
-            spec=diffkv.AttentionSpec(16, 2, 96, dtype),
+            spec=diffkv.AttentionSpec(16, 2, 88, dtype),
             vllm_config=config,
             device=torch.device("cuda"),
         )
     sizes = diffkv.backends.diffkv.supported_head_sizes
-    assert sizes("cuda", dtype) == ([64, 128] if _C.cuda_compiled() else [])
+    assert sizes("cuda", dtype) == ([32, 64, 72, 80, 96, 128, 160] if _C.cuda_compiled() else [])
     assert sizes("cuda", torch.float32) == (list(range(1, 257)) if _C.cuda_compiled() else [])
     assert sizes("cpu", dtype) == list(range(1, 1025))
+    assert sizes("cuda", dtype, fp8_cache=True) == ([64, 128] if _C.cuda_compiled() else [])
+    assert sizes("cuda", torch.float32, fp8_cache=True) == []
+    assert sizes("cpu", dtype, fp8_cache=True) == list(range(1, 1025))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_fp8_layers_take_the_e4m3_kernels_head_sizes(dtype):
+    """Over a float8_e4m3fn cache a CUDA layer's selection takes the e4m3 kernels' head sizes
+    (64 and 128), refusing a size the unquantized kernels have (96) by name; a CPU layer takes
+    it (the C reference reads fp8 caches at every size)."""
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    config = diffkv.DiffusionConfig(
+        diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=16, cache_dtype="fp8")
+    )
+
+    def adapter(device: str) -> diffkv.DiffusionPagedAttentionLayerAdapter:
+        return diffkv.DiffusionPagedAttentionLayerAdapter(
+            layer_name="blocks.0.attn",
+            layer=SimpleNamespace(num_heads=4, softmax_scale=0.1),
+            spec=diffkv.AttentionSpec(16, 2, 96, "fp8"),
+            vllm_config=config,
+            device=torch.device(device),
+        )
+
+    if _C.cuda_compiled():
+        message = (
+            f"get_attn_backend(): head_size must be one of [64, 128] for {name} with a float8_e4m3fn cache "
+            "on cuda, got 96"
+        )
+    else:
+        message = (
+            f"get_attn_backend(): head_size 96 cannot run for {name} with a float8_e4m3fn cache on cuda: "
+            "this diffkv was built without CUDA kernels"
+        )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        adapter("cuda")
+    assert adapter("cpu").layer_name == "blocks.0.attn"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -338,8 +380,8 @@ def test_backend_class():
     assert backend.get_builder_cls().reorder_batch_threshold is None
     # the sizes of the device selection is for: the platform's here (no layer is being selected)
     if diffkv.platform.current_omni_platform.is_cuda():
-        assert backend.get_supported_head_sizes() == [64, 128]
-        assert backend.supports_head_size(128) and not backend.supports_head_size(96)
+        assert backend.get_supported_head_sizes() == [32, 64, 72, 80, 96, 128, 160]
+        assert backend.supports_head_size(96) and not backend.supports_head_size(88)
     else:
         assert backend.get_supported_head_sizes() == list(range(1, 1025))
         assert backend.supports_head_size(96) and not backend.supports_head_size(1025)

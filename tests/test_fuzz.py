@@ -314,7 +314,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
     return {
         "set_bridge_path": (["auto"], ()),
         "set_attention_kernel": (["auto"], ()),
-        "supported_head_sizes": (["cpu", "float16"], ()),
+        "supported_head_sizes": (["cpu", "float16", "auto"], ()),
         "bridge_path": ([t], ()),
         "tensor_info": ([t], ()),
         "bridge_noop4": ([t, t, t, t], ()),

@@ -573,10 +573,10 @@ def test_layers_diffkv_cannot_serve_run_omnis_own_forward_paged(omni, caplog):
 
 def test_layers_of_a_head_size_the_kernels_lack_run_omnis_own_forward_paged(omni, monkeypatch, caplog):
     """A layer whose query diffkv's kernels do not take on its device (a head size the device's
-    kernels lack: on CUDA, 96 for fp16/bf16) runs vLLM-Omni's own forward_paged; here the CPU's
+    kernels lack: on CUDA, 88 for fp16/bf16) runs vLLM-Omni's own forward_paged; here the CPU's
     head sizes are narrowed to the CUDA kernels' so that the layer's D is one of them."""
     monkeypatch.setattr(integration, "_head_sizes_cache", {})
-    monkeypatch.setattr(integration, "supported_head_sizes", lambda device_type, dtype: [64, 128])
+    monkeypatch.setattr(integration, "supported_head_sizes", lambda device_type, dtype, fp8_cache: [64, 128])
     assert D not in (64, 128)
     inst = integration.install()
     harness = Harness(omni, "cpu", "kv_first")
@@ -595,6 +595,22 @@ def test_layers_of_a_head_size_the_kernels_lack_run_omnis_own_forward_paged(omni
     assert f"hands paged attention layer {harness.names[0]!r} back to OmniFlashAttentionImpl" in caplog.text
     assert integration.unservable_query(torch.zeros(3, 4, 64)) is None
     assert integration.unservable_query("not a tensor") is None
+
+
+def test_unservable_query_reads_an_fp8_caches_head_sizes(monkeypatch):
+    """Over a float8_e4m3fn cache the head sizes are the e4m3 kernels' (on CUDA 64 and 128, fewer
+    than the unquantized kernels'): the reason names the cache."""
+    monkeypatch.setattr(integration, "_head_sizes_cache", {})
+    monkeypatch.setattr(
+        integration,
+        "supported_head_sizes",
+        lambda device_type, dtype, fp8_cache: [64, 128] if fp8_cache else [64, 96, 128],
+    )
+    query = torch.zeros(3, 4, 96)
+    assert integration.unservable_query(query) is None
+    assert integration.unservable_query(query, True) == (
+        "head size 96 is not among diffkv's float32 kernels over a float8_e4m3fn cache on cpu ([64, 128])"
+    )
 
 
 @pytest.mark.parametrize(

@@ -191,13 +191,14 @@ py_set_attention_kernel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return NULL;
 }
 
-/* supported_head_sizes(device_type, dtype) -> tuple of the head sizes paged attention takes on
- * 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16' (dk_head_size_supported). */
+/* supported_head_sizes(device_type, dtype, cache_dtype) -> tuple of the head sizes paged
+ * attention takes on 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16' queries over a cache
+ * of that dtype ('auto') or a 'float8_e4m3fn' one (dk_head_size_supported). */
 static PyObject *
 py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (dkpy_check_nargs("supported_head_sizes", nargs, 2) != 0) {
+    if (dkpy_check_nargs("supported_head_sizes", nargs, 3) != 0) {
         return NULL;
     }
     static const char *const devices[] = {"cpu", "cuda"};
@@ -213,6 +214,11 @@ py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; dt != NULL && i < 3; i++) {
         dtype = strcmp(dt, dtypes[i]) == 0 ? i : dtype;
     }
+    const char *cd = PyUnicode_Check(args[2]) ? PyUnicode_AsUTF8AndSize(args[2], NULL) : NULL;
+    const int kv_fp8 = cd == NULL                         ? -1
+                       : strcmp(cd, "auto") == 0          ? 0
+                       : strcmp(cd, "float8_e4m3fn") == 0 ? 1
+                                                          : -1;
     PyErr_Clear();
     if (device < 0) {
         PyErr_Format(PyExc_ValueError,
@@ -227,9 +233,16 @@ py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t narg
                      args[1]);
         return NULL;
     }
+    if (kv_fp8 < 0) {
+        PyErr_Format(
+            PyExc_ValueError,
+            "supported_head_sizes(): cache_dtype must be 'auto' or 'float8_e4m3fn', got %R",
+            args[2]);
+        return NULL;
+    }
     int64_t n = 0;
     for (int64_t d = 1; d <= DK_REF_MAX_HEAD_SIZE; d++) {
-        n += dk_head_size_supported(device_codes[device], dtype_codes[dtype], d);
+        n += dk_head_size_supported(device_codes[device], dtype_codes[dtype], kv_fp8, d);
     }
     PyObject *out = PyTuple_New((Py_ssize_t)n);
     if (out == NULL) {
@@ -237,7 +250,7 @@ py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t narg
     }
     Py_ssize_t k = 0;
     for (int64_t d = 1; d <= DK_REF_MAX_HEAD_SIZE; d++) {
-        if (dk_head_size_supported(device_codes[device], dtype_codes[dtype], d)) {
+        if (dk_head_size_supported(device_codes[device], dtype_codes[dtype], kv_fp8, d)) {
             PyObject *v = PyLong_FromLongLong((long long)d);
             if (v == NULL || PyTuple_SetItem(out, k++, v) != 0) {
                 Py_DECREF(out);
@@ -256,8 +269,9 @@ PyMethodDef dkpy_info_methods[] = {
     FAST(bridge_noop4, "bridge_noop4(a, b, c, d): reads four tensors (benchmark)."),
     FAST(cuda_compiled, "cuda_compiled() -> bool."),
     FAST(supported_head_sizes,
-         "supported_head_sizes(device_type, dtype) -> tuple of the head sizes paged attention "
-         "takes on 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16'."),
+         "supported_head_sizes(device_type, dtype, cache_dtype) -> tuple of the head sizes paged "
+         "attention takes on 'cpu' or 'cuda' for 'float32', 'float16' or 'bfloat16' queries over "
+         "a cache of that dtype ('auto') or a 'float8_e4m3fn' one."),
     FAST(build_info, "build_info() -> dict."),
     FAST(driver_check, "driver_check(driver_version, runtime_version) -> None or the refusal."),
     FAST(last_attention_kernel,

@@ -40,9 +40,10 @@ def bridge_noop4(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
     Used by benchmarks/bench_bridge.py."""
 
 def cuda_compiled() -> bool: ...
-def supported_head_sizes(device_type: str, dtype: str) -> tuple[int, ...]:
+def supported_head_sizes(device_type: str, dtype: str, cache_dtype: str) -> tuple[int, ...]:
     """The head sizes paged attention takes on 'cpu' or 'cuda' for 'float32', 'float16' or
-    'bfloat16' (a CPU-only build: none on 'cuda')."""
+    'bfloat16' queries over a cache of that dtype (cache_dtype 'auto') or a 'float8_e4m3fn' one
+    (a CPU-only build: none on 'cuda')."""
 
 def build_info() -> dict[str, Any]:
     """{'cuda_compiled': bool, 'cuda_runtime_version': int, 'device_count': int,

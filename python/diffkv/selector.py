@@ -47,9 +47,15 @@ def get_attn_backend(
     # dtype is not one diffkv runs
     device_type = selection_device_type()
     size_dtype = dtype if dtype in _SUPPORTED_DTYPES else torch.bfloat16
-    sizes = supported_head_sizes(device_type, size_dtype)
+    # an fp8 cache's sizes for fp16/bf16 queries; float32 ones keep float32's (the CPU reference
+    # runs them over an fp8 cache, a CUDA call refuses them with its own reason)
+    fp8 = (
+        isinstance(kv_cache_dtype, str) and kv_cache_dtype in FP8_CACHE_DTYPES and size_dtype != torch.float32
+    )
+    sizes = supported_head_sizes(device_type, size_dtype, fp8_cache=fp8)
     if type(head_size) is not int or head_size not in sizes:
-        where = f"for {_DTYPE_NAMES[size_dtype]} on {device_type}"
+        cache = " with a float8_e4m3fn cache" if fp8 else ""
+        where = f"for {_DTYPE_NAMES[size_dtype]}{cache} on {device_type}"
         if not sizes:
             raise ValueError(
                 f"get_attn_backend(): head_size {head_size!r} cannot run {where}: this diffkv was built "

@@ -35,18 +35,20 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 ACTIVATION_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def supported_head_sizes(device_type: str, dtype: torch.dtype) -> list[int]:
+def supported_head_sizes(device_type: str, dtype: torch.dtype, fp8_cache: bool = False) -> list[int]:
     """The head sizes paged and dense attention take on ``device_type`` ('cpu' or 'cuda') for
-    the activation ``dtype`` (float32, float16 or bfloat16), as the build serves them: the CPU
-    reference 1 to 1024; CUDA float32 1 to 256, float16/bfloat16 64 and 128; none on CUDA in a
-    CPU-only build.  ``_C.supported_head_sizes`` is the one place that says so."""
+    the activation ``dtype`` (float32, float16 or bfloat16), over a cache of that dtype or, with
+    ``fp8_cache``, a float8_e4m3fn one, as the build serves them: the CPU reference 1 to 1024
+    (either cache); CUDA float32 1 to 256 (no fp8 cache), float16/bfloat16 32, 64, 72, 80, 96,
+    128 and 160 (over an fp8 cache 64 and 128); none on CUDA in a CPU-only build.
+    ``_C.supported_head_sizes`` is the one place that says so."""
     name = ACTIVATION_DTYPE_NAMES.get(dtype)
     if name is None:
         raise ValueError(
             f"supported_head_sizes(): dtype must be one of {list(ACTIVATION_DTYPE_NAMES.values())}, "
             f"got {dtype!r}"
         )
-    return list(_C.supported_head_sizes(device_type, name))
+    return list(_C.supported_head_sizes(device_type, name, "float8_e4m3fn" if fp8_cache else "auto"))
 
 
 # vLLM's calculate_kv_scales constants: a layer's first KV write sets k_scale = amax|K| / 200
@@ -95,8 +97,8 @@ class DiffKVAttentionBackend(AttentionBackend):
     def get_supported_head_sizes() -> list[int]:
         """Head sizes the kernels take for fp16/bf16 on the device backend selection is for
         (``diffkv.platform.selection_device_type``: the layer's, else the platform's): on CUDA
-        the tensor-core kernels' (64, 128), on the CPU every size the C reference takes (1 to
-        1024).  ``supported_head_sizes(device_type, dtype)`` answers for any dtype."""
+        the tensor-core kernels' (32, 64, 72, 80, 96, 128, 160), on the CPU every size the C
+        reference takes (1 to 1024).  ``supported_head_sizes(device_type, dtype)`` answers for any dtype."""
         return supported_head_sizes(selection_device_type(), torch.bfloat16)
 
     @classmethod

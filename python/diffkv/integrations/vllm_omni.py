@@ -59,6 +59,7 @@ import torch
 
 from .. import adapter as _adapter
 from ..backends.diffkv import (
+    FP8_CACHE_DTYPES,
     DiffKVAttentionBackend,
     run_forward_paged,
     run_prepared_call,
@@ -256,31 +257,34 @@ def unservable_reason(native: Any) -> str | None:
     return None
 
 
-_head_sizes_cache: dict[tuple[str, torch.dtype], frozenset[int]] = {}
+_head_sizes_cache: dict[tuple[str, torch.dtype, bool], frozenset[int]] = {}
 
 
-def unservable_query(query: Any) -> str | None:
-    """Why diffkv's kernels cannot take a layer whose query is ``query`` ``[N, H, D]`` (its
-    device, dtype or head size D: ``supported_head_sizes``), or None when they can (also for
-    anything that is not a tensor: the layer call says what is wrong with it).  Cannot fail."""
+def unservable_query(query: Any, fp8_cache: bool = False) -> str | None:
+    """Why diffkv's kernels cannot take a layer whose query is ``query`` ``[N, H, D]`` over its
+    cache (``fp8_cache``: a float8_e4m3fn one) -- the query's device, dtype or head size D
+    (``supported_head_sizes``) --, or None when they can (also for anything that is not a
+    tensor: the layer call says what is wrong with it).  Cannot fail."""
     if not isinstance(query, torch.Tensor) or query.dim() < 1:
         return None
     device_type = query.device.type
     if device_type not in ("cpu", "cuda"):
         return f"diffkv runs on CPU and CUDA tensors, not {device_type}"
-    key = (device_type, query.dtype)
+    key = (device_type, query.dtype, fp8_cache)
     sizes = _head_sizes_cache.get(key)
     if sizes is None:
         try:
-            sizes = frozenset(supported_head_sizes(device_type, query.dtype))
+            sizes = frozenset(supported_head_sizes(device_type, query.dtype, fp8_cache=fp8_cache))
         except ValueError:
             return f"diffkv's kernels do not take {query.dtype} queries"
         _head_sizes_cache[key] = sizes
     head_size = int(query.shape[-1])
     if head_size not in sizes:
+        over = " over a float8_e4m3fn cache" if fp8_cache else ""
         return (
             f"head size {head_size} is not among diffkv's {str(query.dtype).removeprefix('torch.')} "
-            f"kernels on {device_type} ({sorted(sizes) if len(sizes) <= 16 else 'up to ' + str(max(sizes))})"
+            f"kernels{over} on {device_type} "
+            f"({sorted(sizes) if len(sizes) <= 16 else 'up to ' + str(max(sizes))})"
         )
     return None
 
@@ -354,11 +358,13 @@ class _DiffKVPagedMixin:
         zeros).  The call diffkv's adapter described when it made the context runs as is; any
         other context is read here (its metadata's tables copied to the host once per call).
         A layer diffkv cannot serve -- its query's device, dtype or head size
-        (``unservable_query``: e.g. head size 96 on CUDA) or its native metadata
+        (``unservable_query``: e.g. head size 88 on CUDA, or 96 over an fp8 cache there) or its
+        native metadata
         (``unservable_reason``) -- is handed to the native impl's own ``forward_paged``, as
         vLLM-Omni runs it without diffkv; ``Installation.layer_choices`` and a log line say
         which way each layer went."""
-        reason = unservable_query(getattr(paged_kv_context, "query", None))
+        fp8 = getattr(self, "kv_cache_dtype", "auto") in FP8_CACHE_DTYPES
+        reason = unservable_query(getattr(paged_kv_context, "query", None), fp8)
         if reason is None:
             out = run_prepared_call(paged_kv_context)
             if out is not None:

@@ -1,0 +1,182 @@
+"""Every fp16/bf16 head size the CUDA kernels take (``_C.supported_head_sizes('cuda', ...)``)
+against the float64 reference: every mask mode, block sizes 1, 16 and 48, GQA and MHA, strided
+query/output and cache layouts (the cp.async and the element-load paths), the LSE output that
+context parallelism merges, the dense forward, and a float8_e4m3fn cache refused where the e4m3
+kernels have no instantiation.  Every cache slot a row must not read -- the spare blocks and
+the slots past each row's end in its last block -- holds NaN, so a kernel that reads one poisons
+its output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import diffkv
+from diffkv import _C
+from reference import mask_key_limits, ref_attention
+
+pytestmark = pytest.mark.gpu
+
+HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "auto")) if _C.cuda_compiled() else []
+WGMMA_HEADS = (64, 128)  # the Hopper kernels' sizes; the others run the mma.sync kernel there
+
+
+def _problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed):
+    """K/V of every position of every row written into a paged cache (a random permutation of
+    blocks, 3 spare), NaN in every slot no row reads; q random.  Returns the call's tensors and
+    the dense K/V per row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [math.ceil(s / block) for s in seq_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    table = torch.full((len(seq_lens), max(blocks) + 1), perm[-1], dtype=torch.int32)
+    cache = torch.full((2, num_blocks, block, kv_heads, head), float("nan"), device="cuda", dtype=dtype)
+    dense = []
+    at = 0
+    for r, (s, n) in enumerate(zip(seq_lens, blocks, strict=True)):
+        table[r, :n] = torch.tensor(perm[at : at + n], dtype=torch.int32)
+        at += n
+        k = torch.randn(s, kv_heads, head, device="cuda", generator=g).to(dtype)
+        v = torch.randn(s, kv_heads, head, device="cuda", generator=g).to(dtype)
+        pos = torch.arange(s)
+        slots = (table[r, pos // block].long() * block + pos % block).cuda()
+        _C.kv_write(k, v, cache, slots)
+        dense.append((k, v))
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, head, device="cuda", generator=g).to(dtype)
+    return q, cache, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), dense
+
+
+def _limits(seq_lens, query_lens, mask):
+    """Each row's per-query key limits for the mask (limits: spans of 40 keys a query sees
+    past its causal limit, as piecewise plans give)."""
+    out = []
+    for s, n in zip(seq_lens, query_lens, strict=True):
+        pos = torch.arange(s - n, s, dtype=torch.int32)
+        if mask == "none":
+            out.append(torch.full((n,), s, dtype=torch.int32))
+        elif mask == "causal":
+            out.append(pos + 1)
+        else:
+            out.append(torch.where(pos % 97 < 50, pos + 1, torch.clamp(pos + 40, max=s)))
+    return out
+
+
+def _close(out, q, k, v, visible, scale, lse=None):
+    """out within twice the error of a same-precision (flash-rounded) reference, plus the dtype's
+    rounding, of the float64 reference; lse (if given) within 1e-3 of the float64 one."""
+    exact, want = ref_attention(q, k, v, visible, scale, lse=True, device=q.device)
+    low = ref_attention(q, k, v, visible, scale, precision="flash", device=q.device)
+    bound = 2 * (low - exact).abs().max().item() + (8e-3 if q.dtype == torch.bfloat16 else 1e-3)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}"
+    if lse is not None:
+        assert (lse.double() - want).abs().max().item() <= 1e-3
+
+
+def _check(out, q, qsl, dense, limits, scale, lse=None):
+    for r, (k, v) in enumerate(dense):
+        sl = slice(int(qsl[r]), int(qsl[r + 1]))
+        visible = mask_key_limits(limits[r].cuda(), k.shape[0])
+        _close(out[sl], q[sl], k, v, visible, scale, None if lse is None else lse[sl])
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize("block", [1, 16, 48])
+def test_every_head_size_matches_the_reference(head, dtype, mask, block, attention_kernel):
+    seq_lens, query_lens = [300, 771], [120, 771]
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 8, 2, head, block, dtype, head + block)
+    limits = _limits(seq_lens, query_lens, mask)
+    code = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}[mask]
+    key_limits = torch.cat(limits).cuda() if mask == "limits" else None
+    scale = head**-0.5
+    for kernel in ("auto", "sm80"):
+        attention_kernel(kernel)
+        out = torch.full_like(q, float("nan"))
+        _C.paged_attention(
+            q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
+        )
+        _check(out, q, qsl, dense, limits, scale)
+        if kernel == "sm80" or head not in WGMMA_HEADS:
+            assert _C.last_attention_kernel() == "sm80"
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mha_strided_layouts_and_lse(head, dtype):
+    """MHA; the query a view of a fused QKV projection, the output a view of a wider buffer (its
+    other half untouched), the LSE beside it; then the same over a cache whose head dims are
+    strided (the element-load path) and a query with a dim stride of 2."""
+    seq_lens, query_lens = [200, 333], [200, 101]
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 4, 4, head, 16, dtype, head)
+    fused = torch.randn(q.shape[0], 3, 4, head, device="cuda").to(dtype)
+    fused[:, 0] = q
+    query = fused[:, 0]
+    wide = torch.zeros(q.shape[0], 4, 2 * head, device="cuda", dtype=dtype)
+    out = wide[:, :, :head]
+    lse = torch.empty(q.shape[0], 4, device="cuda", dtype=torch.float32)
+    limits = _limits(seq_lens, query_lens, "causal")
+    args = (table.cuda(), qsl.cuda(), seq.cuda(), None, _C.MASK_CAUSAL, head**-0.5)
+    _C.paged_attention_lse(query, cache, *args, out, lse, table, qsl, seq)
+    assert not wide[:, :, head:].any()
+    _check(out, q, qsl, dense, limits, head**-0.5, lse)
+
+    spread = torch.full((*cache.shape[:-1], 2 * head), float("nan"), device="cuda", dtype=dtype)
+    spread[..., ::2] = cache
+    q2 = torch.zeros(q.shape[0], 4, 2 * head, device="cuda", dtype=dtype)
+    q2[..., ::2] = q
+    out2 = torch.full_like(q, float("nan"))
+    _C.paged_attention(q2[..., ::2], spread[..., ::2], *args, out2, table, qsl, seq)
+    _check(out2, q, qsl, dense, limits, head**-0.5)
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_forward_every_head_size(head, causal):
+    """DiffKVAttentionImpl.forward (the dense path: the same kernels over plain K/V)."""
+    g = torch.Generator(device="cuda").manual_seed(head)
+    b, sq, sk, h, hkv = 2, 150, 290, 4, 2
+    q = torch.randn(b, sq, h, head, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
+    impl = diffkv.DiffKVAttentionImpl(
+        num_heads=h, head_size=head, softmax_scale=head**-0.5, causal=causal, num_kv_heads=hkv
+    )
+    out = impl.forward(q, k, v)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    _close(out, q, k, v, visible.expand(b, sq, sk), head**-0.5)
+
+
+@pytest.mark.parametrize("head", [h for h in HEADS if h not in WGMMA_HEADS])
+def test_fp8_cache_refused_where_no_e4m3_kernel(head):
+    q, cache, table, qsl, seq, _ = _problem([40], [40], 2, 2, head, 16, torch.bfloat16, 1)
+    cache8 = torch.zeros(cache.shape, device="cuda", dtype=torch.float8_e4m3fn)
+    one = torch.ones(1, device="cuda")
+    out = torch.zeros_like(q)
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"^paged_attention\(\): a float8_e4m3fn kv_cache takes head_size 64, 128 on CUDA, got {head}$",
+    ):
+        _C.paged_attention(
+            q,
+            cache8,
+            table.cuda(),
+            qsl.cuda(),
+            seq.cuda(),
+            None,
+            _C.MASK_NONE,
+            0.1,
+            out,
+            table,
+            qsl,
+            seq,
+            one,
+            one,
+        )
+    assert not out.any()
