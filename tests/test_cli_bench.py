@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import diffkv.__main__ as cli
-from diffkv import _bench_cli
+from diffkv import _C, _bench_cli
 
 ENV_KEYS = {"time_utc", "device", "python", "torch", "torch_cuda", "diffkv", "diffkv_build", "diffkv_commit"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -73,10 +73,17 @@ def _check_record(record, *, quick=True):
     assert ENV_KEYS <= set(record["env"])
     assert record["env"]["diffkv_build"]["limited_api"]
     assert record["env"]["diffkv_build"]["attention_kernel"] in ("sm90", "sm80", "none")
+    assert record["schema"] == _bench_cli.SCHEMA
     cfg = record["config"]
-    assert {"seq_lens", "rows", "block_sizes", "heads", "kv_heads", "head_size", "dtype", "mask"} <= set(cfg)
-    expected = {(s, r, b) for s in cfg["seq_lens"] for r in cfg["rows"] for b in cfg["block_sizes"]}
-    assert {(p["seq_len"], p["rows"], p["block_size"]) for p in record["points"]} == expected
+    assert {"seq_lens", "rows", "block_sizes", "heads", "kv_heads", "head_sizes", "dtype", "mask"} <= set(cfg)
+    expected = {
+        (s, r, d, b)
+        for s in cfg["seq_lens"]
+        for r in cfg["rows"]
+        for d in cfg["head_sizes"]
+        for b in cfg["block_sizes"]
+    }
+    assert {(p["seq_len"], p["rows"], p["head_size"], p["block_size"]) for p in record["points"]} == expected
     for p in record["points"]:
         assert p["diffkv"]["tflops"] > 0 and p["diffkv"]["us"] > 0
         assert len(p["diffkv"]["samples_us"]) == cfg["reps"]
@@ -208,8 +215,57 @@ def test_bench_plot_refuses_sweep_options_and_other_files(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--plot", str(json_path)])
     assert capsys.readouterr().err.endswith(
-        f"error: --plot: {json_path} has schema 0; this diffkv reads schema {_bench_cli.SCHEMA}\n"
+        f"error: --plot: {json_path} has schema 0; this diffkv reads schemas 1 and {_bench_cli.SCHEMA}\n"
     )
+
+
+def test_bench_head_size_sweep(tmp_path, capsys):
+    """--head-sizes sweeps head sizes: every point has one, the table a head column, the plot a
+    panel per (head size, rows); 'all' is every size the CUDA kernels take (the CPU reference
+    takes them too); a size the device does not take is refused by name."""
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--rows", "1"]
+    argv += ["--block-sizes", "16", "--seq-lens", "40", "--reps", "1", "--head-sizes", "72,96"]
+    assert cli.main(argv + (["--no-plot"] if not _has_matplotlib() else [])) == 0
+    record = json.loads((tmp_path / "bench.json").read_text())
+    _check_record(record)
+    assert record["config"]["head_sizes"] == [72, 96]
+    assert [p["head_size"] for p in record["points"]] == [72, 96]
+    assert [p["flops"] for p in record["points"]] == [4 * 4 * d * 40 * 40 for d in (72, 96)]
+    out = capsys.readouterr().out
+    assert "x 72,96 bfloat16" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq_len"))
+    assert lines[header].split()[:4] == ["seq_len", "rows", "head", "block"]
+    assert [line.split()[2] for line in lines[header + 2 : header + 4]] == ["72", "96"]
+    if _has_matplotlib():
+        _check_plot(tmp_path / "bench.png", panels=2, block_sizes=1)
+    if _C.cuda_compiled():
+        argv[-1] = "all"
+        assert cli.main(argv + ["--no-plot", "--seq-lens", "16"]) == 0
+        record = json.loads((tmp_path / "bench.json").read_text())
+        assert record["config"]["head_sizes"] == list(_C.supported_head_sizes("cuda", "bfloat16", "auto"))
+    with pytest.raises(SystemExit):
+        cli.main(argv[:-1] + ["1100"])
+    assert capsys.readouterr().err.endswith(
+        "error: --head-sizes: [1100] not among the bfloat16 kernels' head sizes on cpu (1 to 1024)\n"
+    )
+
+
+def test_bench_plot_reads_a_schema_1_record(tmp_path, capsys):
+    """A record of the one-head-size form (schema 1: config head_size, points without one)."""
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-plot", "--rows", "1"]
+    assert cli.main(argv + ["--block-sizes", "16", "--seq-lens", "32", "--reps", "1"]) == 0
+    record = json.loads((tmp_path / "bench.json").read_text())
+    record["schema"] = 1
+    record["config"]["head_size"] = record["config"].pop("head_sizes")[0]
+    for p in record["points"]:
+        del p["head_size"]
+    (tmp_path / "old.json").write_text(json.dumps(record))
+    upgraded = _bench_cli._read_record(str(tmp_path / "old.json"))
+    assert upgraded["config"]["head_sizes"] == [64] and all(p["head_size"] == 64 for p in upgraded["points"])
+    if _has_matplotlib():
+        assert cli.main(["bench", "--plot", str(tmp_path / "old.json")]) == 0
+        _check_plot(tmp_path / "old.png", panels=1, block_sizes=1)
 
 
 def test_bench_causal_odd_lengths_no_plot(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """``python -m diffkv bench``: paged attention throughput on this GPU against torch's kernels.
 
-The sweep: every sequence length x rows x block size.  Each row holds seq_len tokens that all
+The sweep: every head size x sequence length x rows x block size (``--head-sizes all``: every
+head size the CUDA kernels take for fp16/bf16).  Each row holds seq_len tokens that all
 attend (query_len == seq_len, the prefill / full-image case), non-causal by default
 (``--mask causal`` for the causal mask).  diffkv runs ``diffkv._C.paged_attention`` on a
 paged cache ``[2, num_blocks, block_size, Hkv, D]`` whose blocks are a random permutation with
@@ -56,12 +57,13 @@ from diffkv._bench import (
     time_interleaved,
     write_json,
 )
+from diffkv.backends.diffkv import supported_head_sizes
 
 BASELINES = ("flash", "cudnn", "flex")
 BASELINE_TITLES = {"flash": "torch SDPA flash", "cudnn": "torch SDPA cuDNN", "flex": "FlexAttention"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 REFERENCE_MAX_SCORES = 1 << 24  # float32 reference only when rows * H * S * S is at most this
-SCHEMA = 1
+SCHEMA = 2  # 2: config head_sizes (a list) and a head_size per point; schema 1 records are read too
 PLOT_HINT = "pip install 'diffkv[bench]' (matplotlib), then: python -m diffkv bench --plot {json}"
 # The plot: one panel of PANEL_INCHES per rows value, saved at PLOT_DPI dots per inch.
 PANEL_INCHES = (6.0, 4.8)
@@ -76,7 +78,7 @@ FULL = {
     "block_sizes": [16, 128],
     "heads": 32,
     "kv_heads": 8,
-    "head_size": 128,
+    "head_sizes": [128],
     "warmup": 3,
     "reps": 10,
 }
@@ -86,7 +88,7 @@ QUICK = {
     "block_sizes": [16, 128],
     "heads": 4,
     "kv_heads": 2,
-    "head_size": 64,
+    "head_sizes": [64],
     "warmup": 1,
     "reps": 3,
 }
@@ -115,6 +117,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _head_sizes(text: str) -> list[int] | str:
+    """'all' (every head size the CUDA kernels take for fp16/bf16, resolved later) or a list as
+    _int_list reads it."""
+    return "all" if text.strip().lower() == "all" else _int_list(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -133,7 +141,7 @@ SWEEP_OPTIONS = (
     "block_sizes",
     "heads",
     "kv_heads",
-    "head_size",
+    "head_sizes",
     "dtype",
     "mask",
     "baselines",
@@ -168,7 +176,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", type=_int_list, default=None, help="default 16,128")
     parser.add_argument("--heads", type=_positive, default=None, help="query heads (default 32)")
     parser.add_argument("--kv-heads", type=_positive, default=None, help="KV heads (default 8)")
-    parser.add_argument("--head-size", type=_positive, default=None, help="default 128")
+    parser.add_argument(
+        "--head-sizes",
+        "--head-size",
+        dest="head_sizes",
+        type=_head_sizes,
+        default=None,
+        help="e.g. 64,96,128, or all: the CUDA kernels' fp16/bf16 sizes (default 128)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--mask", choices=("none", "causal"), default="none", help="default none")
     parser.add_argument(
@@ -215,6 +230,18 @@ def _resolve(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> di
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         parser_error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    if cfg["head_sizes"] == "all":
+        cfg["head_sizes"] = list(_C.supported_head_sizes("cuda", "bfloat16", "auto"))
+        if not cfg["head_sizes"]:
+            parser_error(
+                "--head-sizes all lists the CUDA kernels' head sizes: this diffkv was built without CUDA"
+            )
+    served = supported_head_sizes(device.type, DTYPES[args.dtype])
+    unserved = [d for d in cfg["head_sizes"] if d not in served]
+    if unserved:
+        sizes = f"{served[0]} to {served[-1]}" if served == list(range(served[0], served[-1] + 1)) else served
+        where = f"the {args.dtype} kernels' head sizes on {device.type}"
+        parser_error(f"--head-sizes: {unserved} not among {where} ({sizes})")
     cfg.update(
         device=device,
         dtype=args.dtype,
@@ -394,20 +421,23 @@ def _max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _group(
-    cfg: dict[str, Any], seq_len: int, rows: int, progress: Progress, notes: dict[str, str]
+    cfg: dict[str, Any], seq_len: int, rows: int, head_size: int, progress: Progress, notes: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """Times diffkv at every block size and the baselines on one (seq_len, rows) shape, all in
-    one interleaved run (``time_interleaved``: each repetition round runs every call once, so
-    the GPU's clock drift falls on all alike).  Returns one point per block size."""
+    """Times diffkv at every block size and the baselines on one (seq_len, rows, head_size)
+    shape, all in one interleaved run (``time_interleaved``: each repetition round runs every
+    call once, so the GPU's clock drift falls on all alike).  Returns one point per block
+    size."""
     device, dtype = cfg["device"], DTYPES[cfg["dtype"]]
-    heads, kv_heads, head_size = cfg["heads"], cfg["kv_heads"], cfg["head_size"]
+    heads, kv_heads = cfg["heads"], cfg["kv_heads"]
     causal = cfg["mask"] == "causal"
     scale = head_size**-0.5
     flops = 4 * heads * head_size * rows * _pairs(seq_len, causal)
     where = f"seq {_seq_label(seq_len)} rows {rows}"
+    if len(cfg["head_sizes"]) > 1:
+        where += f" head {head_size}"
 
     gen = torch.Generator(device=device)
-    gen.manual_seed(seq_len * 16 + rows)
+    gen.manual_seed((seq_len * 16 + rows) * 1024 + head_size)
     q = torch.randn(rows, heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
     k = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
     v = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
@@ -499,6 +529,7 @@ def _group(
         point = {
             "seq_len": seq_len,
             "rows": rows,
+            "head_size": head_size,
             "block_size": block_size,
             "num_blocks": entry["paged"]["num_blocks"],
             "pairs": rows * _pairs(seq_len, causal),
@@ -533,21 +564,21 @@ def _title(record: dict[str, Any]) -> str:
     mask = "causal" if cfg["mask"] == "causal" else "non-causal"
     kernel = env.get("diffkv_build", {}).get("attention_kernel", "none")
     kernel = f" ({kernel} kernel)" if kernel != "none" else ""
-    return (
-        f"diffkv paged attention vs torch: {where}{kernel}, {heads} heads x {cfg['head_size']} "
-        f"{cfg['dtype']}, {mask}"
-    )
+    sizes = "/".join(str(d) for d in cfg["head_sizes"])
+    return f"diffkv paged attention vs torch: {where}{kernel}, {heads} heads x {sizes} {cfg['dtype']}, {mask}"
 
 
 def _panels(
     record: dict[str, Any],
 ) -> list[tuple[str, list[tuple[str, str, list[tuple[int, float | None]]]]]]:
-    """One panel per rows value: (title, [(series name, colour, [(seq_len, TFLOP/s or None)])]),
-    a series per diffkv block size and per baseline that ran."""
+    """One panel per rows value (per head size and rows value when the record has several head
+    sizes): (title, [(series name, colour, [(seq_len, TFLOP/s or None)])]), a series per diffkv
+    block size and per baseline that ran."""
     cfg = record["config"]
     panels = []
-    for rows in cfg["rows"]:
-        pts = [p for p in record["points"] if p["rows"] == rows]
+    several = len(cfg["head_sizes"]) > 1
+    for head_size, rows in [(d, r) for d in cfg["head_sizes"] for r in cfg["rows"]]:
+        pts = [p for p in record["points"] if p["rows"] == rows and p["head_size"] == head_size]
         series = []
         for i, bs in enumerate(cfg["block_sizes"]):
             values = [(p["seq_len"], p["diffkv"]["tflops"]) for p in pts if p["block_size"] == bs]
@@ -557,7 +588,8 @@ def _panels(
             values = [(p["seq_len"], p["baselines"][name].get("tflops")) for p in first]
             if any(y is not None for _, y in values):
                 series.append((BASELINE_TITLES[name], BASELINE_COLORS[name], values))
-        panels.append((f"{rows} row" + ("s" if rows != 1 else ""), series))
+        title = f"{rows} row" + ("s" if rows != 1 else "")
+        panels.append((f"head {head_size}, {title}" if several else title, series))
     return panels
 
 
@@ -576,7 +608,8 @@ def _pyplot() -> Any | None:
 
 def plot(record: dict[str, Any], path: str, plt: Any) -> None:
     """Writes the PNG of record to path with matplotlib.pyplot plt: TFLOP/s against sequence
-    length (log2 axis), one panel per rows value, PANEL_INCHES each at PLOT_DPI."""
+    length (log2 axis), one panel per rows value (and head size), PANEL_INCHES each at
+    PLOT_DPI."""
     panels = _panels(record)
     width, height = PANEL_INCHES
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), height), squeeze=False)
@@ -606,12 +639,12 @@ def print_record_table(record: dict[str, Any], stream: TextIO) -> None:
     """The points as a table: diffkv time and TFLOP/s, each baseline's TFLOP/s and diffkv's
     ratio to it (> 1: diffkv faster), the worst check difference."""
     names = [b for b in BASELINES if any(p["baselines"][b]["status"] == "ok" for p in record["points"])]
-    headers = ["seq_len", "rows", "block", "kernel", "diffkv us", "diffkv TFLOP/s"]
+    headers = ["seq_len", "rows", "head", "block", "kernel", "diffkv us", "diffkv TFLOP/s"]
     headers += [f"{b} TFLOP/s" for b in names] + [f"vs {b}" for b in names] + ["max diff"]
     rows = []
     for p in record["points"]:
         tf = p["diffkv"]["tflops"]
-        cells = [str(p["seq_len"]), str(p["rows"]), str(p["block_size"])]
+        cells = [str(p["seq_len"]), str(p["rows"]), str(p["head_size"]), str(p["block_size"])]
         cells += [p["diffkv"].get("kernel", "n/a"), fmt(p["diffkv"]["us"])]
         cells.append("ERROR" if tf is None else fmt(tf, 1 if tf >= 10 else 3))
         cells += [fmt(p["baselines"][b].get("tflops")) for b in names]
@@ -647,10 +680,15 @@ def _read_record(path: str) -> dict[str, Any]:
         raise ValueError(f"--plot: cannot read {path}: {exc}") from None
     if not isinstance(record, dict) or record.get("benchmark") != "diffkv bench":
         raise ValueError(f"--plot: {path} is not the record of a `python -m diffkv bench` run")
-    if record.get("schema") != SCHEMA:
+    if record.get("schema") not in (1, SCHEMA):
         raise ValueError(
-            f"--plot: {path} has schema {record.get('schema')!r}; this diffkv reads schema {SCHEMA}"
+            f"--plot: {path} has schema {record.get('schema')!r}; this diffkv reads schemas 1 and {SCHEMA}"
         )
+    if record["schema"] == 1:  # one head size, in config["head_size"]
+        head_size = record["config"].pop("head_size")
+        record["config"]["head_sizes"] = [head_size]
+        for p in record["points"]:
+            p["head_size"] = head_size
     return record
 
 
@@ -708,22 +746,23 @@ def _sweep(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> int:
         "files": {"json": os.path.abspath(json_path), "png": None},
     }
     heads = f"{cfg['heads']}/{cfg['kv_heads']}"
+    sizes = ",".join(str(d) for d in cfg["head_sizes"])
     print(
-        f"diffkv {diffkv.__version__} bench on {env.get('gpu', device)}: heads {heads} x {cfg['head_size']} "
+        f"diffkv {diffkv.__version__} bench on {env.get('gpu', device)}: heads {heads} x {sizes} "
         f"{cfg['dtype']}, mask {cfg['mask']}, seq {','.join(_seq_label(s) for s in cfg['seq_lens'])}, "
         f"rows {cfg['rows']}, blocks {cfg['block_sizes']}; median of {cfg['reps']} after "
         f"{cfg['warmup']} warm-up" + (", L2 flushed before each" if device.type == "cuda" else ""),
         flush=True,
     )
     active = cfg["baselines"] if device.type == "cuda" else []
-    groups = [(s, r) for r in cfg["rows"] for s in cfg["seq_lens"]]
+    groups = [(s, r, d) for d in cfg["head_sizes"] for r in cfg["rows"] for s in cfg["seq_lens"]]
     causal = cfg["mask"] == "causal"
     steps_per_group = len(active) + len(cfg["block_sizes"])
-    flops = [4 * cfg["heads"] * cfg["head_size"] * r * _pairs(s, causal) for s, r in groups]
+    flops = [4 * cfg["heads"] * d * r * _pairs(s, causal) for s, r, d in groups]
     progress = Progress(len(groups) * steps_per_group, steps_per_group * sum(flops), sys.stderr)
     notes: dict[str, str] = {}
-    for seq_len, rows in groups:
-        record["points"] += _group(cfg, seq_len, rows, progress, notes)
+    for seq_len, rows, head_size in groups:
+        record["points"] += _group(cfg, seq_len, rows, head_size, progress, notes)
         record["notes"] = [f"{n} (first at {w})" for n, w in notes.items()]
         write_json(json_path, record)
     progress.close()
