@@ -862,22 +862,61 @@ def test_fp8_dense_forward_of_nan_or_inf_keys_is_nan(device, bad):
     assert torch.isnan(out).any()
 
 
-def test_fp8_dense_forward_refuses_what_it_cannot_honour():
-    op = "DiffKVAttentionImpl.forward()"
-    impl = _impl(64)
-    q, k, v = _qkv(1, 4, 4, 64, torch.float32, "cpu")
-    fp8 = {"kv_cache_dtype": "fp8"}
-    joint = AttentionMetadata(joint_query=q, joint_key=k, joint_value=v, joint_strategy="front", extra=fp8)
-    _raises(
-        NotImplementedError,
-        f"{op}: joint_query/joint_key/joint_value with extra['kv_cache_dtype'] = 'fp8' are not supported",
-        lambda: impl.forward(q, k, v, joint),
+def _e4m3_shared(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """xs rounded to e4m3 with one scale from their common amax (the cache write's rule), as
+    float64 values: what the dense forward reads for K and joint K (and V and joint V)."""
+    amax = torch.stack([x.float().abs().amax() for x in xs]).amax()
+    scale = amax / 448 if amax > 0 else torch.ones(())
+    return [
+        (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double() for x in xs
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_dense_joint_attention(device, strategy, causal):
+    """Joint tensors over an fp8 K/V: K and joint K rounded with one scale from their common
+    amax (the joint keys, 3x larger here, set it), V and joint V with another; the attention of
+    the concatenated sequences over those values."""
+    b, sq, sk, sj, head = 2, 70, 90, 23, 128
+    q, k, v = _qkv(b, sq, sk, head, torch.bfloat16, device, seed=21)
+    jq, jk, jv = _qkv(b, sj, sj, head, torch.bfloat16, device, seed=22)
+    jk = jk * 3
+    impl = _impl(head, causal)
+    meta = AttentionMetadata(
+        joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra={"kv_cache_dtype": "fp8"}
     )
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    varlen = AttentionMetadata(extra={**fp8, "cu_seqlens_q": cu, "cu_seqlens_k": cu})
-    _raises(
-        NotImplementedError,
-        f"{op}: extra['cu_seqlens_q']/['cu_seqlens_k'] with extra['kv_cache_dtype'] = 'fp8' are not "
-        "supported",
-        lambda: impl.forward(q, k, v, varlen),
-    )
+    out = impl.forward(q, k, v, meta)
+    assert out.shape == (b, sj + sq, H, head) and out.dtype == torch.bfloat16
+    front = strategy == "front"
+    cat = lambda a, c: torch.cat((c, a) if front else (a, c), dim=1)  # noqa: E731
+    kd, jkd = _e4m3_shared(k.cpu(), jk.cpu())
+    vd, jvd = _e4m3_shared(v.cpu(), jv.cpu())
+    qq, kk, vv = cat(q.cpu(), jq.cpu()), cat(kd, jkd), cat(vd, jvd)
+    n_q, n_k = sq + sj, sk + sj
+    visible = _causal(b, n_q, n_k) if causal else torch.ones(b, n_q, n_k, dtype=torch.bool)
+    _fp8_close(out, qq, kk, vv, visible, impl.softmax_scale, device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_dense_packed_varlen(device, causal):
+    """Packed varlen documents over an fp8 K/V (one scale for all the documents' keys, one for
+    the values): each document attends to its own keys only."""
+    lens = [50, 130, 7, 64]
+    total = sum(lens)
+    q, k, v = _qkv(1, total, total, 128, torch.bfloat16, device, seed=9)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    extra = {
+        "kv_cache_dtype": "fp8",
+        "cu_seqlens_q": cu,
+        "cu_seqlens_k": cu,
+        "max_seqlen_q": 130,
+        "max_seqlen_k": 130,
+    }
+    impl = _impl(128, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
+    visible = torch.zeros(1, total, total, dtype=torch.bool)
+    for r in range(len(lens)):
+        a, c = int(cu[r]), int(cu[r + 1])
+        visible[0, a:c, a:c] = _causal(1, c - a, c - a)[0] if causal else True
+    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)

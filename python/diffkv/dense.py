@@ -38,7 +38,8 @@ with one scale each computed from them (amax / 448) and the attention runs over 
 Hopper the e4m3 kernel, which also rounds Q and P; on other GPUs the mma.sync kernels' fp8
 form).  The scales stay on the device: the binding is told they come from K/V themselves
 (``consecutive & 4``), so nothing synchronises; NaN or inf inputs give NaN outputs, as they do
-unquantized.  Not with the joint tensors or packed varlen documents.
+unquantized.  With the joint tensors one scale covers K and joint K (one V and joint V: the
+kernels read both sources with the same scales); packed varlen documents share theirs.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
@@ -94,19 +95,25 @@ def _check_unsupported(meta: Any) -> None:
         )
 
 
-def _quantize_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """extra["kv_cache_dtype"] == "fp8": K and V ``[tokens, Hkv, D]`` rounded to e4m3 with one
-    scale each computed from them (amax / 448; 1 for an all-zero tensor), by the cache write's
-    rule -- ``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)`` -- into new contiguous
-    tensors; returns (k8, v8, k_scale, v_scale), the scales float32 ``[1]`` on the device (no
-    synchronisation: they are computed there)."""
-    rounded = []
-    for x in (k, v):
-        amax = x.abs().amax().float()
-        scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax)).reshape(1)
-        rounded.append(((x.float() / scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), scale))
-    (k8, k_scale), (v8, v_scale) = rounded
-    return k8, v8, k_scale, v_scale
+def _quantize_kv(
+    k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor | None = None, v2: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """extra["kv_cache_dtype"] == "fp8": K and V ``[tokens, Hkv, D]`` (and the joint keys and
+    values k2, v2: the kernels read both sources with one scale each for K and V) rounded to
+    e4m3 with one scale for the keys and one for the values, computed from them (amax / 448
+    over both sources; 1 for all zeros), by the cache write's rule -- ``(x.float() /
+    scale).clamp(-448, 448).to(float8_e4m3fn)`` -- into new contiguous tensors; returns
+    ([k8, v8] or [k8, v8, k2_8, v2_8], (k_scale, v_scale)), the scales float32 ``[1]`` on the
+    device (no synchronisation: they are computed there)."""
+    scales = []
+    for xs in ((k, k2), (v, v2)):
+        amax = torch.stack([x.abs().amax().float() for x in xs if x is not None]).amax()
+        scales.append(torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax)).reshape(1))
+    out = []
+    for x, scale in ((k, scales[0]), (v, scales[1]), (k2, scales[0]), (v2, scales[1])):
+        if x is not None:
+            out.append((x.float() / scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn))
+    return out, (scales[0], scales[1])
 
 
 def _check_qkv(impl: Any, query: Any, key: Any, value: Any, prefix: str = "") -> None:
@@ -241,7 +248,7 @@ def _kept_first(
     return key_index.gather(1, order), seq_lens, limits
 
 
-def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tensor:
+def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> torch.Tensor:
     cu_q, cu_k = extra.get("cu_seqlens_q"), extra.get("cu_seqlens_k")
     if cu_q is None or cu_k is None:
         raise ValueError(f"{_OP}: extra must hold both cu_seqlens_q and cu_seqlens_k, or neither")
@@ -329,6 +336,11 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
             key_limits = lim.clamp_(min=0).to(torch.int32)
             mask = _C.MASK_LIMITS
     k, v = _key_value(key, value)
+    consecutive, scales = 3 if chunks else 1, ()
+    if fp8:
+        # the per-chunk boxes (consecutive & 2) are the bf16 kernels' producer: not asked for
+        (k, v), scales = _quantize_kv(k, v)
+        consecutive = 1 | 4
     if host_q:
         # host offsets were checked: the kernels write every document token (no memset: it
         # costs ~4 % of a four-document call on an H200)
@@ -338,7 +350,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any) -> torch.Tenso
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, max_q, None, None, 1, 3 if chunks else 1,
+        None, None, None, max_q, None, None, 1, consecutive, *scales,
     )  # fmt: skip
     return out.view(query.shape)
 
@@ -371,7 +383,7 @@ def _device_offsets(
     return cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int64)
 
 
-def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor:
+def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> torch.Tensor:
     """Joint attention: the concatenation (joint_strategy order) of the joint and the other
     tokens, as if concatenated, from the separate tensors (see the module docstring)."""
     jq, jk, jv = (getattr(meta, n, None) for n in _JOINT_FIELDS)
@@ -448,6 +460,11 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
         key_index, seq_lens, limits = _kept_first(key_index, vkeep, limits)
     key_index = key_index.to(torch.int32)
     k, v, k2, v2 = _key_value(key, value, jk, jv)
+    consecutive, scales = int(runs) | (2 if chunks else 0), ()
+    if fp8:
+        # one scale for K and one for V over both sources; no per-chunk boxes (consecutive & 2)
+        (k, v, k2, v2), scales = _quantize_kv(k, v, k2, v2)
+        consecutive = int(runs) | 4
     # one launch per batch row and query source: [B, S] slices of the output need not flatten
     spans = ((jq, 0), (query, sj_q)) if front else ((query, 0), (jq, s_q))
     # [0, n] filled on the device: no host memory, nothing to synchronise, capturable
@@ -462,8 +479,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict) -> torch.Tensor
                 mask, key_limits = _C.MASK_LIMITS, limits[b, start : start + n].to(torch.int32).contiguous()
             _C.dense_attention(
                 src[b], k, v, key_index[b : b + 1], qsl[n], seq_lens[b : b + 1], key_limits, mask,
-                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1,
-                int(runs) | (2 if chunks else 0),
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1, consecutive,
+                *scales,
             )  # fmt: skip
     return out
 
@@ -480,21 +497,11 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         raise TypeError(f"{_OP}: attn_metadata.extra must be a dict, got {type(extra).__name__}")
     fp8 = extra.get("kv_cache_dtype") in _FP8
     if meta is not None and any(getattr(meta, n, None) is not None for n in _JOINT_FIELDS):
-        if fp8:
-            raise NotImplementedError(
-                f"{_OP}: joint_query/joint_key/joint_value with extra['kv_cache_dtype'] = "
-                f"{extra['kv_cache_dtype']!r} are not supported"
-            )
-        return _joint(impl, query, key, value, meta, extra)
+        return _joint(impl, query, key, value, meta, extra, fp8)
     if meta is not None and getattr(meta, "joint_attn_mask", None) is not None:
         raise ValueError(f"{_OP}: joint_attn_mask needs joint_query, joint_key and joint_value")
     if extra.get("cu_seqlens_q") is not None or extra.get("cu_seqlens_k") is not None:
-        if fp8:
-            raise NotImplementedError(
-                f"{_OP}: extra['cu_seqlens_q']/['cu_seqlens_k'] with extra['kv_cache_dtype'] = "
-                f"{extra['kv_cache_dtype']!r} are not supported"
-            )
-        return _varlen(impl, query, key, value, extra, meta)
+        return _varlen(impl, query, key, value, extra, meta, fp8)
 
     device = query.device
     batch, s_q, heads, head = query.shape
@@ -563,7 +570,7 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     k, v = _key_value(key, value)
     scales: tuple[torch.Tensor, ...] = ()
     if fp8:
-        k, v, *scales = _quantize_kv(k, v)
+        (k, v), scales = _quantize_kv(k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
