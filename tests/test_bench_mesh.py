@@ -45,3 +45,34 @@ def test_bench_mesh_gloo_four_ranks(tmp_path):
                     assert entry["max_abs_diff_vs_single"] == 0.0
                 else:
                     assert entry["max_abs_diff_vs_single"] < 1e-5
+
+
+def test_mesh_model_fit_recovers_bandwidths_and_reads_records(tmp_path, capsys):
+    """Points made by the model itself (all-to-all 150 GB/s, CP all-gather 60 GB/s) are fitted
+    back to those bandwidths with no error, from a bench_mesh.py-shaped record too; an 8-GPU
+    mesh that spans no node keeps NVLink, 16 GPUs put the CP all-gather on the inter-node link."""
+    import mesh_model
+
+    p = mesh_model.Problem(tokens=8192, heads=8, kv_heads=8, head_size=128)
+    t1 = 40.0
+    shapes = [(4, 1), (2, 2), (1, 4)]
+    points = [(u, c, mesh_model.predict(p, u, c, t1, 150.0, 60.0)) for u, c in shapes]
+    bw_a2a, bw_cp = mesh_model.fit([(u, c, ms, t1) for u, c, ms in points], p)
+    assert abs(bw_a2a - 150.0) < 1e-6 and abs(bw_cp - 60.0) < 1e-6
+    assert mesh_model.shapes(16, 24) == [(8, 2), (4, 4), (2, 8), (1, 16)]
+    near = mesh_model.predict(p, 4, 2, t1, 150.0, 60.0, gpus_per_node=8, inter_node_gbs=10.0)
+    far = mesh_model.predict(p, 4, 2, t1, 150.0, 60.0, gpus_per_node=4, inter_node_gbs=10.0)
+    assert far > near  # the CP all-gather at 10 GB/s once the mesh spans nodes
+    meshes = [{"ulysses": u, "cp": c, "ms": ms} for u, c, ms in points]
+    record = {
+        "benchmark": "mesh",
+        "shape": {"tokens": 8192, "heads": 8, "kv_heads": 8, "head_size": 128},
+        "ranks": [{"cases": [{"mask": "none", "single": {"ms": t1}, "meshes": meshes}]}],
+    }
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(record))
+    assert mesh_model.main(["--json", str(path), "--predict", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted all-to-all 150 GB/s, CP all-gather 60 GB/s" in out
+    assert out.count("(+0.0%)") + out.count("(-0.0%)") == 3
+    assert "predicted   8 GPUs 8x1" in out
