@@ -5,8 +5,9 @@
     (also --tool racecheck, initcheck, synccheck; see benchmarks/gpu_session.sh --sanitize)
 
 Each op runs on tiny shapes covering its code paths (aligned and strided K/V, block sizes 1/16,
-all three masks, fp16/bf16/fp32, head sizes 64/128, padded rows, float8_e4m3fn caches); results
-are checked against the CPU path so a kernel that misbehaves under the tool also fails here.
+all three masks, fp16/bf16/fp32, every head size the CUDA kernels take, padded rows,
+float8_e4m3fn caches); results are checked against the CPU path so a kernel that misbehaves
+under the tool also fails here.
 Exits 0 on success.
 """
 
@@ -214,6 +215,14 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
+    # the mma.sync kernel's other head sizes (every GPU): row-order chunk mappings, head 72's
+    # zero dims, 32-key tiles above head 128
+    for head in _C.supported_head_sizes("cuda", "bfloat16", "auto"):
+        if head in (64, 128):
+            continue
+        for dtype, block in ((torch.bfloat16, 16), (torch.float16, 1)):
+            for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
+                _attention_case(dtype, head, block, mask, strided=(block == 1))
     # a row of 16384+ keys: 176-key tiles of per-chunk 5-d boxes on Hopper, random and
     # allocation order, with or without a mask
     for sequential in (False, True):
