@@ -26,28 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench_multigpu import _cache_and_tables
+from bench_multigpu import _cache_and_tables, free_port, run_ranks, timed
 from diffkv import _C, mesh, ulysses
 from diffkv._bench import environment, print_table, write_json
 
 MASKS = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mesh_shapes(world: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -63,31 +51,6 @@ def _parse_meshes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"must be ULYSSESxCP shapes such as 4x2, got {item!r}")
         shapes.append((int(u), int(c)))
     return shapes
-
-
-def _timed(fn, reps: int, warmup: int, cuda: bool) -> float:
-    """Median ms of fn() over the ranks: barrier + sync, then the slowest rank's time."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        t = torch.tensor([ms], device="cuda" if cuda else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        samples.append(float(t.item()))
-    return statistics.median(samples)
 
 
 def _mesh_layer(groups, shard, call_args, host):
@@ -130,7 +93,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        ms = _timed(one_gpu, args.reps, args.warmup, cuda)
+        ms = timed(one_gpu, args.reps, args.warmup, cuda)
         flops = 4.0 * h * d * (n * n if mode == "none" else n * (n + 1) / 2)
         case = {"mask": mode, "single": {"ms": ms, "tflops": flops / ms / 1e9}, "meshes": []}
         del cache
@@ -145,7 +108,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            mesh_ms = _timed(layer, args.reps, args.warmup, cuda)
+            mesh_ms = timed(layer, args.reps, args.warmup, cuda)
             want = ulysses.shard_sequence(single[None], rank=groups.ulysses_rank, degree=u)[0]
             entry = {
                 "ulysses": u,
@@ -207,13 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for u, c in args.meshes:
         if u * c != world or args.heads % u or args.kv_heads % u:
             p.error(f"--meshes: {u}x{c} needs ulysses x cp = {world} and ulysses dividing the heads")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench")
-        mp.spawn(_worker, args=(world, _free_port(), args, path), nprocs=world, join=True)
-        ranks = []
-        for r in range(world):
-            with open(f"{path}.rank{r}") as f:
-                ranks.append(json.load(f))
+    ranks = run_ranks(_worker, world, world, free_port(), args)
     shape = (
         f"1 row x {args.tokens} tokens, {args.heads}/{args.kv_heads} heads x {args.head_size}, {args.dtype}, "
         f"block {args.block_size}, {world} ranks ({args.backend})"

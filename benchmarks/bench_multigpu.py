@@ -32,6 +32,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,29 +46,50 @@ WORLD = 2
 MASKS = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _timed(fn, reps: int, warmup: int) -> tuple[float, list[float]]:
-    """Median (and samples) in ms of fn() over the ranks: barrier + sync, events, max over ranks."""
+def timed(fn, reps: int, warmup: int, cuda: bool = True) -> float:
+    """Median ms of fn() over the ranks: every repetition starts after a barrier (and a device
+    sync), is timed on each rank (CUDA events, or ``time.perf_counter`` on CPU ranks) and counts
+    as the slowest rank's time."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(reps):
         dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        t = torch.tensor([start.elapsed_time(end)], device="cuda")
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        t = torch.tensor([ms], device="cuda" if cuda else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         samples.append(float(t.item()))
-    return statistics.median(samples), samples
+    return statistics.median(samples)
+
+
+def run_ranks(worker, world: int, *args) -> list[dict]:
+    """Spawns ``world`` processes of ``worker(rank, *args, out_path)``, each of which writes its
+    JSON record to ``f"{out_path}.rank{rank}"``; returns the records in rank order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench")
+        mp.spawn(worker, args=(*args, path), nprocs=world, join=True)
+        ranks = []
+        for r in range(world):
+            with open(f"{path}.rank{r}") as f:
+                ranks.append(json.load(f))
+    return ranks
 
 
 def _cache_and_tables(
@@ -121,7 +143,7 @@ def _single(case, ctx, mode, mask):
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    ms, _ = _timed(layer, ctx["reps"], ctx["warmup"])
+    ms = timed(layer, ctx["reps"], ctx["warmup"])
     flops = 4.0 * h * d * (n * n if mode == "none" else n * (n + 1) / 2)
     case["single"] = {
         "ms": ms,
@@ -148,7 +170,7 @@ def _ulysses(case, ctx, mask, single):
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    ms, _ = _timed(layer, ctx["reps"], ctx["warmup"])
+    ms = timed(layer, ctx["reps"], ctx["warmup"])
     diff = (result["out"][0].float() - single[rank * shard : (rank + 1) * shard].float()).abs().max()
     case["ulysses"] = {
         "ms": ms,
@@ -186,7 +208,7 @@ def _cp(case, ctx, mask, single):
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    ms, _ = _timed(layer, ctx["reps"], ctx["warmup"])
+    ms = timed(layer, ctx["reps"], ctx["warmup"])
     diff = (result["out"].float() - single.float()).abs().max()
     case["cp"] = {
         "ms": ms,
@@ -249,13 +271,7 @@ def main() -> int:
             f"needs {WORLD} CUDA devices and NCCL, found {torch.cuda.device_count()} devices", file=sys.stderr
         )
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench")
-        mp.spawn(_worker, args=(_free_port(), args, path), nprocs=WORLD, join=True)
-        ranks = []
-        for r in range(WORLD):
-            with open(f"{path}.rank{r}") as f:
-                ranks.append(json.load(f))
+    ranks = run_ranks(_worker, WORLD, free_port(), args)
     shape = (
         f"1 row x {args.tokens} tokens, {args.heads}/{args.heads} heads x {args.head_size}, "
         f"{args.dtype}, block {args.block_size}"

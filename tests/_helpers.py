@@ -2,11 +2,13 @@
 
 ``make_adapter(device, ...)`` returns a ``SimpleNamespace`` with the adapter and everything it
 was built from (config, BlockTables, layers, caches, resolver), so a test can inspect or alter
-any collaborator.  ``Resolver`` is a recording ``resolve_row`` callback.
+any collaborator.  ``Resolver`` is a recording ``resolve_row`` callback.  ``free_port`` gives
+the TCP port of a local torch.distributed rendezvous.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +18,13 @@ import torch
 import diffkv
 
 HEAD_SIZE = 64  # the smallest head size DiffKVAttentionBackend supports
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a torch.distributed init_method's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Resolver:

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
 
 import diffkv
+from _helpers import free_port
 from diffkv import _C, parallel_cp
 from reference import (
     dense_kv_from_cache,
@@ -306,12 +306,6 @@ def test_key_limits_stay_on_their_device(device):
 # ------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -338,7 +332,7 @@ def test_cp_two_gloo_processes_match_single_process():
     share (cp_interleave 1 and 4) and merge with all_gather: every mask mode matches."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_gloo_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_gloo_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -919,7 +913,7 @@ def test_cp_two_nccl_processes_match_single_process(tmp_path):
 
     if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA devices and NCCL")
-    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         report = json.loads((tmp_path / f"cp_rank{rank}.json").read_text())
         assert len(report) == 2 * 2 * 3

@@ -10,13 +10,12 @@ within the log-sum-exp merge's fp32 rounding.  Then the refusals, before any col
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import diffkv
+from _helpers import free_port
 from diffkv import _C, mesh, parallel_cp, ulysses
 from reference import key_limits_for_spans
 
@@ -25,12 +24,6 @@ PREFIXES, IMAGE = (6, 11), 7
 SHAPES = ((2, 2), (4, 1), (1, 4))  # (ulysses_degree, cp_degree)
 MASKS = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "spans": _C.MASK_LIMITS}
 SCALE = D**-0.5
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankCache:
@@ -154,7 +147,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_four_gloo_processes_every_mesh_shape_match_one_process():
-    mp.spawn(_worker, args=(4, _free_port()), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)
 
 
 def _one_rank_worker(rank: int, port: int, errors: dict) -> None:
@@ -199,7 +192,7 @@ def _one_rank_worker(rank: int, port: int, errors: dict) -> None:
 def test_refusals_before_any_collective():
     """Degrees that do not multiply to the world size, shapes that do not fit, a mesh without
     the two dims: each a clear error (one gloo process: nothing to hang on)."""
-    mp.spawn(_one_rank_worker, args=(_free_port(), {}), nprocs=1, join=True)
+    mp.spawn(_one_rank_worker, args=(free_port(), {}), nprocs=1, join=True)
 
 
 def test_heads_the_ulysses_degree_does_not_divide_and_the_cp_interleave():

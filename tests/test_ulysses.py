@@ -14,13 +14,13 @@ import importlib.util
 import json
 import pathlib
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _helpers import free_port
 from diffkv import ulysses
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ulysses_gloo.py"
@@ -32,12 +32,6 @@ def _load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _labelled(batch: int, seq: int, heads: int, head_size: int) -> torch.Tensor:
@@ -92,7 +86,7 @@ def _worker(rank: int, port: int, backend: str, out_dir: str, dtypes: tuple[str,
 
 
 def _spawn(backend: str, tmp_path: pathlib.Path, dtypes: tuple[str, ...]) -> list[dict]:
-    mp.spawn(_worker, args=(_free_port(), backend, str(tmp_path), dtypes), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), backend, str(tmp_path), dtypes), nprocs=WORLD)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
