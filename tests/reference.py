@@ -171,3 +171,24 @@ def assert_attention_close(
     bound = 2 * max_error(low, exact) + ATOL[dtype]
     err = max_error(out, exact)
     assert err <= bound, f"max error {err:.3g} > bound {bound:.3g} ({dtype})"
+
+
+def assert_flash_close(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    what: str = "",
+) -> torch.Tensor:
+    """A GPU kernel's output vs the float64 reference computed on q's device: error within 2x
+    that of a flash-rounded reference (fp32 scores, P rounded to the inputs' dtype) plus
+    ``ATOL[dtype]``; ``what`` prefixes the failure message.  Returns the reference's float64
+    log-sum-exp ``[n, H]``."""
+    exact, lse = ref_attention(q, k, v, visible, scale, lse=True, device=q.device)
+    low = ref_attention(q, k, v, visible, scale, precision="flash", device=q.device)
+    bound = 2 * (low - exact).abs().max().item() + ATOL[q.dtype]
+    err = (out.double() - exact).abs().max().item()
+    assert err <= bound, f"{what}max error {err:.3g} > bound {bound:.3g}"
+    return lse
