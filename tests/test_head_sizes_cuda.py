@@ -176,3 +176,20 @@ def test_fp8_cache_refused_where_no_e4m3_kernel(head):
             one,
         )
     assert not out.any()
+
+
+def test_a_head_size_the_kernels_lack_is_refused_by_name():
+    """A head size no CUDA kernel is built for (88) raises ValueError naming the sizes there are,
+    before anything runs."""
+    q, cache, table, qsl, seq, _ = _problem([40], [40], 2, 2, 88, 16, torch.bfloat16, 1)
+    out = torch.zeros_like(q)
+    sizes = ", ".join(str(h) for h in HEADS)
+    with pytest.raises(
+        ValueError,
+        match=rf"^paged_attention\(\): head_size must be one of {sizes} for float16/bfloat16 on CUDA, "
+        r"got 88$",
+    ):
+        _C.paged_attention(
+            q, cache, table.cuda(), qsl.cuda(), seq.cuda(), None, _C.MASK_NONE, 0.1, out, table, qsl, seq
+        )
+    assert not out.any()

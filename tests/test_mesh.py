@@ -169,20 +169,33 @@ def _one_rank_worker(rank: int, port: int, errors: dict) -> None:
         out = mesh.mesh_attention(groups, q, k, v, *args)
         assert out.shape == q.shape
         with pytest.raises(
-            ValueError, match=r"^mesh_attention\(\): kv_cache must be \[2, num_blocks, block_size, 4, D\]"
+            ValueError,
+            match=r"^mesh_attention\(\): kv_cache must be \[2, num_blocks, block_size, 4, D\] "
+            r"\(this rank's KV heads\), got shape \(2, 11, 4, 2, 32\)$",
         ):
             mesh.mesh_attention(groups, q, k, v, cache.cache[:, :, :, :2], *args[1:])
         with pytest.raises(
             ValueError,
-            match=r"^mesh_attention\(\): query must hold \(N \+ padding\) / u = \(31 \+ 0\) / 1 tokens",
+            match=r"^mesh_attention\(\): query must hold \(N \+ padding\) / u = \(31 \+ 0\) / 1 tokens "
+            r"of the query_start_loc's N, got 30$",
         ):
             mesh.mesh_attention(groups, q[:-1], k[:-1], v[:-1], *args)
-        with pytest.raises(ValueError, match=r"^mesh_attention\(\): slot_mapping must be \[31\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"^mesh_attention\(\): slot_mapping must be \[31\] \(one slot per new token\), "
+            r"got shape \(30,\)$",
+        ):
             mesh.mesh_attention(groups, q, k, v, args[0], args[1][:-1], *args[2:])
-        with pytest.raises(TypeError, match=r"^mesh_attention\(\): groups must be a MeshGroups"):
+        with pytest.raises(
+            TypeError,
+            match=r"^mesh_attention\(\): groups must be a MeshGroups \(init_mesh, mesh_groups\), "
+            r"got NoneType$",
+        ):
             mesh.mesh_attention(None, q, k, v, *args)
         with pytest.raises(
-            ValueError, match=r"^mesh_groups\(\): mesh must be a 2-D DeviceMesh with mesh_dim_names"
+            ValueError,
+            match=r"^mesh_groups\(\): mesh must be a 2-D DeviceMesh with mesh_dim_names "
+            r"\('cp', 'ulysses'\), got None$",
         ):
             mesh.mesh_groups(object())
     finally:
