@@ -601,7 +601,7 @@ dk_kernel_choice dk_set_attention_kernel(dk_kernel_choice choice);
 #define DK_REF_MAX_HEAD_SIZE 1024
 #define DK_CUDA_F32_MAX_HEAD 256
 /* X-macro lists, ascending: X(size) for each */
-#define DK_CUDA_HEAD_SIZES(X) X(32) X(64) X(72) X(80) X(96) X(128) X(160)
+#define DK_CUDA_HEAD_SIZES(X) X(32) X(64) X(72) X(80) X(96) X(128) X(160) X(192) X(256)
 #define DK_CUDA_FP8_HEAD_SIZES(X) X(64) X(128)
 /* Whether paged attention on device_type (DK_CPU or DK_CUDA) takes head_size for dtype (an
  * activation dtype: DK_F32, DK_F16, DK_BF16; anything else: 0) over a cache of the activation

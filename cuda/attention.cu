@@ -363,12 +363,14 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
         return dk_cuda_after_launch(op, stream, err);
     }
 
-    const int64_t tiles_per_row = dk_cdiv(a->max_query_len, ATTN_BM);
+    /* query rows per CTA: ATTN_BM for every kernel but the mma.sync one above head 160 */
+    const int64_t bm = attn_mma_bm(a->head_size);
+    const int64_t tiles_per_row = dk_cdiv(a->max_query_len, bm);
     if (tiles_per_row * a->num_rows > DK_MAX_GRID_X / a->num_heads) {
         return dk_fail(err, DK_ERR_UNSUPPORTED,
-                       "paged_attention(): num_heads * num_rows * cdiv(max_query_len, %d) must "
+                       "paged_attention(): num_heads * num_rows * cdiv(max_query_len, %lld) must "
                        "be at most %lld, got %lld * %lld * %lld",
-                       ATTN_BM, (long long)DK_MAX_GRID_X, (long long)a->num_heads,
+                       (long long)bm, (long long)DK_MAX_GRID_X, (long long)a->num_heads,
                        (long long)a->num_rows, (long long)tiles_per_row);
     }
     const int64_t es = 2;

@@ -19,7 +19,7 @@
 
 #include <stdint.h>
 
-#define ATTN_BM 128         /* query rows per CTA of the mma.sync and the sm90 kernel */
+#define ATTN_BM 128         /* query rows per CTA of the sm90 kernels and attn_mma_bm's most */
 #define ATTN_SORT_ROWS 64   /* batches of 2 .. this many rows are scheduled longest row first */
 #define ATTN_MAX_DEVICES 64 /* devices whose kernel attributes are cached */
 #define ATTN_HEAD_GROUP 8   /* least heads per scheduling group with a mask */
@@ -36,12 +36,22 @@
  * (o_vec) vector accesses.
  */
 
+/* Query rows per CTA of the mma.sync kernel at head size `head`: ATTN_BM, or 64 above head 160
+ * (one 16-row m-tile per warp: attention_sm80.cu's attn_tile). */
+static constexpr int64_t
+attn_mma_bm(int64_t head)
+{
+    return head > 160 ? 64 : ATTN_BM;
+}
+
 /* attention_f32.cu: the fp32 kernel over cdiv(num_tokens * num_heads, ATTN_F32_WARPS) CTAs
  * (`blocks`); scale_log2 = scale * log2(e), any sign. */
 cudaError_t attn_f32_launch(const dk_attention_args *a, int64_t blocks, float scale_log2,
                             cudaStream_t s);
 
-/* attention_sm80.cu: the mma.sync kernel, head 64 or 128. */
+/* attention_sm80.cu: the mma.sync kernel, every head size of DK_CUDA_HEAD_SIZES (fp16/bf16)
+ * and of DK_CUDA_FP8_HEAD_SIZES (an e4m3 cache); tiles_per_row counts tiles of
+ * attn_mma_bm(head size) rows. */
 cudaError_t attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                             float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
                             cudaStream_t s);

@@ -3,13 +3,14 @@
  * for Ampere and later (Hopper runs the sm90 kernels at head 64 and 128 unless the kernel choice
  * says sm80, and this one at the other head sizes).
  *
- * fp16/bf16, every head size of DK_CUDA_HEAD_SIZES (diffkv.h: 32, 64, 72, 80, 96, 128, 160):
+ * fp16/bf16, every head size of DK_CUDA_HEAD_SIZES (diffkv.h: 32 to 256):
  * FlashAttention-2 style on mma.sync.m16n8k16 (fp32 accumulation).  One CTA of 4 warps per
- * (query tile of 128 tokens of one batch row, head); each warp owns 32 query rows (two 16-row
- * m-tiles, so every K/V fragment read from shared memory feeds two MMAs).  Key tiles of 128
- * keys up to head 64, 64 up to head 128, 32 above (attn_tile: O of two m-tiles, D / 2 fp32
- * registers per thread, and S must fit 255 registers).  Head 72 computes 80 dims, the last 8
- * zeros in every tile.
+ * (query tile of one batch row, head); up to head 160 the tile has 128 tokens and each warp
+ * owns 32 query rows (two 16-row m-tiles, so every K/V fragment read from shared memory feeds
+ * two MMAs), above it 64 tokens, 16 rows per warp (O of two m-tiles would need D fp32
+ * registers per thread).  Key tiles of 128 keys up to head 64, 64 up to head 128, 32 above
+ * (attn_tile: O's D / 2 or D / 4 fp32 registers per thread and S must fit 255 registers).
+ * Head 72 computes 80 dims, the last 8 zeros in every tile.
  *   - Shared memory: the Q tile and two stages of (K tile, V tile), rows of head_size rounded
  *     up to 64 elements whose 16-byte chunks are XOR-swizzled (chunk c of row r sits at
  *     c ^ (r % 8)), so the 8 row addresses of every ldmatrix and every 16-byte cp.async hit
@@ -63,26 +64,31 @@
 
 #include <type_traits>
 
-#define ATTN_WARPS 4 /* warps per CTA (ATTN_BM query rows: attention_internal.cuh) */
-#define ATTN_MT 2    /* 16-row m-tiles per warp: ATTN_BM = ATTN_WARPS * ATTN_MT * 16 */
+#define ATTN_WARPS 4 /* warps per CTA */
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_CTAS_PER_SM 2
 
-/* A head size's tiles.  Keys per K/V tile BN: 128 up to head 64 (faster than 64 there:
- * docs/hopper-kernels.md), 64 up to head 128 (S, P and O of two m-tiles per warp fit the
- * register file), 32 above.  DK: the head dims the MMAs compute, D rounded up to their 16-dim
- * k-step (head 72: 80; dims D .. DK - 1 are zeros in every tile).  DS: elements per row of the
- * shared-memory tiles, D rounded up to 64 (eight 16-byte chunks), so that the XOR swizzle of a
- * chunk's index with its row's (c ^ (r % 8)) stays inside the row. */
+/* A head size's tiles.  MTILES: 16-row m-tiles per warp, 2 up to head 160 (every K/V fragment read
+ * from shared memory feeds two MMAs), 1 above (O of two m-tiles would not fit the registers);
+ * BM = ATTN_WARPS * MTILES * 16 query rows per CTA (attn_mma_bm: 128, or 64 above head 160).
+ * Keys per K/V tile BN: 128 up to head 64 (faster than 64 there: docs/hopper-kernels.md), 64
+ * up to head 128 (S, P and O of two m-tiles per warp fit the register file), 32 above.  DK:
+ * the head dims the MMAs compute, D rounded up to their 16-dim k-step (head 72: 80; dims
+ * D .. DK - 1 are zeros in every tile).  DS: elements per row of the shared-memory tiles, D
+ * rounded up to 64 (eight 16-byte chunks), so that the XOR swizzle of a chunk's index with its
+ * row's (c ^ (r % 8)) stays inside the row. */
 template <int D> struct attn_tile {
-    static_assert(D % 8 == 0 && D >= 32 && D <= 160, "a head size the kernel tiles");
+    static_assert(D % 8 == 0 && D >= 32 && D <= 256, "a head size the kernel tiles");
+    static constexpr int MTILES = D <= 160 ? 2 : 1;
+    static constexpr int BM = ATTN_WARPS * MTILES * 16;
     static constexpr int BN = D <= 64 ? 128 : D <= 128 ? 64 : 32;
     static constexpr int DK = (D + 15) / 16 * 16;
     static constexpr int DS = (D + 63) / 64 * 64;
     /* bytes of dynamic shared memory: the Q tile, 2 stages of K and V tiles, then 2 x BN key
-     * offsets (97 KiB for heads 72 to 160, 82 KiB for head 64, 81 KiB for head 32: two CTAs
-     * per SM) */
-    static constexpr size_t SMEM = (size_t)(ATTN_BM + 4 * BN) * DS * 2 + 2 * BN * sizeof(int64_t);
+     * offsets (97 KiB for heads 72 to 160 and 256, 73 KiB for head 192, 82 KiB for head 64,
+     * 81 KiB for head 32: two CTAs per SM) */
+    static constexpr size_t SMEM = (size_t)(BM + 4 * BN) * DS * 2 + 2 * BN * sizeof(int64_t);
+    static_assert(BM == attn_mma_bm(D), "the dispatcher's query tile");
 };
 
 /* Element offset of 16-byte chunk c of row r in a swizzled tile of DS-element rows. */
@@ -379,6 +385,8 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                      bool sort_rows)
 /* clang-format on */
 {
+    constexpr int MTILES = attn_tile<D>::MTILES; /* 16-row m-tiles per warp */
+    constexpr int BM = attn_tile<D>::BM;         /* query rows per CTA */
     constexpr int BN = attn_tile<D>::BN;
     constexpr int DK = attn_tile<D>::DK;               /* head dims computed (D, zeros past) */
     constexpr int DS = attn_tile<D>::DS;               /* elements per shared-memory row */
@@ -388,24 +396,23 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     constexpr uint32_t STAGE_BYTES = 2u * BN * DS * 2; /* one K and one V tile */
     constexpr int ES = KV8 ? 1 : 2;                    /* bytes per cache element */
     using MT = std::conditional_t<KV8, __half, T>;     /* the MMAs' operand type */
-    static_assert(ATTN_BM == ATTN_WARPS * ATTN_MT * 16, "warps x m-tiles cover the Q tile");
-    static_assert(ATTN_BM == ATTN_THREADS, "one thread per query row for the limits");
+    static_assert(BM <= ATTN_THREADS, "a thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
     static_assert(!KV8 || (DS == D && D % 16 == 0), "e4m3 rows of whole 16-byte chunks");
 
     extern __shared__ uint4 attn_smem[];
-    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [ATTN_BM][DS] */
-    uint16_t *const s_kv = s_q + ATTN_BM * DS; /* [2 stages][K [BN][DS], V [BN][DS]] */
+    uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [BM][DS] */
+    uint16_t *const s_kv = s_q + BM * DS; /* [2 stages][K [BN][DS], V [BN][DS]] */
     int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * DS); /* [2][BN] */
     /* KV8: the second stage's bytes hold 2 staging slots of e4m3 [K [BN][D], V [BN][D]] */
     const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * D);
     __shared__ int32_t s_wmax[ATTN_WARPS];
-    __shared__ int32_t s_lim[ATTN_BM]; /* key limit of each query row */
+    __shared__ int32_t s_lim[ATTN_THREADS]; /* key limit of each query row (of BM) */
     __shared__ int32_t s_row;
     __shared__ uint32_t s_qmax[ATTN_WARPS]; /* KV8, bf16 queries: each warp's largest |q| */
 
     attn_cta cta;
-    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, ATTN_BM, &s_row, &cta)) {
+    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
         return;
     }
     const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
@@ -421,7 +428,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     /* Head dims D .. DK - 1 (head 72's last 8 of 80) are zeros in the Q tile and in both
      * stages' K and V tiles: no load writes them. */
     if constexpr (DK > D) {
-        for (int item = tid; item < (ATTN_BM + 4 * BN) * (DK - D) / 8; item += ATTN_THREADS) {
+        for (int item = tid; item < (BM + 4 * BN) * (DK - D) / 8; item += ATTN_THREADS) {
             const int r = item / ((DK - D) / 8), c = D / 8 + item % ((DK - D) / 8);
             zero_chunk(s_q + tile_pos<DS>(r, c)); /* s_kv's rows follow s_q's */
         }
@@ -430,7 +437,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     /* Q tile -> s_q, swizzled (rows past the row's end are zeros); negated for a negative
      * scale once this thread's chunks have landed. */
     {
-        for_own_chunks<D, DS, ATTN_BM>(tid, [&](int r, int c, int pos) {
+        for_own_chunks<D, DS, BM>(tid, [&](int r, int c, int pos) {
             uint16_t *dst = s_q + pos;
             if (q0 + r < query_len) {
                 const uint16_t *src = (const uint16_t *)a.query +
@@ -450,7 +457,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         cp_async_commit();
         if (neg_q) {
             cp_async_wait_all();
-            for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+            for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
                 uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
                 uint4 v = *p;
                 v.x ^= 0x80008000u;
@@ -464,7 +471,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             /* this thread's largest bf16 magnitude (bit patterns order as magnitudes) */
             cp_async_wait_all();
             uint32_t mx = 0;
-            for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+            for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
                 const uint4 v = *reinterpret_cast<const uint4 *>(s_q + pos);
                 mx = max(mx, max(max(v.x & 0x7FFFu, v.x >> 16 & 0x7FFFu),
                                  max(v.y & 0x7FFFu, v.y >> 16 & 0x7FFFu)));
@@ -481,8 +488,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         }
     }
 
-    /* Key limit of query row tid (0 past the row's end).  Warp w's threads hold exactly the
-     * rows warp w computes, so the warp's extremes need only shuffles. */
+    /* Key limit of query row tid (0 past the row's end; threads past BM compute a row of the
+     * next tile, which no warp reads).  With two m-tiles per warp, warp w's threads hold
+     * exactly the rows warp w computes, so the warp's extremes need only shuffles; with one,
+     * warp w computes rows 16w .. 16w + 15 and takes their extremes from s_lim. */
     int32_t wmax, wmin;
     attn_row_limit(a, tid, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
     if (lane == 0) {
@@ -491,8 +500,16 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     __syncthreads();
     int32_t kv_end = 0;
 #pragma unroll
-    for (int w = 0; w < ATTN_WARPS; w++) {
+    for (int w = 0; w < BM / 32; w++) {
         kv_end = max(kv_end, s_wmax[w]);
+    }
+    if constexpr (MTILES == 1) {
+        wmax = wmin = s_lim[warp * 16 + (lane & 15)];
+#pragma unroll
+        for (int sh = 8; sh > 0; sh >>= 1) {
+            wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, sh));
+            wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, sh));
+        }
     }
     /* the scores' multiplier (KV8: times k_scale * KV8_UNIT * 2^-e) */
     float sl = scale_log2;
@@ -510,7 +527,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         const int e = min(141 - (int)(qmax >> 7), 126); /* -114 (inf, NaN) .. 126 */
         const float up = __int_as_float((e + 127) << 23);
         sl *= __int_as_float((127 - e) << 23);
-        for_own_chunks<D, DS, ATTN_BM>(tid, [&](int, int, int pos) {
+        for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
             uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
             uint4 v = *p;
             uint32_t *w = &v.x;
@@ -557,7 +574,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
      * (keys +0, +1), (keys +8, +1). */
     const int l7 = lane & 7;
     const uint32_t q_row =
-        smem_addr(s_q) + (uint32_t)((warp * ATTN_MT * 16 + ((lane >> 3) & 1) * 8 + l7) * DS * 2);
+        smem_addr(s_q) + (uint32_t)((warp * MTILES * 16 + ((lane >> 3) & 1) * 8 + l7) * DS * 2);
     const uint32_t k_row = smem_addr(s_kv) + (uint32_t)(((lane >> 4) * 8 + l7) * DS * 2);
     const uint32_t v_row =
         smem_addr(s_kv + BN * DS) + (uint32_t)((((lane >> 3) & 1) * 8 + l7) * DS * 2);
@@ -571,18 +588,18 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         k_addr[x] = k_row + (k_sw ^ (uint32_t)(x * 32));
         v_addr[x] = v_row + (v_sw ^ (uint32_t)(x * 32));
     }
-    float o[ATTN_MT][DTILES][4];
+    float o[MTILES][DTILES][4];
 #pragma unroll
-    for (int mt = 0; mt < ATTN_MT; mt++) {
+    for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
         for (int dt = 0; dt < DTILES; dt++) {
             o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
         }
     }
-    float m[ATTN_MT][2]; /* running max of the raw scores */
-    float l[ATTN_MT][2]; /* running sum, this thread's columns only */
+    float m[MTILES][2]; /* running max of the raw scores */
+    float l[MTILES][2]; /* running sum, this thread's columns only */
 #pragma unroll
-    for (int mt = 0; mt < ATTN_MT; mt++) {
+    for (int mt = 0; mt < MTILES; mt++) {
         m[mt][0] = m[mt][1] = -INFINITY;
         l[mt][0] = l[mt][1] = 0.0f;
     }
@@ -629,9 +646,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         if (j0 < wmax) {
             /* S = Q K^T: s[mt][nt] is the 16x8 block (rows mt*16.., keys j0 + nt*8 ..);
              * c0,c1 row g, c2,c3 row g + 8, columns 2*tq, 2*tq + 1. */
-            float s[ATTN_MT][NTILES][4];
+            float s[MTILES][NTILES][4];
 #pragma unroll
-            for (int mt = 0; mt < ATTN_MT; mt++) {
+            for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
                 for (int nt = 0; nt < NTILES; nt++) {
                     s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
@@ -639,9 +656,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             }
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk++) {
-                uint32_t qa[ATTN_MT][4];
+                uint32_t qa[MTILES][4];
 #pragma unroll
-                for (int mt = 0; mt < ATTN_MT; mt++) {
+                for (int mt = 0; mt < MTILES; mt++) {
                     ldsm_x4(qa[mt], q_addr[kk & 3] + (kk >> 2) * 128 + mt * 16 * DS * 2);
                 }
 #pragma unroll
@@ -649,7 +666,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     uint32_t b[4];
                     ldsm_x4(b, k_addr[kk & 3] + stage + (kk >> 2) * 128 + np * 16 * DS * 2);
 #pragma unroll
-                    for (int mt = 0; mt < ATTN_MT; mt++) {
+                    for (int mt = 0; mt < MTILES; mt++) {
                         half_ops<MT>::mma(s[mt][2 * np], qa[mt], b[0], b[1]);
                         half_ops<MT>::mma(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
                     }
@@ -661,14 +678,14 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             if (j0 + BN > wmin) {
                 /* limits of this thread's rows warp*32 + mt*16 + hf*8 + g (re-read here
                  * rather than held in registers across the loop) */
-                int32_t lim[ATTN_MT][2];
+                int32_t lim[MTILES][2];
 #pragma unroll
-                for (int mt = 0; mt < ATTN_MT; mt++) {
-                    lim[mt][0] = s_lim[warp * ATTN_MT * 16 + mt * 16 + g];
-                    lim[mt][1] = s_lim[warp * ATTN_MT * 16 + mt * 16 + 8 + g];
+                for (int mt = 0; mt < MTILES; mt++) {
+                    lim[mt][0] = s_lim[warp * MTILES * 16 + mt * 16 + g];
+                    lim[mt][1] = s_lim[warp * MTILES * 16 + mt * 16 + 8 + g];
                 }
 #pragma unroll
-                for (int mt = 0; mt < ATTN_MT; mt++) {
+                for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
                     for (int nt = 0; nt < NTILES; nt++) {
 #pragma unroll
@@ -684,10 +701,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             /* Online softmax: p = 2^(s * scale_log2 - m * scale_log2) with m the running max
              * of the raw scores (scale_log2 > 0); O and l are rescaled only when some row's
              * max grew. */
-            float alpha[ATTN_MT][2];
+            float alpha[MTILES][2];
             bool grew = false;
 #pragma unroll
-            for (int mt = 0; mt < ATTN_MT; mt++) {
+            for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     float mx = fmaxf(s[mt][0][2 * hf], s[mt][0][2 * hf + 1]);
@@ -719,7 +736,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             }
             if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-                for (int mt = 0; mt < ATTN_MT; mt++) {
+                for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
                     for (int dt = 0; dt < DTILES; dt++) {
                         o[mt][dt][0] *= alpha[mt][0];
@@ -735,9 +752,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
              * a2 = s[2kk+1] row g, a3 = s[2kk+1] row g+8). */
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                uint32_t pa[ATTN_MT][4];
+                uint32_t pa[MTILES][4];
 #pragma unroll
-                for (int mt = 0; mt < ATTN_MT; mt++) {
+                for (int mt = 0; mt < MTILES; mt++) {
                     pa[mt][0] = half_ops<MT>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
                     pa[mt][1] = half_ops<MT>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
                     pa[mt][2] = half_ops<MT>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
@@ -748,7 +765,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                     uint32_t b[4];
                     ldsm_x4_trans(b, v_addr[dp & 3] + stage + (dp >> 2) * 128 + kk * 16 * DS * 2);
 #pragma unroll
-                    for (int mt = 0; mt < ATTN_MT; mt++) {
+                    for (int mt = 0; mt < MTILES; mt++) {
                         half_ops<MT>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
                         half_ops<MT>::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
                     }
@@ -768,11 +785,11 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
 
     /* Row sums over the quad; a row that saw no key (l == 0) writes zeros. */
     int64_t eh, t0, tile_rows;
-    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, ATTN_BM, &eh, &t0, &tile_rows);
+    attn_out_tile(a, tiles_per_row, head_group, sort_rows, &s_row, BM, &eh, &t0, &tile_rows);
     if constexpr (KV8) {
         const float vs = a.v_scale[kv_head * a.scale_stride_head] * KV8_UNIT;
 #pragma unroll
-        for (int mt = 0; mt < ATTN_MT; mt++) {
+        for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
             for (int dt = 0; dt < DTILES; dt++) {
 #pragma unroll
@@ -783,10 +800,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         }
     }
 #pragma unroll
-    for (int mt = 0; mt < ATTN_MT; mt++) {
+    for (int mt = 0; mt < MTILES; mt++) {
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            const int r = warp * ATTN_MT * 16 + mt * 16 + hf * 8 + g;
+            const int r = warp * MTILES * 16 + mt * 16 + hf * 8 + g;
             attn_store_row<T, D / 8>(a, eh, t0 + r, r < tile_rows, l[mt][hf], m[mt][hf], sl,
                                      &o[mt][0][2 * hf], tq, o_vec);
         }

@@ -242,14 +242,14 @@ def test_cpu_layers_take_every_head_size_the_reference_does(dtype, head_size):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_layers_take_the_cuda_kernels_head_sizes(dtype):
     """A CUDA layer's selection takes the head sizes the CUDA kernels are built for (fp16/bf16:
-    32, 64, 72, 80, 96, 128, 160) and names them; it fails before the layer touches the
+    32, 64, 72, 80, 96, 128, 160, 192, 256) and names them; it fails before the layer touches the
     device."""
     config = diffkv.DiffusionConfig(diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=16))
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     if _C.cuda_compiled():
         message = (
-            f"get_attn_backend(): head_size must be one of [32, 64, 72, 80, 96, 128, 160] for {name} "
-            "on cuda, got 88"
+            "get_attn_backend(): head_size must be one of [32, 64, 72, 80, 96, 128, 160, 192, 256] "
+            f"for {name} on cuda, got 88"
         )
     else:
         message = (
@@ -265,7 +265,7 @@ def test_cuda_layers_take_the_cuda_kernels_head_sizes(dtype):
             device=torch.device("cuda"),
         )
     sizes = diffkv.backends.diffkv.supported_head_sizes
-    assert sizes("cuda", dtype) == ([32, 64, 72, 80, 96, 128, 160] if _C.cuda_compiled() else [])
+    assert sizes("cuda", dtype) == ([32, 64, 72, 80, 96, 128, 160, 192, 256] if _C.cuda_compiled() else [])
     assert sizes("cuda", torch.float32) == (list(range(1, 257)) if _C.cuda_compiled() else [])
     assert sizes("cpu", dtype) == list(range(1, 1025))
     assert sizes("cuda", dtype, fp8_cache=True) == ([64, 128] if _C.cuda_compiled() else [])
@@ -380,7 +380,7 @@ def test_backend_class():
     assert backend.get_builder_cls().reorder_batch_threshold is None
     # the sizes of the device selection is for: the platform's here (no layer is being selected)
     if diffkv.platform.current_omni_platform.is_cuda():
-        assert backend.get_supported_head_sizes() == [32, 64, 72, 80, 96, 128, 160]
+        assert backend.get_supported_head_sizes() == [32, 64, 72, 80, 96, 128, 160, 192, 256]
         assert backend.supports_head_size(96) and not backend.supports_head_size(88)
     else:
         assert backend.get_supported_head_sizes() == list(range(1, 1025))
