@@ -13,9 +13,12 @@
  *         of 176 keys instead of 128 over long rows where TMA can cut them;
  *       - otherwise the wgmma kernel whose warpgroups load their own tiles (attention_sm90.cu,
  *         "sm90").
+ *   - fp16/bf16, head_size 32, 72, 80 or 96 on the same Hopper GPUs, K/V rows in 16-byte
+ *     chunks, kernel choice auto: the warp-specialized kernel at 64 (32) or 128 dims with the
+ *     dims past head_size zeros, fed by its cp.async producers ("sm90-ws"; h90_padded_head).
  *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
- *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the head sizes other than 64 and
- *     128, which the wgmma kernels do not take.
+ *     kernel (attention_sm80.cu, "sm80"); on Hopper too for 160, 192 and 256, which the wgmma
+ *     kernels do not take yet, and for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
  *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
  *     (attention_sm90_fp8.cu), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": head 128,
@@ -72,6 +75,17 @@ static bool
 h90_head(int64_t head_size)
 {
     return head_size == 64 || head_size == 128;
+}
+
+/* Whether the warp-specialized wgmma kernel takes head_size padded to 64 or 128 dims (zeros
+ * past head_size in its tiles): 32 computes 64, 72, 80 and 96 compute 128.  At those sizes its
+ * products waste up to 44 % of the tensor cores' work and still run at about twice the
+ * mma.sync kernel's speed (docs/head-sizes.md).  Its cp.async producers only, so K/V rows must
+ * be in 16-byte chunks; other calls at these sizes run the mma.sync kernel.  Cannot fail. */
+static bool
+h90_padded_head(int64_t head_size)
+{
+    return head_size == 32 || head_size == 72 || head_size == 80 || head_size == 96;
 }
 
 /* Records the kernel a call launched.  Cannot fail. */
@@ -138,7 +152,12 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
     cudaError_t e;
     h90_maps m;
     const char *kernel = "sm90";
-    if (kv_vec && h90_ws_allowed()) {
+    if (h90_padded_head(a->head_size)) { /* the caller checked kv_vec and h90_ws_allowed */
+        memset(&m, 0, sizeof(m));        /* box 0, no maps: the cp.async producers */
+        kernel = "sm90-ws";
+        e = attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    }
+    else if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
@@ -401,7 +420,8 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     if (a->kv_fp8) {
         return attn_fp8(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, o_vec, stream, err);
     }
-    if (h90_ready() && h90_head(a->head_size)) {
+    if (h90_ready() &&
+        (h90_head(a->head_size) || (h90_padded_head(a->head_size) && kv_vec && h90_ws_allowed()))) {
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,
                          err);
     }

@@ -58,8 +58,11 @@
 #define H90T_STAGES 2
 
 /* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
- * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout. */
-template <typename T, int ST, int D, int NC, int SV, int BN, int VG = 0>
+ * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout.  DR < D: a padded
+ * head size -- the call's head dims DR, the tiles' and the products' D (64 or 128), dims
+ * DR .. D - 1 zeros in Q, K and V (zeroed once in every K and V slot: the cp.async producers,
+ * the only ones such a call takes, never copy them) and not written out. */
+template <typename T, int ST, int D, int NC, int SV, int BN, int VG = 0, int DR = D>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -88,6 +91,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * holds the K load back behind it. */
     constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
+    static_assert(DR == D || (VG == 0 && BN == 128 && DR % 8 == 0 && DR < D), "padded head");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
     using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
@@ -146,8 +150,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * only the CTA's place, and until now they were issued after the key limits' barrier, on
      * every CTA's path to its first tile. */
     if (wg > 0) {
-        h90_load_q<D, BM, 128, 64>(a, sq, tid - 128 * wg, (wg - 1) * 64, q0, q_start, query_len, h,
-                                   q_vec);
+        h90_load_q<D, BM, 128, 64, DR>(a, sq, tid - 128 * wg, (wg - 1) * 64, q0, q_start, query_len,
+                                       h, q_vec);
     }
 
     /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
@@ -163,6 +167,16 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             mbar_init_fence();
         }
+    }
+    if constexpr (DR < D) {
+        /* the padded dims of every K and V slot (V's follow K's), before any tile lands */
+        constexpr int PC = (D - DR) / 8; /* padded 16-byte chunks per key row */
+        for (int i = tid; i < (ST + SV) * BN * PC; i += 128 * (NC + 1)) {
+            const int slot = i / (BN * PC), r = i / PC % BN, c = DR / 8 + i % PC;
+            st_shared16(sk0 + (uint32_t)slot * KVB + sw128(BN, (uint32_t)r, (uint32_t)c),
+                        make_uint4(0u, 0u, 0u, 0u));
+        }
+        fence_proxy_async(); /* generic-proxy zeros, for wgmma */
     }
     __syncthreads();
     const int32_t kv_end = attn_kv_end<BM>(s_wmax);
@@ -187,23 +201,26 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, true>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true, DR>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
                 else {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false, DR>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
             }
             else {
-                h90_produce_cp_async<D, BN, ST, SV>(a, h, row, kv_end, n_tiles, sk0, sv0, full_k,
-                                                    full_v, empty_k, empty_v);
+                h90_produce_cp_async<D, BN, ST, SV, DR>(a, h, row, kv_end, n_tiles, sk0, sv0,
+                                                        full_k, full_v, empty_k, empty_v);
             }
             return;
         }
         /* ---------------- producer: warp 0 of TMA ---------------- */
         if (tid >= 32) {
             return;
+        }
+        if constexpr (DR < D) { /* the host gives padded head sizes cp.async producers only */
+            __trap();
         }
         const int32_t bs = (int32_t)a.block_size;
         const int32_t box = dims.box;                    /* keys per box */
@@ -430,14 +447,14 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
     if (o16) {
         const float sl2[2] = {scale_log2, scale_log2};
-        h90_store_o_staged<T, D, BM>(a, sq, cw, wt, h, t0, tile_rows, l, m, sl2, o);
+        h90_store_o_staged<T, D, BM, DR>(a, sq, cw, wt, h, t0, tile_rows, l, m, sl2, o);
     }
     else {
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int r = cw * 64 + w4 * 16 + hf * 8 + g;
-            attn_store_row<T, DT>(a, h, t0 + r, r < tile_rows, l[hf], m[hf], scale_log2, &o[2 * hf],
-                                  tq, o_vec);
+            attn_store_row<T, DR / 8>(a, h, t0 + r, r < tile_rows, l[hf], m[hf], scale_log2,
+                                      &o[2 * hf], tq, o_vec);
         }
     }
 #else
@@ -463,8 +480,9 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
 
 /* Launches one instantiation of the kernel (attn_sm90_ws_launch's contract): ST K and SV V
  * slots of BN keys, NC consumer warpgroups (64 NC query rows per CTA), VG the per-chunk
- * producer's form.  The shared-memory attribute is set once per (instantiation, device). */
-template <typename T, int ST, int D, int NC, int SV, int BN = 128, int VG = 0>
+ * producer's form, DR the call's head size where it pads to D.  The shared-memory attribute is set
+ * once per (instantiation, device). */
+template <typename T, int ST, int D, int NC, int SV, int BN = 128, int VG = 0, int DR = D>
 static cudaError_t
 h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
                bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
@@ -474,7 +492,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     /* Q, ST K and SV V slots of BN keys, alignment slack */
     const size_t smem = (size_t)BM * D * 2 + (size_t)(ST + SV) * BN * D * 2 + 1024;
     const cudaError_t e = attn_allow_smem(
-        (const void *)attention_sm90_ws_kernel<T, ST, D, NC, SV, BN, VG>, smem, attr_set);
+        (const void *)attention_sm90_ws_kernel<T, ST, D, NC, SV, BN, VG, DR>, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
     }
@@ -505,7 +523,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
                     &o16,
                     &sort_rows};
     return dk_launch_after(a->pending,
-                           (const void *)attention_sm90_ws_kernel<T, ST, D, NC, SV, BN, VG>,
+                           (const void *)attention_sm90_ws_kernel<T, ST, D, NC, SV, BN, VG, DR>,
                            dim3(blocks), dim3(128 * (NC + 1)), smem, s, args);
 }
 
@@ -517,7 +535,8 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and their TMA
  * producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192 rows) --
  * its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
- * host chose 176-key tiles. */
+ * host chose 176-key tiles.  The padded head sizes (attention.cu's h90_padded_head; cp.async
+ * producers, m.dims.box 0) run head 64's form (32) or head 128's (72, 80, 96). */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -542,6 +561,22 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
     if (a->head_size == 128 && m.dims.box != 0 && m.tile == 176) {
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES, 176>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    }
+    switch (a->head_size) {
+    case 32:
+        return h90_launch_tma<T, H90T_STAGES + 1, 64, 3, H90T_STAGES + 1, 128, 0, 32>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 72:
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 72>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 80:
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 80>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 96:
+        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    default:
+        break;
     }
     if (a->head_size == 128) { /* a third V slot (see there) */
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1>(a, m, head_group, scale_log2,

@@ -62,9 +62,11 @@ h90_cp_setup(const dk_attention_args &a, int64_t h, int64_t row)
  * past kv_end, and arrives on the slot's full barrier when its copies land (count 128).  K slot
  * i of ST at sk0 + i * BN * D * 2 with barriers full_k + 8 i / empty_k + 8 i, V likewise with
  * SV slots; n_tiles tiles of BN keys, keys past kv_end zeros.  Called by the producer
- * warpgroup's 128 threads (it has a 128-thread named barrier).
+ * warpgroup's 128 threads (it has a 128-thread named barrier).  DR < D: the cache's rows have
+ * DR dims, the tiles D (a padded head size): chunks DR / 8 .. D / 8 - 1 are not copied (the
+ * kernel zeroed them once).
  */
-template <int D, int BN, int ST, int SV>
+template <int D, int BN, int ST, int SV, int DR = D>
 static __device__ __forceinline__ void
 h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                      int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k, uint32_t full_v,
@@ -114,11 +116,14 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             }
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
             const char *const *rows = s_prow[kt & 1][kv];
+            if (DR == D ||
+                c < DR / 8) { /* a padded tile's chunks past DR stay the kernel's zeros */
 #pragma unroll
-            for (int i = 0; i < BN / RP; i++) {
-                const uint32_t r = rr + (uint32_t)(RP * i);
-                cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
-                           j0 + (int32_t)r < kv_end ? 16u : 0u);
+                for (int i = 0; i < BN / RP; i++) {
+                    const uint32_t r = rr + (uint32_t)(RP * i);
+                    cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
+                               j0 + (int32_t)r < kv_end ? 16u : 0u);
+                }
             }
             cp_async_arrive_noinc((kv == 0 ? full_k : full_v) + 8u * slot);
         }
@@ -138,11 +143,11 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * besides the copies, which keeps the memory pipe free for the consumers' wgmma issue (the ring's
  * loads and stores competed with it there).  K and V of a tile are copied together, row by row,
  * once both slots are free (V has one slot more than K so that K is not held back), and every
- * thread then arrives on both full barriers.  Slots, barriers and tiles as h90_produce_cp_async;
- * TWO: the cache has a second source (dense joint tokens), else the head's and the lane's offsets
- * are folded into the base pointers.
+ * thread then arrives on both full barriers.  Slots, barriers, tiles and DR as
+ * h90_produce_cp_async; TWO: the cache has a second source (dense joint tokens), else the head's
+ * and the lane's offsets are folded into the base pointers.
  */
-template <int D, int BN, int ST, int SV, bool TWO>
+template <int D, int BN, int ST, int SV, bool TWO, int DR = D>
 static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
@@ -215,13 +220,16 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             }
             const int32_t nk = gk + BN; /* the same group of the next tile */
             blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
+            if (DR == D ||
+                c < DR / 8) { /* a padded tile's chunks past DR stay the kernel's zeros */
 #pragma unroll
-            for (int p = 0; p < 16 / RW; p++) {
-                const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
-                const int64_t t = (int64_t)(RW * p) * tbytes;
-                const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
-                cp_async16(dk + sw128(BN, r, c), kr + t, n);
-                cp_async16(dv + sw128(BN, r, c), vr + t, n);
+                for (int p = 0; p < 16 / RW; p++) {
+                    const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
+                    const int64_t t = (int64_t)(RW * p) * tbytes;
+                    const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
+                    cp_async16(dk + sw128(BN, r, c), kr + t, n);
+                    cp_async16(dv + sw128(BN, r, c), vr + t, n);
+                }
             }
         }
         cp_async_arrive_noinc(full_k + 8u * slot_k);

@@ -47,9 +47,11 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
  * 128), where the accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte
  * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the LSE
  * as attn_store_row, with scale_log2 per row (hf); t0: the packed token of the CTA's first row,
- * tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.
+ * tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.  DR: the
+ * output's head dims (D: the computed ones, DR rounded up to a wgmma panel; dims DR .. D - 1 are
+ * zeros and not written).
  */
-template <typename T, int D, int BM>
+template <typename T, int D, int BM, int DR = D>
 static __device__ __forceinline__ void
 h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
                    int64_t tile_rows, const float (&l)[2], const float (&m)[2],
@@ -68,7 +70,7 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
                 sum > 0.0f ? (__fmul_rn(m[hf], scale_log2[hf]) + log2f(sum)) / LOG2E : -INFINITY;
         }
 #pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
+        for (int dt = 0; dt < DR / 8; dt++) {
             st_shared_u32(
                 sq + sw128(BM, (uint32_t)r, (uint32_t)dt) + 4u * (uint32_t)tq,
                 half_ops<T>::pack(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv));
@@ -81,7 +83,7 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
 #pragma unroll
     for (int p = 0; p < 64 / RPP; p++) {
         const int r = cw * 64 + p * RPP + wt / CH;
-        if (r < tile_rows) {
+        if (r < tile_rows && (DR == D || c < DR / 8)) {
             uint16_t *dst =
                 (uint16_t *)a.out + h * a.o_stride_head + (t0 + r) * a.o_stride_token + 8 * c;
             *reinterpret_cast<uint4 *>(dst) = ld_shared16(sq + sw128(BM, (uint32_t)r, (uint32_t)c));
@@ -92,9 +94,10 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
 /*
  * Q rows row0 .. row0 + ROWS - 1 of the CTA's tile (zeros past the row's end) into the swizzled
  * Q tile at sq (BM rows) by THREADS threads, t being this one's index among them: 16-byte
- * cp.async chunks, element gathers for an odd-strided query; then a cp.async commit.
+ * cp.async chunks, element gathers for an odd-strided query; then a cp.async commit.  DR: the
+ * query's head dims, D those of the tile (dims DR .. D - 1 become zeros).
  */
-template <int D, int BM, int THREADS, int ROWS>
+template <int D, int BM, int THREADS, int ROWS, int DR = D>
 static __device__ __forceinline__ void
 h90_load_q(const dk_attention_args &a, uint32_t sq, int t, int row0, int64_t q0, int64_t q_start,
            int64_t query_len, int64_t h, bool q_vec)
@@ -107,7 +110,7 @@ h90_load_q(const dk_attention_args &a, uint32_t sq, int t, int row0, int64_t q0,
     for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
         const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
         const uint32_t dst = sq + sw128(BM, r, c);
-        if (q0 + r < query_len) {
+        if (q0 + r < query_len && (DR == D || c < DR / 8)) {
             const uint16_t *src = (const uint16_t *)a.query +
                                   (q_start + q0 + r) * a.q_stride_token + h * a.q_stride_head +
                                   (int64_t)c * 8 * a.q_stride_dim;

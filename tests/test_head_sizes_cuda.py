@@ -20,7 +20,14 @@ from reference import assert_flash_close, mask_key_limits
 pytestmark = pytest.mark.gpu
 
 HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "auto")) if _C.cuda_compiled() else []
-WGMMA_HEADS = (64, 128)  # the Hopper kernels' sizes; the others run the mma.sync kernel there
+WGMMA_HEADS = (64, 128)  # the Hopper kernels' own sizes
+# On Hopper the warp-specialized kernel at 64 or 128 dims, zeros past the head size (caches of
+# 16-byte chunks); the others run the mma.sync kernel there.
+PADDED_HEADS = (32, 72, 80, 96)
+
+
+def _hopper():
+    return torch.cuda.get_device_capability()[0] == 9
 
 
 def _problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed):
@@ -97,8 +104,10 @@ def test_every_head_size_matches_the_reference(head, dtype, mask, block, attenti
             q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
         )
         _check(out, q, qsl, dense, limits, scale)
-        if kernel == "sm80" or head not in WGMMA_HEADS:
+        if kernel == "sm80" or head not in WGMMA_HEADS + PADDED_HEADS or not _hopper():
             assert _C.last_attention_kernel() == "sm80"
+        elif head in PADDED_HEADS:
+            assert _C.last_attention_kernel() == "sm90-ws"
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -128,6 +137,12 @@ def test_mha_strided_layouts_and_lse(head, dtype):
     out2 = torch.full_like(q, float("nan"))
     _C.paged_attention(q2[..., ::2], spread[..., ::2], *args, out2, table, qsl, seq)
     _check(out2, q, qsl, dense, limits, head**-0.5)
+
+    # output rows 8 bytes off 16-byte alignment: the kernels' per-thread (not staged) stores
+    odd = torch.full((q.shape[0], 4, head + 4), float("nan"), device="cuda", dtype=dtype)
+    _C.paged_attention(q, cache, *args, odd[..., :head], table, qsl, seq)
+    assert odd[..., head:].isnan().all()
+    _check(odd[..., :head], q, qsl, dense, limits, head**-0.5)
 
 
 @pytest.mark.parametrize("head", HEADS)
