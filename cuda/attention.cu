@@ -85,7 +85,8 @@ h90_head(int64_t head_size)
 static bool
 h90_padded_head(int64_t head_size)
 {
-    return head_size == 32 || head_size == 72 || head_size == 80 || head_size == 96;
+    return head_size == 32 || head_size == 72 || head_size == 80 || head_size == 96 ||
+           head_size == 160 || head_size == 192 || head_size == 256;
 }
 
 /* Records the kernel a call launched.  Cannot fail. */

@@ -90,8 +90,10 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * next tile's Q K^T) and whose slot frees a softmax later -- waiting for that slot first
      * holds the K load back behind it. */
     constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
-    static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2), "key tile");
-    static_assert(DR == D || (VG == 0 && BN == 128 && DR % 8 == 0 && DR < D), "padded head");
+    static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) || (BN == 64 && D == 256),
+                  "key tile");
+    static_assert(D != 256 || (BN == 64 && NC == 2 && VG == 0), "head 256: 64-key tiles");
+    static_assert(DR == D || (VG == 0 && BN != 176 && DR % 8 == 0 && DR < D), "padded head");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
     using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
@@ -192,7 +194,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             return;
         }
-        if constexpr (BN != 128) { /* the host gives 176-key tiles TMA boxes only */
+        if constexpr (BN == 176) { /* the host gives 176-key tiles TMA boxes only */
             if (dims.box == 0) {
                 __trap();
             }
@@ -219,7 +221,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         if (tid >= 32) {
             return;
         }
-        if constexpr (DR < D) { /* the host gives padded head sizes cp.async producers only */
+        if constexpr (DR < D || D == 256) { /* the host gives these cp.async producers only */
             __trap();
         }
         const int32_t bs = (int32_t)a.block_size;
@@ -575,6 +577,15 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
     case 96:
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 160:
+        return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 160>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 192:
+        return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 192>(
+            a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+    case 256:
+        return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64>(a, m, head_group, scale_log2,
+                                                                       neg_q, q_vec, o_vec, s);
     default:
         break;
     }

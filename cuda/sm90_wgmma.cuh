@@ -127,6 +127,7 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_D32 H90_D8(0), H90_D8(8), H90_D8(16), H90_D8(24)
 #define H90_D64 H90_D32, H90_D8(32), H90_D8(40), H90_D8(48), H90_D8(56)
 #define H90_D88 H90_D64, H90_D8(64), H90_D8(72), H90_D8(80)
+#define H90_D128 H90_D88, H90_D8(88), H90_D8(96), H90_D8(104), H90_D8(112), H90_D8(120)
 #define H90_R32_BODY                                                                               \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -139,6 +140,13 @@ st_shared_u32(uint32_t addr, uint32_t v)
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "   \
     "%82, %83, %84, %85, %86, %87}"
+#define H90_R128                                                                                   \
+    "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "   \
+    "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, "   \
+    "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, "   \
+    "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 /* d (m64 x N) = A B + (scale_d ? d : 0), A and B from shared memory (both K-major). IA, IB, IP:
  * the operand numbers of desc_a, desc_b and scale_d (after the N/2 accumulators). */
@@ -172,6 +180,10 @@ H90_WGMMA_SS(wgmma_ss_m64n176_bf16, 176, "bf16", H90_R88, H90_D88, "%88", "%89",
 H90_WGMMA_SS(wgmma_ss_m64n176_f16, 176, "f16", H90_R88, H90_D88, "%88", "%89", "%90")
 H90_WGMMA_SS(wgmma_ss_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34")
 H90_WGMMA_SS(wgmma_ss_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34")
+H90_WGMMA_RS(wgmma_rs_m64n256_bf16, 256, "bf16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
+             "%132", "%133")
+H90_WGMMA_RS(wgmma_rs_m64n256_f16, 256, "f16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
+             "%132", "%133")
 H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
              "%68", "%69")
 H90_WGMMA_RS(wgmma_rs_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
@@ -239,6 +251,10 @@ template <> struct h90_mma<__nv_bfloat16> {
     {
         wgmma_ss_m64n176_bf16(s, a, b, acc);
     }
+    static __device__ __forceinline__ void pv(float (&o)[128], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n256_bf16(o, p, b, 1);
+    }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_bf16(o, p, b, 1);
@@ -261,6 +277,10 @@ template <> struct h90_mma<__half> {
     {
         wgmma_ss_m64n176_f16(s, a, b, acc);
     }
+    static __device__ __forceinline__ void pv(float (&o)[128], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n256_f16(o, p, b, 1);
+    }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_f16(o, p, b, 1);
@@ -275,10 +295,12 @@ template <> struct h90_mma<__half> {
 #undef H90_D32
 #undef H90_D64
 #undef H90_D88
+#undef H90_D128
 #undef H90_R32_BODY
 #undef H90_R32
 #undef H90_R64
 #undef H90_R88
+#undef H90_R128
 #undef H90_WGMMA_SS
 #undef H90_WGMMA_RS
 #undef H90_WGMMA_SS8

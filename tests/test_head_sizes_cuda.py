@@ -21,9 +21,10 @@ pytestmark = pytest.mark.gpu
 
 HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "auto")) if _C.cuda_compiled() else []
 WGMMA_HEADS = (64, 128)  # the Hopper kernels' own sizes
-# On Hopper the warp-specialized kernel at 64 or 128 dims, zeros past the head size (caches of
-# 16-byte chunks); the others run the mma.sync kernel there.
-PADDED_HEADS = (32, 72, 80, 96)
+# On Hopper the warp-specialized kernel with its cp.async producers (caches of 16-byte chunks)
+# at 64, 128 or 256 dims, zeros past the head size; other calls at these sizes run the mma.sync
+# kernel there.
+PADDED_HEADS = (32, 72, 80, 96, 160, 192, 256)
 
 
 def _hopper():
