@@ -67,10 +67,11 @@ cudaError_t attn_sm90_launch(const dk_attention_args *a, int64_t tiles_per_row, 
                              float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
                              cudaStream_t s);
 
-/* attention_sm90_ws.cu: the warp-specialized wgmma kernel, head 64 or 128, K/V rows in 16-byte
- * chunks, fed as the maps m say (m.dims.k_groups: per-chunk TMA boxes; else m.dims.box: per-block
- * or flat TMA boxes; 0: cp.async rows), in tiles of m.tile keys (176 only with TMA boxes at head
- * 128).  It cuts its own query tiles. */
+/* attention_sm90_ws.cu: the warp-specialized wgmma kernel, head 64 or 128 (and 32, 72, 80, 96,
+ * 160, 192, 256 with m.dims.box 0: the cp.async producers), K/V rows in 16-byte chunks, fed as the
+ * maps m say (m.dims.k_groups: per-chunk TMA boxes; else m.dims.box: per-block or flat TMA boxes;
+ * 0: cp.async rows), in tiles of m.tile keys (176 only with TMA boxes at head 128).  It cuts its
+ * own query tiles. */
 cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
                                 float scale_log2, bool neg_q, bool q_vec, bool o_vec,
                                 cudaStream_t s);

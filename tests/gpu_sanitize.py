@@ -215,8 +215,9 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
-    # the mma.sync kernel's other head sizes (every GPU): row-order chunk mappings, head 72's
-    # zero dims, 32-key tiles above head 128
+    # the other head sizes: on Hopper the warp-specialized kernel padded to 64, 128 or 256 dims
+    # (block 16) and the mma.sync kernel (block 1, strided); elsewhere the mma.sync kernel's
+    # row-order chunk mappings, head 72's zero dims, 32-key tiles above head 128
     for head in _C.supported_head_sizes("cuda", "bfloat16", "auto"):
         if head in (64, 128):
             continue
