@@ -67,7 +67,7 @@ STAMPS = (
         "            if (threadIdx.x == 0) TL(7);\n",
     ),
     (
-        "    named_barrier(1u + (uint32_t)cw, 128u);\n\n    float o[D / 2];",
+        "    named_barrier(1u + (uint32_t)cw, 128u);\n\n    float o[NP / 2];",
         "after_first_line",
         "    if (cw == 0 && wt == 0) TL(2);\n",
     ),
@@ -82,7 +82,7 @@ STAMPS = (
         "        if (cw == 0 && wt == 0) TL(4);\n",
     ),
     (
-        "&o[2 * hf],\n                                  tq, o_vec);\n        }\n    }\n",
+        "&o[2 * hf], tq, o_vec);\n        }\n    }\n",
         "after",
         "    if (wt == 0) { if (cw == 0) { TL(5); if (blockIdx.x < TL_MAX)"
         " tl_buf[blockIdx.x][10] = tl_gt(); } else TL(6); }\n",

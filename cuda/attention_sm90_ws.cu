@@ -101,7 +101,12 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
     using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
     constexpr int NT = BN / 8;
-    constexpr int DT = D / 8;
+    /* A padded head size's products skip what they can of the zero dims: S = Q K^T sums over
+     * its dims rounded up to the 16-dim k-step (KD), P V computes its NP = DR dims of O
+     * (wgmma's N, a multiple of 8: the last 64-dim panel of V read in part). */
+    constexpr int KD = (DR + 15) / 16 * 16;
+    constexpr int NP = DR;
+    constexpr int DT = NP / 8;
     constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
 
@@ -327,9 +332,9 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
 
-    float o[D / 2];
+    float o[NP / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; i++) {
+    for (int i = 0; i < NP / 2; i++) {
         o[i] = 0.0f;
     }
     float m[2] = {-INFINITY, -INFINITY};
@@ -366,7 +371,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             float alpha[2];
             if (kt == 0) {
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
+                h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
@@ -383,9 +388,9 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
                     fence_proxy_async();
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                 wgmma_commit();
-                h90_pv<T, D, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
+                h90_pv<T, NP, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
@@ -440,7 +445,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         named_barrier(1u + (uint32_t)cw, 128u);
         fence_regs(o);
         wgmma_fence();
-        h90_pv<T, D, BN, VG != 0>(o, pa, sv);
+        h90_pv<T, NP, BN, VG != 0>(o, pa, sv);
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);

@@ -48,14 +48,14 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
  * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the LSE
  * as attn_store_row, with scale_log2 per row (hf); t0: the packed token of the CTA's first row,
  * tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.  DR: the
- * output's head dims (D: the computed ones, DR rounded up to a wgmma panel; dims DR .. D - 1 are
- * zeros and not written).
+ * output's head dims (D: the tile's, DR rounded up to a wgmma panel; dims DR .. D - 1 are not
+ * written), ON >= DR / 2 the accumulators O has (of the first ON * 2 dims).
  */
-template <typename T, int D, int BM, int DR = D>
+template <typename T, int D, int BM, int DR = D, int ON = D / 2>
 static __device__ __forceinline__ void
 h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
                    int64_t tile_rows, const float (&l)[2], const float (&m)[2],
-                   const float (&scale_log2)[2], const float (&o)[D / 2])
+                   const float (&scale_log2)[2], const float (&o)[ON])
 {
     const int lane = wt & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll

@@ -127,6 +127,13 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_D32 H90_D8(0), H90_D8(8), H90_D8(16), H90_D8(24)
 #define H90_D64 H90_D32, H90_D8(32), H90_D8(40), H90_D8(48), H90_D8(56)
 #define H90_D88 H90_D64, H90_D8(64), H90_D8(72), H90_D8(80)
+#define H90_D4(i) "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#define H90_D16 H90_D8(0), H90_D8(8)
+#define H90_D36 H90_D32, H90_D4(32)
+#define H90_D40 H90_D32, H90_D8(32)
+#define H90_D48 H90_D40, H90_D8(40)
+#define H90_D80 H90_D64, H90_D8(64), H90_D8(72)
+#define H90_D96 H90_D88, H90_D8(88)
 #define H90_D128 H90_D88, H90_D8(88), H90_D8(96), H90_D8(104), H90_D8(112), H90_D8(120)
 #define H90_R32_BODY                                                                               \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
@@ -140,6 +147,23 @@ st_shared_u32(uint32_t addr, uint32_t v)
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "   \
     "%82, %83, %84, %85, %86, %87}"
+#define H90_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define H90_R36 "{" H90_R32_BODY ", %32, %33, %34, %35}"
+#define H90_R40 "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39}"
+#define H90_R48                                                                                    \
+    "{" H90_R32_BODY                                                                               \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define H90_R80                                                                                    \
+    "{" H90_R32_BODY                                                                               \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
+    "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "        \
+    "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}"
+#define H90_R96                                                                                    \
+    "{" H90_R32_BODY                                                                               \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
+    "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "        \
+    "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, "        \
+    "%83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 #define H90_R128                                                                                   \
     "{" H90_R32_BODY ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "    \
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "   \
@@ -180,6 +204,30 @@ H90_WGMMA_SS(wgmma_ss_m64n176_bf16, 176, "bf16", H90_R88, H90_D88, "%88", "%89",
 H90_WGMMA_SS(wgmma_ss_m64n176_f16, 176, "f16", H90_R88, H90_D88, "%88", "%89", "%90")
 H90_WGMMA_SS(wgmma_ss_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34")
 H90_WGMMA_SS(wgmma_ss_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34")
+H90_WGMMA_RS(wgmma_rs_m64n32_bf16, 32, "bf16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
+             "%21")
+H90_WGMMA_RS(wgmma_rs_m64n32_f16, 32, "f16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
+             "%21")
+H90_WGMMA_RS(wgmma_rs_m64n72_bf16, 72, "bf16", H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40",
+             "%41")
+H90_WGMMA_RS(wgmma_rs_m64n72_f16, 72, "f16", H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40",
+             "%41")
+H90_WGMMA_RS(wgmma_rs_m64n80_bf16, 80, "bf16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
+             "%45")
+H90_WGMMA_RS(wgmma_rs_m64n80_f16, 80, "f16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
+             "%45")
+H90_WGMMA_RS(wgmma_rs_m64n96_bf16, 96, "bf16", H90_R48, H90_D48, "%48", "%49", "%50", "%51", "%52",
+             "%53")
+H90_WGMMA_RS(wgmma_rs_m64n96_f16, 96, "f16", H90_R48, H90_D48, "%48", "%49", "%50", "%51", "%52",
+             "%53")
+H90_WGMMA_RS(wgmma_rs_m64n160_bf16, 160, "bf16", H90_R80, H90_D80, "%80", "%81", "%82", "%83",
+             "%84", "%85")
+H90_WGMMA_RS(wgmma_rs_m64n160_f16, 160, "f16", H90_R80, H90_D80, "%80", "%81", "%82", "%83", "%84",
+             "%85")
+H90_WGMMA_RS(wgmma_rs_m64n192_bf16, 192, "bf16", H90_R96, H90_D96, "%96", "%97", "%98", "%99",
+             "%100", "%101")
+H90_WGMMA_RS(wgmma_rs_m64n192_f16, 192, "f16", H90_R96, H90_D96, "%96", "%97", "%98", "%99", "%100",
+             "%101")
 H90_WGMMA_RS(wgmma_rs_m64n256_bf16, 256, "bf16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
              "%132", "%133")
 H90_WGMMA_RS(wgmma_rs_m64n256_f16, 256, "f16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
@@ -255,6 +303,30 @@ template <> struct h90_mma<__nv_bfloat16> {
     {
         wgmma_rs_m64n256_bf16(o, p, b, 1);
     }
+    static __device__ __forceinline__ void pv(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n72_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[16], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n32_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[40], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n80_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[48], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n96_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[80], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n160_bf16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[96], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n192_bf16(o, p, b, 1);
+    }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_bf16(o, p, b, 1);
@@ -281,6 +353,30 @@ template <> struct h90_mma<__half> {
     {
         wgmma_rs_m64n256_f16(o, p, b, 1);
     }
+    static __device__ __forceinline__ void pv(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n72_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[16], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n32_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[40], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n80_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[48], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n96_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[80], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n160_f16(o, p, b, 1);
+    }
+    static __device__ __forceinline__ void pv(float (&o)[96], const uint32_t (&p)[4], uint64_t b)
+    {
+        wgmma_rs_m64n192_f16(o, p, b, 1);
+    }
     static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
     {
         wgmma_rs_m64n128_f16(o, p, b, 1);
@@ -296,11 +392,24 @@ template <> struct h90_mma<__half> {
 #undef H90_D64
 #undef H90_D88
 #undef H90_D128
+#undef H90_D4
+#undef H90_D16
+#undef H90_D36
+#undef H90_D40
+#undef H90_D48
+#undef H90_D80
+#undef H90_D96
 #undef H90_R32_BODY
 #undef H90_R32
 #undef H90_R64
 #undef H90_R88
 #undef H90_R128
+#undef H90_R16
+#undef H90_R36
+#undef H90_R40
+#undef H90_R48
+#undef H90_R80
+#undef H90_R96
 #undef H90_WGMMA_SS
 #undef H90_WGMMA_RS
 #undef H90_WGMMA_SS8
