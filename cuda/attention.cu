@@ -13,12 +13,12 @@
  *         of 176 keys instead of 128 over long rows where TMA can cut them;
  *       - otherwise the wgmma kernel whose warpgroups load their own tiles (attention_sm90.cu,
  *         "sm90").
- *   - fp16/bf16, head_size 32, 72, 80 or 96 on the same Hopper GPUs, K/V rows in 16-byte
- *     chunks, kernel choice auto: the warp-specialized kernel at 64 (32) or 128 dims with the
- *     dims past head_size zeros, fed by its cp.async producers ("sm90-ws"; h90_padded_head).
+ *   - fp16/bf16, head_size 32, 72, 80, 96, 160, 192 or 256 on the same Hopper GPUs, K/V rows in
+ *     16-byte chunks, kernel choice auto: the warp-specialized kernel with tiles of 64 (32),
+ *     128 (72 to 96) or 256 dims (160 to 256), the dims past head_size zeros, fed by its
+ *     cp.async producers ("sm90-ws"; h90_padded_head).
  *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
- *     kernel (attention_sm80.cu, "sm80"); on Hopper too for 160, 192 and 256, which the wgmma
- *     kernels do not take yet, and for the padded sizes' other calls.
+ *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
  *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
  *     (attention_sm90_fp8.cu), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": head 128,
@@ -77,11 +77,11 @@ h90_head(int64_t head_size)
     return head_size == 64 || head_size == 128;
 }
 
-/* Whether the warp-specialized wgmma kernel takes head_size padded to 64 or 128 dims (zeros
- * past head_size in its tiles): 32 computes 64, 72, 80 and 96 compute 128.  At those sizes its
- * products waste up to 44 % of the tensor cores' work and still run at about twice the
- * mma.sync kernel's speed (docs/head-sizes.md).  Its cp.async producers only, so K/V rows must
- * be in 16-byte chunks; other calls at these sizes run the mma.sync kernel.  Cannot fail. */
+/* Whether the warp-specialized wgmma kernel takes head_size with its cp.async producers only:
+ * 256, and padded to tiles of 64 (32), 128 (72, 80, 96) or 256 (160, 192) dims with zeros past
+ * head_size -- its products skip most of the zeros (docs/head-sizes.md: 1.2 to 2.5x the
+ * mma.sync kernel's speed at these sizes).  K/V rows must be in 16-byte chunks; other calls at
+ * these sizes run the mma.sync kernel.  Cannot fail. */
 static bool
 h90_padded_head(int64_t head_size)
 {

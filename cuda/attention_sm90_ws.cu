@@ -4,8 +4,8 @@
  * K/V rows in 16-byte chunks: the per-warpgroup wgmma pipeline of attention_sm90.cu, fed by a
  * producer warpgroup.  Also head 256 (64-key tiles, two consumer warpgroups of 224 registers:
  * O 128 per thread, S 32, P 16; two K and two V slots) and, padded to 64, 128 or 256 dims with
- * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192; these take
- * the cp.async producers only.
+ * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192, whose
+ * products skip what they can of the zeros (KD, NP); these take the cp.async producers only.
  *
  * NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg leaves it 56
  * registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers (224 or 160 registers)
