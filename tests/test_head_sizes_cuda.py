@@ -147,6 +147,34 @@ def test_mha_strided_layouts_and_lse(head, dtype):
 
 
 @pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+def test_dense_joint_every_head_size(head, strategy):
+    """The dense forward with joint tokens: two key sources in one launch (the kernels' second
+    cache, whose blocks follow the first's), GQA, two CFG rows, against the attention of the
+    concatenated sequences."""
+    g = torch.Generator(device="cuda").manual_seed(head + 7)
+    b, sq, sk, sj, h, hkv = 2, 70, 90, 23, 4, 2
+
+    def rand(n, heads):
+        return torch.randn(b, n, heads, head, device="cuda", generator=g).to(torch.bfloat16)
+
+    q, k, v = rand(sq, h), rand(sk, hkv), rand(sk, hkv)
+    jq, jk, jv = rand(sj, h), rand(sj, hkv), rand(sj, hkv)
+    impl = diffkv.DiffKVAttentionImpl(
+        num_heads=h, head_size=head, softmax_scale=head**-0.5, causal=False, num_kv_heads=hkv
+    )
+    meta = diffkv.AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy)
+    out = impl.forward(q, k, v, meta)
+    front = strategy == "front"  # the joint tokens first
+
+    def cat(x, jx):
+        return torch.cat([jx, x] if front else [x, jx], 1)
+
+    visible = torch.ones(b, sq + sj, sk + sj, dtype=torch.bool)
+    _close(out, cat(q, jq), cat(k, jk), cat(v, jv), visible, head**-0.5)
+
+
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_forward_every_head_size(head, causal):
     """DiffKVAttentionImpl.forward (the dense path: the same kernels over plain K/V)."""
