@@ -1,7 +1,7 @@
 /*
  * attention_sm80.cu -- the mma.sync paged attention kernel for the masks of dk_mask (diffkv.h),
- * for Ampere and later (Hopper runs the sm90 kernels at head 64 and 128 unless the kernel choice
- * says sm80, and this one at the other head sizes).
+ * for Ampere and later (Hopper runs the sm90 kernels unless the kernel choice says sm80, and
+ * this one for the calls they do not take: attention.cu).
  *
  * fp16/bf16, every head size of DK_CUDA_HEAD_SIZES (diffkv.h: 32 to 256):
  * FlashAttention-2 style on mma.sync.m16n8k16 (fp32 accumulation).  One CTA of 4 warps per

@@ -62,9 +62,10 @@
 
 /* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
  * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout.  DR < D: a padded
- * head size -- the call's head dims DR, the tiles' and the products' D (64 or 128), dims
- * DR .. D - 1 zeros in Q, K and V (zeroed once in every K and V slot: the cp.async producers,
- * the only ones such a call takes, never copy them) and not written out. */
+ * head size -- the call's head dims DR, the tiles' D (64, 128 or 256), dims DR .. D - 1 zeros in
+ * Q, K and V (zeroed once in every K and V slot: the cp.async producers, the only ones such a
+ * call takes, never copy them), skipped by the products where wgmma's shapes allow (KD, NP
+ * below) and not written out. */
 template <typename T, int ST, int D, int NC, int SV, int BN, int VG = 0, int DR = D>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (NC + 1), 1)
@@ -545,8 +546,9 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and their TMA
  * producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192 rows) --
  * its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
- * host chose 176-key tiles.  The padded head sizes (attention.cu's h90_padded_head; cp.async
- * producers, m.dims.box 0) run head 64's form (32) or head 128's (72, 80, 96). */
+ * host chose 176-key tiles.  Head 256 has a form of its own (64-key tiles, two slots of each),
+ * and the padded head sizes (attention.cu's h90_padded_head; cp.async producers, m.dims.box 0)
+ * run head 64's form (32), head 128's (72, 80, 96) or head 256's (160, 192). */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,

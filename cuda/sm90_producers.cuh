@@ -116,8 +116,8 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             }
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
             const char *const *rows = s_prow[kt & 1][kv];
-            if (DR == D ||
-                c < DR / 8) { /* a padded tile's chunks past DR stay the kernel's zeros */
+            /* a padded tile's chunks past DR stay the kernel's zeros */
+            if (DR == D || c < DR / 8) {
 #pragma unroll
                 for (int i = 0; i < BN / RP; i++) {
                     const uint32_t r = rr + (uint32_t)(RP * i);
@@ -220,8 +220,8 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             }
             const int32_t nk = gk + BN; /* the same group of the next tile */
             blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
-            if (DR == D ||
-                c < DR / 8) { /* a padded tile's chunks past DR stay the kernel's zeros */
+            /* a padded tile's chunks past DR stay the kernel's zeros */
+            if (DR == D || c < DR / 8) {
 #pragma unroll
                 for (int p = 0; p < 16 / RW; p++) {
                     const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
