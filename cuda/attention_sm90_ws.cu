@@ -212,11 +212,11 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             /* ---------------- producer: 128 threads of cp.async ---------------- */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, true, DR>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true, DR, D == 256>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
                 else {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false, DR>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false, DR, D == 256>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
             }

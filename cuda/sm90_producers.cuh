@@ -144,10 +144,12 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * loads and stores competed with it there).  K and V of a tile are copied together, row by row,
  * once both slots are free (V has one slot more than K so that K is not held back), and every
  * thread then arrives on both full barriers.  Slots, barriers, tiles and DR as
- * h90_produce_cp_async; TWO: the cache has a second source (dense joint tokens), else the head's
+ * h90_produce_cp_async; SPLIT: K of a tile is copied as soon as its slot is free and V after it
+ * once V's is (head 256's two slots of each: V frees a P V after K, and waiting for both held
+ * the next K back); TWO: the cache has a second source (dense joint tokens), else the head's
  * and the lane's offsets are folded into the base pointers.
  */
-template <int D, int BN, int ST, int SV, bool TWO, int DR = D>
+template <int D, int BN, int ST, int SV, bool TWO, int DR = D, bool SPLIT = false>
 static __device__ __forceinline__ void
 h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end,
                             int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
@@ -195,6 +197,60 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         }
         const uint32_t dk = sk0 + slot_k * KVB;
         const uint32_t dv = sv0 + slot_v * KVB;
+        if constexpr (SPLIT) {
+            /* Group g's K and V row addresses in tile j0 (this lane's), and its block id of the
+             * next tile loaded into blk[g]. */
+            auto group_rows = [&](int g, int32_t j0, const char **kr, const char **vr) {
+                const int32_t gk = j0 + 16 * (warp + 4 * g); /* the group's first key */
+                if (TWO) { /* dense joint tokens: a block of either source */
+                    const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
+                                                                      (uint32_t)gk & (bs - 1u), kvh)
+                                                    : 0;
+                    *kr = kv_row(kc, kc2, off) + t0;
+                    *vr = kv_row(vc, vc2, off) + t0;
+                }
+                else { /* dk_safe_block's clamp; past kv_end any real block (never read) */
+                    const uint32_t b =
+                        gk < kv_end && (uint32_t)blk[g] < nblocks ? (uint32_t)blk[g] : 0u;
+                    const int64_t off =
+                        (int64_t)b * bbytes + (int64_t)((uint32_t)gk & (bs - 1u)) * tbytes;
+                    *kr = kb + off;
+                    *vr = vb + off;
+                }
+                const int32_t nk = gk + BN; /* the same group of the next tile */
+                blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
+            };
+            /* Copies group g's 16 rows from src into the slot at dst (a padded tile's chunks past
+             * DR stay the kernel's zeros). */
+            auto copy_group = [&](int g, int32_t j0, uint32_t dst, const char *src) {
+                if (DR == D || c < DR / 8) {
+                    const int32_t q = warp + 4 * g;
+#pragma unroll
+                    for (int p = 0; p < 16 / RW; p++) {
+                        const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
+                        cp_async16(dst + sw128(BN, r, c), src + (int64_t)(RW * p) * tbytes,
+                                   j0 + (int32_t)r < kv_end ? 16u : 0u);
+                    }
+                }
+            };
+            const char *vr[GW];
+#pragma unroll
+            for (int g = 0; g < GW; g++) {
+                const char *kr;
+                group_rows(g, j0, &kr, &vr[g]);
+                copy_group(g, j0, dk, kr);
+            }
+            cp_async_arrive_noinc(full_k + 8u * slot_k);
+            if (kt >= SV) {
+                mbar_wait(empty_v + 8u * slot_v, (uint32_t)((kt / SV - 1) & 1));
+            }
+#pragma unroll
+            for (int g = 0; g < GW; g++) {
+                copy_group(g, j0, dv, vr[g]);
+            }
+            cp_async_arrive_noinc(full_v + 8u * slot_v);
+            continue;
+        }
         if (kt >= SV) {
             mbar_wait(empty_v + 8u * slot_v, (uint32_t)((kt / SV - 1) & 1));
         }
