@@ -16,7 +16,7 @@
  *   - fp16/bf16, head_size 32, 72, 80, 96, 160, 192 or 256 on the same Hopper GPUs, K/V rows in
  *     16-byte chunks, kernel choice auto: the warp-specialized kernel with tiles of 64 (32),
  *     128 (72 to 96) or 256 dims (160 to 256), the dims past head_size zeros, fed by its
- *     cp.async producers ("sm90-ws"; h90_padded_head).
+ *     cp.async producers ("sm90-ws"; h90_cp_async_head).
  *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
  *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
@@ -83,7 +83,7 @@ h90_head(int64_t head_size)
  * mma.sync kernel's speed at these sizes).  K/V rows must be in 16-byte chunks; other calls at
  * these sizes run the mma.sync kernel.  Cannot fail. */
 static bool
-h90_padded_head(int64_t head_size)
+h90_cp_async_head(int64_t head_size)
 {
     return head_size == 32 || head_size == 72 || head_size == 80 || head_size == 96 ||
            head_size == 160 || head_size == 192 || head_size == 256;
@@ -153,8 +153,8 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
     cudaError_t e;
     h90_maps m;
     const char *kernel = "sm90";
-    if (h90_padded_head(a->head_size)) { /* the caller checked kv_vec and h90_ws_allowed */
-        memset(&m, 0, sizeof(m));        /* box 0, no maps: the cp.async producers */
+    if (h90_cp_async_head(a->head_size)) { /* the caller checked kv_vec and h90_ws_allowed */
+        memset(&m, 0, sizeof(m));          /* box 0, no maps: the cp.async producers */
         kernel = "sm90-ws";
         e = attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
@@ -421,8 +421,8 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     if (a->kv_fp8) {
         return attn_fp8(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, o_vec, stream, err);
     }
-    if (h90_ready() &&
-        (h90_head(a->head_size) || (h90_padded_head(a->head_size) && kv_vec && h90_ws_allowed()))) {
+    if (h90_ready() && (h90_head(a->head_size) ||
+                        (h90_cp_async_head(a->head_size) && kv_vec && h90_ws_allowed()))) {
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,
                          err);
     }

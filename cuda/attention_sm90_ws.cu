@@ -547,7 +547,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192 rows) --
  * its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
  * host chose 176-key tiles.  Head 256 has a form of its own (64-key tiles, two slots of each),
- * and the padded head sizes (attention.cu's h90_padded_head; cp.async producers, m.dims.box 0)
+ * and the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
  * run head 64's form (32), head 128's (72, 80, 96) or head 256's (160, 192). */
 template <typename T>
 static cudaError_t

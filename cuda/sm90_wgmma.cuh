@@ -283,109 +283,45 @@ h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
     wgmma_rs_m64n64_e4m3(o, p, b, 1);
 }
 
-/* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T. */
+/* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per
+ * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 128 and 176 keys,
+ * pv for every head size's O (N = 32 .. 256). */
 template <typename T> struct h90_mma;
 
+#define H90_QK(N, TY)                                                                              \
+    static __device__ __forceinline__ void qk(float(&s)[(N) / 2], uint64_t a, uint64_t b, int acc) \
+    {                                                                                              \
+        wgmma_ss_m64n##N##_##TY(s, a, b, acc);                                                     \
+    }
+#define H90_PV(N, TY)                                                                              \
+    static __device__ __forceinline__ void pv(float(&o)[(N) / 2], const uint32_t(&p)[4],           \
+                                              uint64_t b)                                          \
+    {                                                                                              \
+        wgmma_rs_m64n##N##_##TY(o, p, b, 1);                                                       \
+    }
+#define H90_MMA(TY)                                                                                \
+    H90_QK(64, TY)                                                                                 \
+    H90_QK(128, TY)                                                                                \
+    H90_QK(176, TY)                                                                                \
+    H90_PV(32, TY)                                                                                 \
+    H90_PV(64, TY)                                                                                 \
+    H90_PV(72, TY)                                                                                 \
+    H90_PV(80, TY)                                                                                 \
+    H90_PV(96, TY)                                                                                 \
+    H90_PV(128, TY)                                                                                \
+    H90_PV(160, TY)                                                                                \
+    H90_PV(192, TY)                                                                                \
+    H90_PV(256, TY)
+
 template <> struct h90_mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n128_bf16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n64_bf16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n176_bf16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[128], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n256_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n72_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[16], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n32_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[40], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n80_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[48], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n96_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[80], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n160_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[96], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n192_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n128_bf16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n64_bf16(o, p, b, 1);
-    }
+    H90_MMA(bf16)
 };
 template <> struct h90_mma<__half> {
-    static __device__ __forceinline__ void qk(float (&s)[64], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n128_f16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void qk(float (&s)[32], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n64_f16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void qk(float (&s)[88], uint64_t a, uint64_t b, int acc)
-    {
-        wgmma_ss_m64n176_f16(s, a, b, acc);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[128], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n256_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n72_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[16], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n32_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[40], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n80_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[48], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n96_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[80], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n160_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[96], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n192_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n128_f16(o, p, b, 1);
-    }
-    static __device__ __forceinline__ void pv(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
-    {
-        wgmma_rs_m64n64_f16(o, p, b, 1);
-    }
+    H90_MMA(f16)
 };
+#undef H90_QK
+#undef H90_PV
+#undef H90_MMA
 
 #undef H90_D8
 #undef H90_D32

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.gpu
 
 HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "auto")) if _C.cuda_compiled() else []
 WGMMA_HEADS = (64, 128)  # the Hopper kernels' own sizes
-# On Hopper the warp-specialized kernel with its cp.async producers (caches of 16-byte chunks)
-# at 64, 128 or 256 dims, zeros past the head size; other calls at these sizes run the mma.sync
-# kernel there.
-PADDED_HEADS = (32, 72, 80, 96, 160, 192, 256)
+# On Hopper the warp-specialized kernel with its cp.async producers (caches of 16-byte chunks):
+# head 256, and the others on tiles of 64, 128 or 256 dims with zeros past the head size; other
+# calls at these sizes run the mma.sync kernel there.
+CP_ASYNC_HEADS = (32, 72, 80, 96, 160, 192, 256)
 
 
 def _hopper():
@@ -105,9 +105,9 @@ def test_every_head_size_matches_the_reference(head, dtype, mask, block, attenti
             q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
         )
         _check(out, q, qsl, dense, limits, scale)
-        if kernel == "sm80" or head not in WGMMA_HEADS + PADDED_HEADS or not _hopper():
+        if kernel == "sm80" or head not in WGMMA_HEADS + CP_ASYNC_HEADS or not _hopper():
             assert _C.last_attention_kernel() == "sm80"
-        elif head in PADDED_HEADS:
+        elif head in CP_ASYNC_HEADS:
             assert _C.last_attention_kernel() == "sm90-ws"
 
 
