@@ -5,7 +5,8 @@
  * producer warpgroup.  Also head 256 (64-key tiles, two consumer warpgroups of 224 registers:
  * O 128 per thread, S 32, P 16; two K and two V slots) and, padded to 64, 128 or 256 dims with
  * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192, whose
- * products skip what they can of the zeros (KD, NP); these take the cp.async producers only.
+ * products skip what they can of the zeros (KD, NP) and, from 72 on, read Q's fragments from
+ * registers (Q_RS); these take the cp.async producers only.
  *
  * NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg leaves it 56
  * registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers (224 or 160 registers)
@@ -107,6 +108,14 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * (wgmma's N, a multiple of 8: the last 64-dim panel of V read in part). */
     constexpr int KD = (DR + 15) / 16 * 16;
     constexpr int NP = DR;
+    /* Q's fragments in registers for S = Q K^T (h90_qk_rs, KD / 4 of them), so that the products
+     * read only K from shared memory: the padded forms of 72 to 192 dims.  In the head-256 form
+     * (64-key tiles) a k-step's Q and K reads (4 KB) take as long as its MMA, and the producer's
+     * copies share that bandwidth: 192 ran 7-10 % faster with Q in registers, 160 3-5 %, the
+     * head-128 form's padded sizes 1-4 %.  Not at 256 (64 registers do not fit beside O's 128;
+     * a quarter of Q from registers measured 1-3 % slower) nor at head 128 itself (slower,
+     * hopper-kernels.md). */
+    constexpr bool Q_RS = (D == 256 && DR <= 192) || (D == 128 && DR < D);
     constexpr int DT = NP / 8;
     constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
@@ -332,6 +341,10 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
+    uint32_t qa[Q_RS ? KD / 16 : 1][4];
+    if constexpr (Q_RS) {
+        h90_q_frags<KD, BM>(qa, sq, cw * 64 + w4 * 16 + g, tq);
+    }
 
     float o[NP / 2];
 #pragma unroll
@@ -372,7 +385,12 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             float alpha[2];
             if (kt == 0) {
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
+                if constexpr (Q_RS) {
+                    h90_qk_rs<T, KD, BN>(s, qa, sk0, khalf, ksbo);
+                }
+                else {
+                    h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
+                }
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
@@ -389,7 +407,12 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
                     fence_proxy_async();
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
-                h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                if constexpr (Q_RS) {
+                    h90_qk_rs<T, KD, BN>(s, qa, sk0 + slot * KVB, khalf, ksbo);
+                }
+                else {
+                    h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                }
                 wgmma_commit();
                 h90_pv<T, NP, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();

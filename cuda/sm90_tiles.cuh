@@ -211,6 +211,44 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 1
     }
 }
 
+/* This thread's A fragments of its warpgroup's Q rows for S = Q K^T from registers
+ * (h90_qk_rs): k-step kk's register i holds row r0 + 8 (i & 1), dims 16 kk + 8 (i >> 1) + 2 tq
+ * and the next (the layout h90_pack_p gives P), read once from the Q tile at sq (its 64-dim
+ * panels BM * 128 bytes apart, 128-byte swizzled rows).  KD / 4 registers. */
+template <int KD, int BM>
+static __device__ __forceinline__ void
+h90_q_frags(uint32_t (&qa)[KD / 16][4], uint32_t sq, int r0, int tq)
+{
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t r = (uint32_t)(r0 + 8 * (i & 1));
+            const uint32_t chunk = 2u * (uint32_t)kk + (uint32_t)(i >> 1); /* of the row */
+            const uint32_t addr = sq + (chunk / 8u) * (BM * 128u) + r * 128u +
+                                  (((chunk % 8u) ^ (r & 7u)) << 4) + 4u * (uint32_t)tq;
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(qa[kk][i]) : "r"(addr) : "memory");
+        }
+    }
+}
+
+/* h90_qk with Q's fragments in registers (qa, h90_q_frags): the products read only K from
+ * shared memory. */
+template <typename T, int KD, int BN>
+static __device__ __forceinline__ void
+h90_qk_rs(float (&s)[BN / 2], const uint32_t (&qa)[KD / 16][4], uint32_t sk, uint32_t khalf,
+          uint32_t ksbo)
+{
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const uint32_t koff = (uint32_t)(kk & 3) * 32u;
+        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * khalf + koff, 16u, ksbo);
+        h90_mma<T>::qk(s, qa[kk], db, kk > 0);
+    }
+}
+
 /*
  * Online softmax of one S tile in place (s becomes P, fp32): masks keys at or past each row's
  * limit (lim0: row g, lim1: row g + 8; only on a tile reaching past the warpgroup's smallest

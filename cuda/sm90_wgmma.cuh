@@ -236,6 +236,27 @@ H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65",
              "%68", "%69")
 H90_WGMMA_RS(wgmma_rs_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
              "%69")
+/* d (m64 x N) = A B + (scale_d ? d : 0), A (m64 x k16) from registers, B from shared memory
+ * K-major (S = Q K^T with Q's fragments in registers). Operand numbers as H90_WGMMA_RS. */
+#define H90_WGMMA_RSK(NAME, N, TY, REGS, OUTS, IA0, IA1, IA2, IA3, IB, IP)                         \
+    static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], const uint32_t(&a)[4],         \
+                                                uint64_t desc_b, int scale_d)                      \
+    {                                                                                              \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS          \
+                     ", {" IA0 ", " IA1 ", " IA2 ", " IA3 "}, " IB ", p, 1, 1, 0;\n}\n"            \
+                     : OUTS                                                                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));     \
+    }
+
+H90_WGMMA_RSK(wgmma_rsk_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34", "%35",
+              "%36", "%37")
+H90_WGMMA_RSK(wgmma_rsk_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
+              "%37")
+H90_WGMMA_RSK(wgmma_rsk_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
+              "%68", "%69")
+H90_WGMMA_RSK(wgmma_rsk_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
+              "%68", "%69")
 H90_WGMMA_RS(wgmma_rs_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
              "%37")
 H90_WGMMA_RS(wgmma_rs_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
@@ -284,14 +305,21 @@ h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
 }
 
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per
- * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 128 and 176 keys,
- * pv for every head size's O (N = 32 .. 256). */
+ * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 128 and 176 keys
+ * (Q from shared memory; for 64 and 128 also from registers), pv for every head size's O
+ * (N = 32 .. 256). */
 template <typename T> struct h90_mma;
 
 #define H90_QK(N, TY)                                                                              \
     static __device__ __forceinline__ void qk(float(&s)[(N) / 2], uint64_t a, uint64_t b, int acc) \
     {                                                                                              \
         wgmma_ss_m64n##N##_##TY(s, a, b, acc);                                                     \
+    }
+#define H90_QKR(N, TY)                                                                             \
+    static __device__ __forceinline__ void qk(float(&s)[(N) / 2], const uint32_t(&a)[4],           \
+                                              uint64_t b, int acc)                                 \
+    {                                                                                              \
+        wgmma_rsk_m64n##N##_##TY(s, a, b, acc);                                                    \
     }
 #define H90_PV(N, TY)                                                                              \
     static __device__ __forceinline__ void pv(float(&o)[(N) / 2], const uint32_t(&p)[4],           \
@@ -303,6 +331,8 @@ template <typename T> struct h90_mma;
     H90_QK(64, TY)                                                                                 \
     H90_QK(128, TY)                                                                                \
     H90_QK(176, TY)                                                                                \
+    H90_QKR(64, TY)                                                                                \
+    H90_QKR(128, TY)                                                                               \
     H90_PV(32, TY)                                                                                 \
     H90_PV(64, TY)                                                                                 \
     H90_PV(72, TY)                                                                                 \
@@ -320,6 +350,7 @@ template <> struct h90_mma<__half> {
     H90_MMA(f16)
 };
 #undef H90_QK
+#undef H90_QKR
 #undef H90_PV
 #undef H90_MMA
 
