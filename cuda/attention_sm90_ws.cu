@@ -2,8 +2,9 @@
  * attention_sm90_ws.cu -- the warp-specialized Hopper (sm_90a) paged attention kernel
  * ("sm90-tma16", "sm90-tma", "sm90-ws": the name says which producer fed it), head 64 or 128,
  * K/V rows in 16-byte chunks: the per-warpgroup wgmma pipeline of attention_sm90.cu, fed by a
- * producer warpgroup.  Also head 256 (64-key tiles, two consumer warpgroups of 224 registers:
- * O 128 per thread, S 32, P 16; two K and two V slots) and, padded to 64, 128 or 256 dims with
+ * producer warpgroup.  Also head 256 (80-key tiles -- 64 where the cache's blocks are not a
+ * power of two of 16+ keys --, two consumer warpgroups of 224 registers: O 128 per thread, S 40,
+ * P 20; two K and two V slots, 224 KB) and, padded to 64, 128 or 256 dims with
  * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192, whose
  * products skip what they can of the zeros (KD, NP) and, from 72 on, read Q's fragments from
  * registers (Q_RS); these take the cp.async producers only.
@@ -95,9 +96,11 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * next tile's Q K^T) and whose slot frees a softmax later -- waiting for that slot first
      * holds the K load back behind it. */
     constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
-    static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) || (BN == 64 && D == 256),
+    static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) ||
+                      ((BN == 64 || BN == 80) && D == 256),
                   "key tile");
-    static_assert(D != 256 || (BN == 64 && NC == 2 && VG == 0), "head 256: 64-key tiles");
+    static_assert(D != 256 || ((BN == 64 || BN == 80) && NC == 2 && VG == 0),
+                  "head 256: 64- or 80-key tiles");
     static_assert(DR == D || (VG == 0 && BN != 176 && DR % 8 == 0 && DR < D), "padded head");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
@@ -228,6 +231,11 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
                     h90_produce_cp_async_groups<D, BN, ST, SV, false, DR, D == 256>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
+            }
+            else if constexpr (BN == 80) { /* the host gives 80-key tiles the group producer
+                                            * only: the per-row producer's row table does not
+                                            * fit beside them */
+                __trap();
             }
             else {
                 h90_produce_cp_async<D, BN, ST, SV, DR>(a, h, row, kv_end, n_tiles, sk0, sv0,
@@ -569,9 +577,14 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and their TMA
  * producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192 rows) --
  * its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
- * host chose 176-key tiles.  Head 256 has a form of its own (64-key tiles, two slots of each),
- * and the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
- * run head 64's form (32), head 128's (72, 80, 96) or head 256's (160, 192). */
+ * host chose 176-key tiles.  Head 256 has a form of its own (two slots of each), and the padded
+ * head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0) run head 64's
+ * form (32), head 128's (72, 80, 96) or head 256's (160, 192).  The head-256 form takes 80-key
+ * tiles (FlashAttention-3's choice there: 3-4 % faster than 64 at 256 and 160) where the
+ * group producer serves the cache (blocks of a power of two of 16+ keys: a 16-key group never
+ * straddles two blocks); the per-row producer's row table does not fit beside 80-key slots
+ * (224 KB), so other block sizes keep 64.  192 keeps 64 too: with Q's fragments in registers
+ * (Q_RS) 80-key tiles spill and serialize its wgmma. */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -611,12 +624,20 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 160:
+        if (a->block_size >= 16 && (a->block_size & (a->block_size - 1)) == 0) {
+            return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80, 0, 160>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
         return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 160>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 192:
         return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 192>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 256:
+        if (a->block_size >= 16 && (a->block_size & (a->block_size - 1)) == 0) {
+            return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
         return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64>(a, m, head_group, scale_log2,
                                                                        neg_q, q_vec, o_vec, s);
     default:

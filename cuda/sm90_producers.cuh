@@ -156,10 +156,11 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                             uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
 {
     constexpr uint32_t KVB = BN * D * 2;
-    constexpr int CH = D / 8;       /* 16-byte chunks per key row (16 or 8) */
-    constexpr int RW = 32 / CH;     /* rows per warp-wide copy (2 or 4) */
-    constexpr int GW = BN / 16 / 4; /* 16-key groups per warp and tile */
-    static_assert(BN % 64 == 0 && 32 % CH == 0, "four warps split a tile's 16-key groups");
+    constexpr int CH = D / 8;        /* 16-byte chunks per key row (16 or 8) */
+    constexpr int RW = 32 / CH;      /* rows per warp-wide copy (2 or 4) */
+    constexpr int NG = BN / 16;      /* 16-key groups per tile */
+    constexpr int GW = (NG + 3) / 4; /* per warp (some warps one fewer where 4 does not divide) */
+    static_assert(BN % 16 == 0 && 32 % CH == 0, "four warps split a tile's 16-key groups");
     /* th.c and th.rr spread the warpgroup's threads over a pass's rows; here each warp copies
      * whole groups, so its lanes take c and rr below instead */
     const h90_cp_thread th = h90_cp_setup<D>(a, h, row);
@@ -186,7 +187,8 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
 #pragma unroll
     for (int g = 0; g < GW; g++) {
         const int32_t key = 16 * (warp + 4 * g);
-        blk[g] = key < kv_end ? bt[(uint32_t)key >> shift] : 0;
+        blk[g] =
+            key < kv_end && (NG % 4 == 0 || warp + 4 * g < NG) ? bt[(uint32_t)key >> shift] : 0;
     }
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
@@ -236,9 +238,11 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             const char *vr[GW];
 #pragma unroll
             for (int g = 0; g < GW; g++) {
-                const char *kr;
-                group_rows(g, j0, &kr, &vr[g]);
-                copy_group(g, j0, dk, kr);
+                if (NG % 4 == 0 || warp + 4 * g < NG) {
+                    const char *kr;
+                    group_rows(g, j0, &kr, &vr[g]);
+                    copy_group(g, j0, dk, kr);
+                }
             }
             cp_async_arrive_noinc(full_k + 8u * slot_k);
             if (kt >= SV) {
@@ -246,7 +250,9 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             }
 #pragma unroll
             for (int g = 0; g < GW; g++) {
-                copy_group(g, j0, dv, vr[g]);
+                if (NG % 4 == 0 || warp + 4 * g < NG) {
+                    copy_group(g, j0, dv, vr[g]);
+                }
             }
             cp_async_arrive_noinc(full_v + 8u * slot_v);
             continue;
@@ -258,6 +264,9 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         for (int g = 0; g < GW; g++) {
             const int32_t q = warp + 4 * g; /* the group within the tile */
             const int32_t gk = j0 + 16 * q; /* its first key */
+            if (NG % 4 != 0 && q >= NG) {
+                continue;
+            }
             const char *kr, *vr;
             if (TWO) { /* dense joint tokens: a block of either source */
                 const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
