@@ -237,3 +237,30 @@ def test_a_head_size_the_kernels_lack_is_refused_by_name():
             q, cache, table.cuda(), qsl.cuda(), seq.cuda(), None, _C.MASK_NONE, 0.1, out, table, qsl, seq
         )
     assert not out.any()
+
+
+@pytest.mark.parametrize(("head", "bm", "rows"), [(32, 128, 32768), (192, 64, 16384)])
+def test_a_grid_past_the_launch_limit_is_refused_before_anything_runs(head, bm, rows):
+    """num_heads * num_rows * cdiv(max_query_len, bm) CTAs past the grid's 2^31 - 1 raise
+    ValueError naming the query tile of that head size (128 rows; 64 on the mma.sync kernel above
+    head 160), before anything is written: 256 heads, one row of 32,768 queries and the rest of
+    one query each over a one-block cache (every table entry block 0)."""
+    heads, long_q, block = 256, 32768, 1024
+    query_lens = [long_q] + [1] * (rows - 1)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(query_lens, dtype=torch.int32)
+    table = torch.zeros(rows, long_q // block, dtype=torch.int32)
+    cache = torch.zeros(2, 1, block, 1, head, device="cuda", dtype=torch.bfloat16)
+    q = torch.ones(int(qsl[-1]), heads, head, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    tiles = -(-long_q // bm)
+    assert heads * rows * tiles > 2**31 - 1
+    with pytest.raises(
+        ValueError,
+        match=rf"^paged_attention\(\): num_heads \* num_rows \* cdiv\(max_query_len, {bm}\) must be at "
+        rf"most 2147483647, got {heads} \* {rows} \* {tiles}$",
+    ):
+        _C.paged_attention(
+            q, cache, table.cuda(), qsl.cuda(), seq.cuda(), None, _C.MASK_NONE, 0.1, out, table, qsl, seq
+        )
+    assert not out.any()
