@@ -4,7 +4,7 @@
  * K/V rows in 16-byte chunks: the per-warpgroup wgmma pipeline of attention_sm90.cu, fed by a
  * producer warpgroup.  Also head 256 (80-key tiles -- 64 where the cache's blocks are not a
  * power of two of 16+ keys --, two consumer warpgroups of 224 registers: O 128 per thread, S 40,
- * P 20; two K and two V slots, 224 KB) and, padded to 64, 128 or 256 dims with
+ * P 20; two K and two V slots, 224 KB of tiles) and, padded to 64, 128 or 256 dims with
  * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192, whose
  * products skip what they can of the zeros (KD, NP) and, from 72 on, read Q's fragments from
  * registers (Q_RS); these take the cp.async producers only.
@@ -113,9 +113,9 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int NP = DR;
     /* Q's fragments in registers for S = Q K^T (h90_qk_rs, KD / 4 of them), so that the products
      * read only K from shared memory: the padded forms of 72 to 192 dims.  In the head-256 form
-     * (64-key tiles) a k-step's Q and K reads (4 KB) take as long as its MMA, and the producer's
-     * copies share that bandwidth: 192 ran 7-10 % faster with Q in registers, 160 3-5 %, the
-     * head-128 form's padded sizes 1-4 %.  Not at 256 (64 registers do not fit beside O's 128;
+     * (64- or 80-key tiles) a k-step's Q and K reads (4 KB) take as long as its MMA, and the
+     * producer's copies share that bandwidth: 192 ran 7-10 % faster with Q in registers, 160 3-5 %,
+     * the head-128 form's padded sizes 1-4 %.  Not at 256 (64 registers do not fit beside O's 128;
      * a quarter of Q from registers measured 1-3 % slower) nor at head 128 itself (slower,
      * hopper-kernels.md). */
     constexpr bool Q_RS = (D == 256 && DR <= 192) || (D == 128 && DR < D);
