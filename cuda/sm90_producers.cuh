@@ -190,6 +190,44 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         blk[g] =
             key < kv_end && (NG % 4 == 0 || warp + 4 * g < NG) ? bt[(uint32_t)key >> shift] : 0;
     }
+    /* Group g's K and V row addresses in tile j0 (this lane's), and its block id of the next
+     * tile loaded into blk[g]. */
+    auto group_rows = [&](int g, int32_t j0, const char **kr, const char **vr) {
+        const int32_t gk = j0 + 16 * (warp + 4 * g); /* the group's first key */
+        if (TWO) { /* dense joint tokens: a block of either source */
+            const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
+                                                              (uint32_t)gk & (bs - 1u), kvh)
+                                            : 0;
+            *kr = kv_row(kc, kc2, off) + t0;
+            *vr = kv_row(vc, vc2, off) + t0;
+        }
+        else { /* dk_safe_block's clamp; past kv_end any real block (never read) */
+            const uint32_t b = gk < kv_end && (uint32_t)blk[g] < nblocks ? (uint32_t)blk[g] : 0u;
+            const int64_t off = (int64_t)b * bbytes + (int64_t)((uint32_t)gk & (bs - 1u)) * tbytes;
+            *kr = kb + off;
+            *vr = vb + off;
+        }
+        const int32_t nk = gk + BN; /* the same group of the next tile */
+        blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
+    };
+    /* Copies group g's 16 rows from src into the slot at dst and, with both, those of src2 into
+     * dst2 row by row beside them (a padded tile's chunks past DR stay the kernel's zeros). */
+    auto copy_group = [&](int g, int32_t j0, uint32_t dst, const char *src, bool both,
+                          uint32_t dst2, const char *src2) {
+        if (DR == D || c < DR / 8) {
+            const int32_t q = warp + 4 * g;
+#pragma unroll
+            for (int p = 0; p < 16 / RW; p++) {
+                const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
+                const int64_t t = (int64_t)(RW * p) * tbytes;
+                const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
+                cp_async16(dst + sw128(BN, r, c), src + t, n);
+                if (both) {
+                    cp_async16(dst2 + sw128(BN, r, c), src2 + t, n);
+                }
+            }
+        }
+    };
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
         const uint32_t slot_k = (uint32_t)(kt % ST);
@@ -200,48 +238,13 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         const uint32_t dk = sk0 + slot_k * KVB;
         const uint32_t dv = sv0 + slot_v * KVB;
         if constexpr (SPLIT) {
-            /* Group g's K and V row addresses in tile j0 (this lane's), and its block id of the
-             * next tile loaded into blk[g]. */
-            auto group_rows = [&](int g, int32_t j0, const char **kr, const char **vr) {
-                const int32_t gk = j0 + 16 * (warp + 4 * g); /* the group's first key */
-                if (TWO) { /* dense joint tokens: a block of either source */
-                    const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
-                                                                      (uint32_t)gk & (bs - 1u), kvh)
-                                                    : 0;
-                    *kr = kv_row(kc, kc2, off) + t0;
-                    *vr = kv_row(vc, vc2, off) + t0;
-                }
-                else { /* dk_safe_block's clamp; past kv_end any real block (never read) */
-                    const uint32_t b =
-                        gk < kv_end && (uint32_t)blk[g] < nblocks ? (uint32_t)blk[g] : 0u;
-                    const int64_t off =
-                        (int64_t)b * bbytes + (int64_t)((uint32_t)gk & (bs - 1u)) * tbytes;
-                    *kr = kb + off;
-                    *vr = vb + off;
-                }
-                const int32_t nk = gk + BN; /* the same group of the next tile */
-                blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
-            };
-            /* Copies group g's 16 rows from src into the slot at dst (a padded tile's chunks past
-             * DR stay the kernel's zeros). */
-            auto copy_group = [&](int g, int32_t j0, uint32_t dst, const char *src) {
-                if (DR == D || c < DR / 8) {
-                    const int32_t q = warp + 4 * g;
-#pragma unroll
-                    for (int p = 0; p < 16 / RW; p++) {
-                        const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
-                        cp_async16(dst + sw128(BN, r, c), src + (int64_t)(RW * p) * tbytes,
-                                   j0 + (int32_t)r < kv_end ? 16u : 0u);
-                    }
-                }
-            };
             const char *vr[GW];
 #pragma unroll
             for (int g = 0; g < GW; g++) {
                 if (NG % 4 == 0 || warp + 4 * g < NG) {
                     const char *kr;
                     group_rows(g, j0, &kr, &vr[g]);
-                    copy_group(g, j0, dk, kr);
+                    copy_group(g, j0, dk, kr, false, 0u, nullptr);
                 }
             }
             cp_async_arrive_noinc(full_k + 8u * slot_k);
@@ -251,7 +254,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
 #pragma unroll
             for (int g = 0; g < GW; g++) {
                 if (NG % 4 == 0 || warp + 4 * g < NG) {
-                    copy_group(g, j0, dv, vr[g]);
+                    copy_group(g, j0, dv, vr[g], false, 0u, nullptr);
                 }
             }
             cp_async_arrive_noinc(full_v + 8u * slot_v);
@@ -262,39 +265,10 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         }
 #pragma unroll
         for (int g = 0; g < GW; g++) {
-            const int32_t q = warp + 4 * g; /* the group within the tile */
-            const int32_t gk = j0 + 16 * q; /* its first key */
-            if (NG % 4 != 0 && q >= NG) {
-                continue;
-            }
-            const char *kr, *vr;
-            if (TWO) { /* dense joint tokens: a block of either source */
-                const int64_t off = gk < kv_end ? kv_block_offset(a, dk_safe_block(a, blk[g]),
-                                                                  (uint32_t)gk & (bs - 1u), kvh)
-                                                : 0;
-                kr = kv_row(kc, kc2, off) + t0;
-                vr = kv_row(vc, vc2, off) + t0;
-            }
-            else { /* dk_safe_block's clamp; past kv_end any real block (never read) */
-                const uint32_t b =
-                    gk < kv_end && (uint32_t)blk[g] < nblocks ? (uint32_t)blk[g] : 0u;
-                const int64_t off =
-                    (int64_t)b * bbytes + (int64_t)((uint32_t)gk & (bs - 1u)) * tbytes;
-                kr = kb + off;
-                vr = vb + off;
-            }
-            const int32_t nk = gk + BN; /* the same group of the next tile */
-            blk[g] = nk < kv_end ? bt[(uint32_t)nk >> shift] : 0;
-            /* a padded tile's chunks past DR stay the kernel's zeros */
-            if (DR == D || c < DR / 8) {
-#pragma unroll
-                for (int p = 0; p < 16 / RW; p++) {
-                    const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
-                    const int64_t t = (int64_t)(RW * p) * tbytes;
-                    const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
-                    cp_async16(dk + sw128(BN, r, c), kr + t, n);
-                    cp_async16(dv + sw128(BN, r, c), vr + t, n);
-                }
+            if (NG % 4 == 0 || warp + 4 * g < NG) {
+                const char *kr, *vr;
+                group_rows(g, j0, &kr, &vr);
+                copy_group(g, j0, dk, kr, true, dv, vr);
             }
         }
         cp_async_arrive_noinc(full_k + 8u * slot_k);
