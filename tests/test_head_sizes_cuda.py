@@ -111,6 +111,28 @@ def test_every_head_size_matches_the_reference(head, dtype, mask, block, attenti
             assert _C.last_attention_kernel() == "sm90-ws"
 
 
+@pytest.mark.parametrize("head", [h for h in HEADS if h >= 160])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_head_256_form_blocks_past_16(head, mask, block):
+    """The head-256 form's group producer over blocks of 32 to 128 keys: 80-key tiles (160, 256)
+    start inside a block and span two, each 16-key group at its own offset in its block; 64-key
+    tiles (192) fill one block or take a part of one."""
+    seq_lens, query_lens = [300, 771], [120, 771]
+    dtype = torch.bfloat16
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 8, 2, head, block, dtype, head + block)
+    limits = _limits(seq_lens, query_lens, mask)
+    code = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}[mask]
+    key_limits = torch.cat(limits).cuda() if mask == "limits" else None
+    scale = head**-0.5
+    out = torch.full_like(q, float("nan"))
+    _C.paged_attention(
+        q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
+    )
+    _check(out, q, qsl, dense, limits, scale)
+    assert _C.last_attention_kernel() == ("sm90-ws" if _hopper() else "sm80")
+
+
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mha_strided_layouts_and_lse(head, dtype):
