@@ -386,7 +386,7 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
 }
 
 /* S (m64 x 128 keys) = Q K^T in e4m3 for one key tile (no commit), after a wgmma fence: D / 32
- * k-steps of 32 dims, Q from registers (qa: the warpgroup's rows as A fragments, h8_q_frags)
+ * k-steps of 32 dims, Q from registers (qa: the warpgroup's rows as A fragments, h90_q_frags)
  * and K from its slot's descriptor dk; a step adds 32 bytes (2 in the descriptor's address
  * field, which no tile here carries out of: shared addresses are under 2^18). */
 template <int D>
@@ -398,30 +398,6 @@ h8_qk(float (&s)[H8_BN / 2], const uint32_t (&qa)[D / 32][4], uint64_t dk)
 #pragma unroll
     for (int kk = 0; kk < D / 32; kk++) {
         wgmma_rs_m64n128_e4m3(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
-    }
-}
-
-/* This thread's A fragments of its warpgroup's e4m3 Q rows for Q K^T (the layout h8_pack_p
- * gives P: register 0 row g, dims 4t .. 4t + 3 of the step; 1 row g + 8; 2 and 3 the dims 16
- * later), read once from the Q tile at sq (rows r0 = 64 cw + 16 w + g and r0 + 8), so that the
- * products read only K from shared memory. */
-template <int D>
-static __device__ __forceinline__ void
-h8_q_frags(uint32_t (&qa)[D / 32][4], uint32_t sq, int r0, int tq)
-{
-#pragma unroll
-    for (int kk = 0; kk < D / 32; kk++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t r = (uint32_t)(r0 + 8 * (i & 1));
-            const uint32_t chunk = 2u * (uint32_t)kk + (uint32_t)(i >> 1);
-            uint32_t v;
-            asm volatile("ld.shared.u32 %0, [%1];\n"
-                         : "=r"(v)
-                         : "r"(sq + r * H8_ROW + ((chunk ^ (r & 7u)) << 4) + 4u * (uint32_t)tq)
-                         : "memory");
-            qa[kk][i] = v;
-        }
     }
 }
 
@@ -577,7 +553,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     /* this warpgroup's Q rows as registers; wgmma descriptors of K slot 0 and V^T slot 0 (slot
      * i: + i times the slot's size in 16-byte units) */
     uint32_t qa[D / 32][4];
-    h8_q_frags<D>(qa, sq, r0, tq);
+    h90_q_frags<D / 32, 128>(qa, sq, r0, tq); /* rows of D <= 128 bytes: one panel */
     const uint64_t dk0 = wgmma_desc(sk0, 16u, 1024u);
     const uint64_t dv0 = wgmma_desc(svt0, 16u, 1024u);
 

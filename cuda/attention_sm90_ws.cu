@@ -62,6 +62,15 @@
 
 #define H90T_STAGES 2
 
+/* Whether h90_produce_cp_async_groups serves a cache of this block size: a power of two of 16+
+ * keys, so that no 16-key group of a tile straddles two blocks (the kernel's producer branch
+ * makes the same test; the launcher gives such caches 80-key tiles).  Cannot fail. */
+static bool
+h90_group_blocks(int64_t block_size)
+{
+    return block_size >= 16 && (block_size & (block_size - 1)) == 0;
+}
+
 /* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
  * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout.  DR < D: a padded
  * head size -- the call's head dims DR, the tiles' D (64, 128 or 256), dims DR .. D - 1 zeros in
@@ -222,6 +231,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         }
         else if (dims.box == 0) {
             /* ---------------- producer: 128 threads of cp.async ---------------- */
+            /* h90_group_blocks's test, written out: calling it here reorders the kernel's code
+             * (cuobjdump), a change not measured on the GPU yet */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
                     h90_produce_cp_async_groups<D, BN, ST, SV, true, DR, D == 256>(
@@ -351,7 +362,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     named_barrier(1u + (uint32_t)cw, 128u);
     uint32_t qa[Q_RS ? KD / 16 : 1][4];
     if constexpr (Q_RS) {
-        h90_q_frags<KD, BM>(qa, sq, cw * 64 + w4 * 16 + g, tq);
+        h90_q_frags<KD / 16, BM>(qa, sq, cw * 64 + w4 * 16 + g, tq);
     }
 
     float o[NP / 2];
@@ -370,6 +381,15 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     rows.g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
     rows.tq = tq;
     rows.scale_log2 = scale_log2;
+    /* S = Q K^T of the K slot at sk (no commit), Q from registers or from its tile */
+    auto issue_qk = [&](uint32_t sk) {
+        if constexpr (Q_RS) {
+            h90_qk_rs<T, KD, BN>(s, qa, sk, khalf, ksbo);
+        }
+        else {
+            h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk, khalf, ksbo);
+        }
+    };
     /* O's rescale is skipped on tiles where no row of the warp raised its max (h90_softmax
      * SKIP; bit-identical: alpha is exp2(0) = 1 exactly there).  The lossy lazy form, which
      * rescales only when a max grows by 2^8, lost accuracy on growing scores. */
@@ -393,12 +413,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             float alpha[2];
             if (kt == 0) {
                 named_barrier(8u + (uint32_t)cw, 256u);
-                if constexpr (Q_RS) {
-                    h90_qk_rs<T, KD, BN>(s, qa, sk0, khalf, ksbo);
-                }
-                else {
-                    h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0, khalf, ksbo);
-                }
+                issue_qk(sk0);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_all();
@@ -415,12 +430,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
                     fence_proxy_async();
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
-                if constexpr (Q_RS) {
-                    h90_qk_rs<T, KD, BN>(s, qa, sk0 + slot * KVB, khalf, ksbo);
-                }
-                else {
-                    h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
-                }
+                issue_qk(sk0 + slot * KVB);
                 wgmma_commit();
                 h90_pv<T, NP, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
@@ -624,7 +634,7 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 160:
-        if (a->block_size >= 16 && (a->block_size & (a->block_size - 1)) == 0) {
+        if (h90_group_blocks(a->block_size)) {
             return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80, 0, 160>(
                 a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
         }
@@ -634,7 +644,7 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 192>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 256:
-        if (a->block_size >= 16 && (a->block_size & (a->block_size - 1)) == 0) {
+        if (h90_group_blocks(a->block_size)) {
             return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80>(
                 a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
         }

@@ -183,12 +183,13 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const int64_t bbytes = a.cache_stride_block * 2;
     /* dk_safe_block's bound in 32 bits (block ids are int32; a negative one clamps too) */
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
+    /* whether group g of each tile (the warp's g-th) exists: with 80-key tiles warp 0 has two */
+    auto has_group = [&](int g) { return NG % 4 == 0 || warp + 4 * g < NG; };
     int32_t blk[GW]; /* block ids of this warp's groups of the next tile */
 #pragma unroll
     for (int g = 0; g < GW; g++) {
         const int32_t key = 16 * (warp + 4 * g);
-        blk[g] =
-            key < kv_end && (NG % 4 == 0 || warp + 4 * g < NG) ? bt[(uint32_t)key >> shift] : 0;
+        blk[g] = key < kv_end && has_group(g) ? bt[(uint32_t)key >> shift] : 0;
     }
     /* Group g's K and V row addresses in tile j0 (this lane's), and its block id of the next
      * tile loaded into blk[g]. */
@@ -241,7 +242,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             const char *vr[GW];
 #pragma unroll
             for (int g = 0; g < GW; g++) {
-                if (NG % 4 == 0 || warp + 4 * g < NG) {
+                if (has_group(g)) {
                     const char *kr;
                     group_rows(g, j0, &kr, &vr[g]);
                     copy_group(g, j0, dk, kr, false, 0u, nullptr);
@@ -253,7 +254,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
             }
 #pragma unroll
             for (int g = 0; g < GW; g++) {
-                if (NG % 4 == 0 || warp + 4 * g < NG) {
+                if (has_group(g)) {
                     copy_group(g, j0, dv, vr[g], false, 0u, nullptr);
                 }
             }
@@ -265,7 +266,7 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
         }
 #pragma unroll
         for (int g = 0; g < GW; g++) {
-            if (NG % 4 == 0 || warp + 4 * g < NG) {
+            if (has_group(g)) {
                 const char *kr, *vr;
                 group_rows(g, j0, &kr, &vr);
                 copy_group(g, j0, dk, kr, true, dv, vr);

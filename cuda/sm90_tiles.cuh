@@ -211,16 +211,17 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 1
     }
 }
 
-/* This thread's A fragments of its warpgroup's Q rows for S = Q K^T from registers
- * (h90_qk_rs): k-step kk's register i holds row r0 + 8 (i & 1), dims 16 kk + 8 (i >> 1) + 2 tq
- * and the next (the layout h90_pack_p gives P), read once from the Q tile at sq (its 64-dim
- * panels BM * 128 bytes apart, 128-byte swizzled rows).  KD / 4 registers. */
-template <int KD, int BM>
+/* This thread's A fragments of its warpgroup's Q rows for S = Q K^T from registers, KS k-steps
+ * of 32 bytes (16 fp16/bf16 dims for h90_qk_rs, 32 e4m3 dims for the e4m3 kernel): k-step kk's
+ * register i holds the 4 bytes at byte 32 kk + 16 (i >> 1) + 4 tq of row r0 + 8 (i & 1) (the
+ * layout h90_pack_p gives P), read once from the Q tile at sq (128-byte swizzled rows, 64-dim
+ * panels of fp16/bf16 BM * 128 bytes apart). */
+template <int KS, int BM>
 static __device__ __forceinline__ void
-h90_q_frags(uint32_t (&qa)[KD / 16][4], uint32_t sq, int r0, int tq)
+h90_q_frags(uint32_t (&qa)[KS][4], uint32_t sq, int r0, int tq)
 {
 #pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
+    for (int kk = 0; kk < KS; kk++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const uint32_t r = (uint32_t)(r0 + 8 * (i & 1));

@@ -87,24 +87,35 @@ def _check(out, q, qsl, dense, limits, scale, lse=None):
         _close(out[sl], q[sl], k, v, visible, scale, None if lse is None else lse[sl])
 
 
-@pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
-@pytest.mark.parametrize("block", [1, 16, 48])
-def test_every_head_size_matches_the_reference(head, dtype, mask, block, attention_kernel):
+def _masked_case(head, dtype, mask, block):
+    """Two rows (300 keys / 120 queries, 771 / 771), GQA 8/2, the mask's key limits: a function
+    that runs the paged call (the current kernel choice) and checks it against the reference."""
     seq_lens, query_lens = [300, 771], [120, 771]
     q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 8, 2, head, block, dtype, head + block)
     limits = _limits(seq_lens, query_lens, mask)
     code = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}[mask]
     key_limits = torch.cat(limits).cuda() if mask == "limits" else None
     scale = head**-0.5
-    for kernel in ("auto", "sm80"):
-        attention_kernel(kernel)
+
+    def run():
         out = torch.full_like(q, float("nan"))
         _C.paged_attention(
             q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
         )
         _check(out, q, qsl, dense, limits, scale)
+
+    return run
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize("block", [1, 16, 48])
+def test_every_head_size_matches_the_reference(head, dtype, mask, block, attention_kernel):
+    run = _masked_case(head, dtype, mask, block)
+    for kernel in ("auto", "sm80"):
+        attention_kernel(kernel)
+        run()
         if kernel == "sm80" or head not in WGMMA_HEADS + CP_ASYNC_HEADS or not _hopper():
             assert _C.last_attention_kernel() == "sm80"
         elif head in CP_ASYNC_HEADS:
@@ -118,18 +129,7 @@ def test_head_256_form_blocks_past_16(head, mask, block):
     """The head-256 form's group producer over blocks of 32 to 128 keys: 80-key tiles (160, 256)
     start inside a block and span two, each 16-key group at its own offset in its block; 64-key
     tiles (192) fill one block or take a part of one."""
-    seq_lens, query_lens = [300, 771], [120, 771]
-    dtype = torch.bfloat16
-    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 8, 2, head, block, dtype, head + block)
-    limits = _limits(seq_lens, query_lens, mask)
-    code = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}[mask]
-    key_limits = torch.cat(limits).cuda() if mask == "limits" else None
-    scale = head**-0.5
-    out = torch.full_like(q, float("nan"))
-    _C.paged_attention(
-        q, cache, table.cuda(), qsl.cuda(), seq.cuda(), key_limits, code, scale, out, table, qsl, seq
-    )
-    _check(out, q, qsl, dense, limits, scale)
+    _masked_case(head, torch.bfloat16, mask, block)()
     assert _C.last_attention_kernel() == ("sm90-ws" if _hopper() else "sm80")
 
 
