@@ -6,10 +6,10 @@
  * (dk_cuda_*).  No Python.h and no CUDA headers here: a stream is a void pointer.  Only
  * the Python boundary (csrc/py/) turns a dk_status into a Python exception.
  *
- * Conventions (see STYLE.md): sizes, strides and indices are int64 and strides are counted
- * in elements; a slot < 0 means "skip this token"; every routine that can fail returns a
- * dk_status and writes a message into the dk_error it is given; nothing here allocates
- * torch memory or keeps a pointer past the call.
+ * Conventions: sizes, strides and indices are int64 and strides are counted in elements; a
+ * slot < 0 means "skip this token"; every routine that can fail returns a dk_status and writes
+ * a message into the dk_error it is given; nothing here allocates torch memory or keeps a
+ * pointer past the call.
  */
 #ifndef DIFFKV_H
 #define DIFFKV_H
@@ -470,10 +470,11 @@ typedef struct dk_attention_args {
      * host copy of the block table for the CUDA kernels' choice of K/V producer (0 when not
      * counted): dk_attention_table_runs. */
     int32_t table_runs;
-    /* Bit 1, dense_attention's consecutive & 1 over one source: every row's keys are
+    /* DK_CONSECUTIVE_TILES, dense_attention's bit over one source: every row's keys are
      * consecutive rows of the cache, so a key tile of any size is one run (the CUDA kernels'
-     * flat boxes).  Bit 2, consecutive & 2 (one or two sources): every 16 keys of a row are 16
-     * consecutive rows of one source from a multiple of 8 (the per-chunk TMA boxes). */
+     * flat boxes).  DK_CONSECUTIVE_CHUNKS, its bit as given (one or two sources): every 16 keys
+     * of a row are 16 consecutive rows of one source from a multiple of 8 (the per-chunk TMA
+     * boxes). */
     int32_t keys_consecutive;
 } dk_attention_args;
 
@@ -486,6 +487,19 @@ enum {
 
 /* dk_attention_args.table_runs when every key tile is one run (its scale: per mille) */
 #define DK_TABLE_RUNS_ALL 1000
+
+/* dense_attention's consecutive argument, one bit per promise its caller makes (exported as
+ * _C.CONSECUTIVE_*); the first two are also dk_attention_args.keys_consecutive's bits. */
+enum {
+    /* every 128-key tile of every row is one run of consecutive key indices of one source */
+    DK_CONSECUTIVE_TILES = 1,
+    /* every 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting
+     * at a multiple of 8 */
+    DK_CONSECUTIVE_CHUNKS = 2,
+    /* k_scale / v_scale were computed from key / value themselves (amax / 448): their values
+     * are not checked on the host */
+    DK_CONSECUTIVE_SCALES_FROM_KV = 4
+};
 
 /* Host-side bounds check the kernels rely on: query_start_loc monotone from 0 to num_tokens,
  * seq_lens[r] in [0, bt_cols * block_size], every block id a row can reach in

@@ -136,7 +136,8 @@ h90_wide_tiles(const dk_attention_args *a)
     const bool flat16 = bs == 16 && flat;
     /* smaller power-of-two blocks whose rows the caller vouched consecutive (dense K/V): flat
      * boxes of any length */
-    const bool vouched = (a->keys_consecutive & 1) != 0 && flat && bs < 16 && (bs & (bs - 1)) == 0;
+    const bool vouched = (a->keys_consecutive & DK_CONSECUTIVE_TILES) != 0 && flat && bs < 16 &&
+                         (bs & (bs - 1)) == 0;
     return one_block || flat16 || vouched;
 }
 

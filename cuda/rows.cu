@@ -101,6 +101,9 @@ row_shape(const char *op, const dk_rows_args *a, bool vec, int64_t es, int32_t *
     return DK_OK;
 }
 
+/* The checks both directions share before launching: a->dtype has a fixed element size and
+ * grid (the launch's one-dimensional grid: the number of rows it walks) fits DK_MAX_GRID_X.
+ * DK_OK, or DK_ERR_UNSUPPORTED with a message naming op. */
 static dk_status
 check_common(const char *op, const dk_rows_args *a, int64_t grid, dk_error *err)
 {

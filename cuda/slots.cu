@@ -13,6 +13,14 @@
 
 #define SLOTS_THREADS 256
 
+/*
+ * One thread per token t of [0, num_tokens_padded): slot_mapping[t * slot_stride] = the cache
+ * slot of packed query token t (its row's table row, block positions[t] / (block_size *
+ * cp_size), then the offset within it as dk_slots_args describes), -1 for a padding token
+ * (t >= num_tokens), a token stored on another context-parallel rank or a block the table
+ * does not hold.  Assumes query_start_loc and row_indices were validated on the host; reads
+ * nothing outside block_table whatever it holds.
+ */
 static __global__ void
 slots_kernel(const dk_slots_args a)
 {

@@ -128,11 +128,11 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *bas
     return nhd ? 1 : 2;
 }
 
-/* The per-chunk maps of dense_attention's vouched chunks (keys_consecutive & 2): each source
- * ([rows, num_kv_heads, 128] token rows, NHD) as one block of all its rows, so a chunk's
- * coordinates are its first row / 8 (h90_produce_tma_groups, FLAT); rows a multiple of 8
- * (the map then ends where the source does: a chunk half past it reads zeros) and under 2^31.
- * Returns 3 when all four maps are encoded, else 0. */
+/* The per-chunk maps of dense_attention's vouched chunks (DK_CONSECUTIVE_CHUNKS in
+ * keys_consecutive): each source ([rows, num_kv_heads, 128] token rows, NHD) as one block of
+ * all its rows, so a chunk's coordinates are its first row / 8 (h90_produce_tma_groups, FLAT);
+ * rows a multiple of 8 (the map then ends where the source does: a chunk half past it reads
+ * zeros) and under 2^31.  Returns 3 when all four maps are encoded, else 0. */
 static int32_t
 h90_kgroups_flat(const dk_attention_args *a, h90_maps *m)
 {
@@ -306,7 +306,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     key.bt_cols_one = a->bt_cols == 1;
     key.dtype = (int32_t)a->dtype;
     key.tile = tile;
-    key.chunks = (a->keys_consecutive & 2) != 0;
+    key.chunks = (a->keys_consecutive & DK_CONSECUTIVE_CHUNKS) != 0;
     key.k2 = a->key_cache2;
     key.v2 = a->value_cache2;
     key.blocks2 = a->key_cache2 != NULL ? a->blocks2 : 0;
@@ -319,7 +319,7 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
         if (e.producer == H90_CP_ASYNC) {
             memset(&e.maps, 0, sizeof(e.maps)); /* dims.box 0, no flat map */
         }
-        if ((a->keys_consecutive & 2) != 0) {
+        if ((a->keys_consecutive & DK_CONSECUTIVE_CHUNKS) != 0) {
             e.maps.k_groups_ok = h90_kgroups_flat(a, &e.maps);
         }
         else {

@@ -26,8 +26,7 @@ struct h90_tma_dims {
                           h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
                           VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
                           blocks (HND), 3 flat sources of vouched chunks (the kernel's VG 2;
-                          dense_attention's consecutive & 2; the second source's maps in
-                          tfk2 / tfv2) */
+                          DK_CONSECUTIVE_CHUNKS; the second source's maps in tfk2 / tfv2) */
 };
 
 /* The tensor maps of one cache (K and V): per block (dims) and, for a flat cache, over its

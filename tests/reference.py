@@ -3,8 +3,9 @@ value head size, optional log-sum-exp, dense or batched), the mask builders it t
 bottom-right causal, piecewise spans, per-token key limits) and the paged K/V read-back.
 
 Everything is computed in float64 unless a lower ``precision`` is asked for (the
-"same-precision reference" whose error bounds the kernels' error, STYLE.md).  Every test that
-checks an attention output compares against ``ref_attention``; no test spells out its own.
+"same-precision reference", whose own error against float64 bounds the kernels' error: see
+``assert_attention_close``).  Every test that checks an attention output compares against
+``ref_attention``; no test spells out its own.
 """
 
 from __future__ import annotations

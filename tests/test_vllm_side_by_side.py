@@ -27,6 +27,7 @@ import torch
 import fake_vllm_omni as fake
 from diffkv import adapter as ours
 from diffkv.integrations import vllm_omni as integration
+from reference import mask_causal, ref_attention
 
 ADAPTER = "vllm_omni.diffusion.diffusion_kv.paged_attention_adapter"
 OMNI_FLASH_ATTN = "vllm_omni.diffusion.attention.backends.flash_attn"
@@ -528,12 +529,10 @@ def test_install_serves_flash_attention_metadata_without_touching_it(monkeypatch
     qh, rows = q.reshape(-1, H, D), ((0, 0, SEQ), (1, SEQ, 2 * SEQ))  # the batch's table rows
     for table_row, lo, hi in rows:
         blocks = batch.block_tables[0][table_row, :3].long()
-        keys = cache[0, blocks].reshape(-1, HKV, D)[:SEQ].repeat_interleave(H // HKV, dim=1)
-        values = cache[1, blocks].reshape(-1, HKV, D)[:SEQ].repeat_interleave(H // HKV, dim=1)
-        _same(keys[:, :: H // HKV], k.reshape(-1, HKV, D)[lo:hi], "keys written")
-        scores = torch.einsum("qhd,khd->hqk", qh[lo:hi].double(), keys.double()) * 0.25
-        scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
-        expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double())
+        keys = cache[0, blocks].reshape(-1, HKV, D)[:SEQ]
+        values = cache[1, blocks].reshape(-1, HKV, D)[:SEQ]
+        _same(keys, k.reshape(-1, HKV, D)[lo:hi], "keys written")
+        expected = ref_attention(qh[lo:hi], keys, values, mask_causal(range(SEQ), SEQ), 0.25)
         torch.testing.assert_close(out.reshape(-1, H, D)[lo:hi].double(), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -223,6 +223,9 @@ scale_version(PyObject *obj)
     return version;
 }
 
+/* Whether checked_scales holds obj (still alive) at data pointer ptr and version counter
+ * version, i.e. its values were checked and not written since: 1 yes, 0 no (always 0 for a
+ * version < 0).  Cannot fail; never raises. */
 static int
 scale_checked(PyObject *obj, const float *ptr, long long version)
 {
@@ -236,6 +239,10 @@ scale_checked(PyObject *obj, const float *ptr, long long version)
     return 0;
 }
 
+/* Records obj (a weak reference), ptr and version in checked_scales' next ring entry, after
+ * its values passed dkpy_check_scale_values, dropping the oldest entry's reference.  Nothing
+ * is recorded for a version < 0 or an object that takes no weak reference (checked again
+ * next time).  Cannot fail: any error is cleared. */
 static void
 scale_remember(PyObject *obj, const float *ptr, long long version)
 {

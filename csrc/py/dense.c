@@ -82,16 +82,17 @@ joint_kv(PyObject *module, PyObject *const *args, const char *op, dk_tensor *kv)
  * the caller vouches that no row has more queries); 0 = up to every query token, as in
  * paged_attention.  With host copies it is ignored (the checked copies give the exact max).
  * Then joint_key, joint_value, key_block (blocks of that many consecutive key tokens) and
- * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them): 1 every
- * row's keys are runs of consecutive rows whose 128-key tiles each lie in one source; 2 every
- * 16 keys of a row (0-15, 16-31, ..) are 16 consecutive rows of one source starting at a
- * multiple of 8 (the row's last 16 may run past its keys); 4 (with scales) the scales were
- * computed from key/value themselves (the dense forward's amax / 448, never <= 0), so their
- * values are not copied to the host to be checked -- no synchronisation; a NaN or inf among
- * them comes from NaN or inf inputs and gives NaN outputs, as unquantized attention does.
+ * consecutive, bits the caller vouches for (the kernels' TMA producers rely on them):
+ * DK_CONSECUTIVE_TILES (1) every row's keys are runs of consecutive rows whose 128-key tiles
+ * each lie in one source; DK_CONSECUTIVE_CHUNKS (2) every 16 keys of a row (0-15, 16-31, ..)
+ * are 16 consecutive rows of one source starting at a multiple of 8 (the row's last 16 may run
+ * past its keys); DK_CONSECUTIVE_SCALES_FROM_KV (4, with scales) the scales were computed
+ * from key/value themselves (the dense forward's amax / 448, never <= 0), so their values are
+ * not copied to the host to be checked -- no synchronisation; a NaN or inf among them comes
+ * from NaN or inf inputs and gives NaN outputs, as unquantized attention does.
  * Then, optionally, k_scale and v_scale: key/value (and joint_key/joint_value) are
  * float8_e4m3fn, read as e4m3 * scale (paged_attention's scales: float32, one per tensor or
- * per KV head, finite and positive unless bit 4 says otherwise).
+ * per KV head, finite and positive unless DK_CONSECUTIVE_SCALES_FROM_KV says otherwise).
  */
 static PyObject *
 py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -155,7 +156,8 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (dkpy_get_i64(args[17], op, "consecutive", &consecutive) != 0) {
         return NULL;
     }
-    if (consecutive < 0 || consecutive > 7) {
+    if (consecutive < 0 || consecutive > (DK_CONSECUTIVE_TILES | DK_CONSECUTIVE_CHUNKS |
+                                          DK_CONSECUTIVE_SCALES_FROM_KV)) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): consecutive must be 0 to 7 (bits 1, 2 and 4), got %lld", op,
                      (long long)consecutive);
@@ -180,16 +182,16 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (rc != 0) {
         return NULL;
     }
-    if (a.kv_fp8 && !(consecutive & 4) &&
+    if (a.kv_fp8 && !(consecutive & DK_CONSECUTIVE_SCALES_FROM_KV) &&
         dkpy_check_scales(module, args + 18, args[0], &q, a.k_scale, a.v_scale,
                           a.scale_stride_head ? a.num_kv_heads : 1, op) != 0) {
         return NULL;
     }
-    if (consecutive & 1) {
+    if (consecutive & DK_CONSECUTIVE_TILES) {
         a.table_runs = DK_TABLE_RUNS_ALL; /* the caller vouches: every tile is one run */
-        a.keys_consecutive = a.key_cache2 == NULL;
+        a.keys_consecutive = a.key_cache2 == NULL ? DK_CONSECUTIVE_TILES : 0;
     }
-    a.keys_consecutive |= (int32_t)(consecutive & 2); /* and 16-key chunks */
+    a.keys_consecutive |= (int32_t)(consecutive & DK_CONSECUTIVE_CHUNKS); /* and 16-key chunks */
     if (dkpy_no_overlap(&o, "out", &kv[0], "key", op) ||
         dkpy_no_overlap(&o, "out", &kv[1], "value", op) ||
         dkpy_short_rows_set_mask(module, args[6], op, mask, &q, &o, &a) != 0) {

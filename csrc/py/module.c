@@ -16,6 +16,10 @@ static PyMethodDef *const method_tables[] = {
     dkpy_dense_methods,  dkpy_layer_methods,
 };
 
+/* Py_mod_exec: fills a new module object -- empties its state's DLPack bridge (configure() in
+ * info.c sets it later), creates diffkv.CudaError, adds every file's functions
+ * (method_tables) and the int constants (DTYPE_*, MASK_*, LAYOUT_*, CONSECUTIVE_*).  0, or -1
+ * with the exception set (the import fails; module_free releases what was made). */
 static int
 module_exec(PyObject *module)
 {
@@ -45,7 +49,11 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "LAYOUT_KEY_HEADS", LAYOUT_KEY_HEADS) < 0 ||
         PyModule_AddIntConstant(module, "LAYOUT_VALUE_HEADS", LAYOUT_VALUE_HEADS) < 0 ||
         PyModule_AddIntConstant(module, "LAYOUT_KEY_CONTIGUOUS", LAYOUT_KEY_CONTIGUOUS) < 0 ||
-        PyModule_AddIntConstant(module, "LAYOUT_VALUE_CONTIGUOUS", LAYOUT_VALUE_CONTIGUOUS) < 0) {
+        PyModule_AddIntConstant(module, "LAYOUT_VALUE_CONTIGUOUS", LAYOUT_VALUE_CONTIGUOUS) < 0 ||
+        PyModule_AddIntConstant(module, "CONSECUTIVE_TILES", DK_CONSECUTIVE_TILES) < 0 ||
+        PyModule_AddIntConstant(module, "CONSECUTIVE_CHUNKS", DK_CONSECUTIVE_CHUNKS) < 0 ||
+        PyModule_AddIntConstant(module, "CONSECUTIVE_SCALES_FROM_KV",
+                                DK_CONSECUTIVE_SCALES_FROM_KV) < 0) {
         return -1;
     }
     return 0;

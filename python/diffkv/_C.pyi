@@ -227,6 +227,10 @@ LAYOUT_KEY_HEADS: int  # 4: the key likewise
 LAYOUT_VALUE_HEADS: int  # 8: the value likewise
 LAYOUT_KEY_CONTIGUOUS: int  # 16: the key needs .contiguous()
 LAYOUT_VALUE_CONTIGUOUS: int  # 32: the value needs .contiguous()
+# dense_attention's consecutive bits: what its caller vouches for
+CONSECUTIVE_TILES: int  # 1: every 128-key tile of a row is one run of one source's keys
+CONSECUTIVE_CHUNKS: int  # 2: every 16 keys of a row are one source's rows from a multiple of 8
+CONSECUTIVE_SCALES_FROM_KV: int  # 4: k_scale / v_scale were computed from key / value
 
 def paged_attention(
     query: torch.Tensor,
@@ -297,13 +301,14 @@ def dense_attention(
     source read by the same kernels: key indices num_keys .. num_keys + num_joint - 1.
     key_block > 1 (dividing num_keys; no joint keys): key_index holds blocks of key_block
     consecutive key tokens instead (the dense path's whole rows: TMA boxes on Hopper).
-    consecutive = 1: the caller vouches that every 128-key tile of every row is one run of
-    consecutive key indices from one source (key_index[r, j] = key_index[r, j0] + j - j0 for
-    the keys j0 <= j < seq_lens[r] of a tile starting at j0, a multiple of 128: packed varlen
-    documents, joint tokens in whole tiles), which lets Hopper bring one-token blocks in as TMA
-    boxes (a row that breaks the promise reads the wrong keys, never outside the key tensors);
-    consecutive & 2: every 16 keys of a row are 16 consecutive rows of one source starting at a
-    multiple of 8; consecutive & 4 (with k_scale, v_scale): the scales were computed from
+    consecutive & CONSECUTIVE_TILES (1): the caller vouches that every 128-key tile of every
+    row is one run of consecutive key indices from one source (key_index[r, j] = key_index[r,
+    j0] + j - j0 for the keys j0 <= j < seq_lens[r] of a tile starting at j0, a multiple of
+    128: packed varlen documents, joint tokens in whole tiles), which lets Hopper bring
+    one-token blocks in as TMA boxes (a row that breaks the promise reads the wrong keys, never
+    outside the key tensors); consecutive & CONSECUTIVE_CHUNKS (2): every 16 keys of a row are
+    16 consecutive rows of one source starting at a multiple of 8; consecutive &
+    CONSECUTIVE_SCALES_FROM_KV (4, with k_scale, v_scale): the scales were computed from
     key/value (amax / 448), so their values are not checked on the host (no synchronisation);
     0 = no promise.
     Serves DiffKVAttentionImpl.forward (diffkv.dense).  As in paged_attention_lse, a row may

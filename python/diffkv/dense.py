@@ -37,9 +37,10 @@ Supported ``AttentionMetadata`` fields:
 with one scale each computed from them (amax / 448) and the attention runs over e4m3 K/V (on
 Hopper the e4m3 kernel, which also rounds Q and P; on other GPUs the mma.sync kernels' fp8
 form).  The scales stay on the device: the binding is told they come from K/V themselves
-(``consecutive & 4``), so nothing synchronises; NaN or inf inputs give NaN outputs, as they do
-unquantized.  With the joint tensors one scale covers K and joint K (one V and joint V: the
-kernels read both sources with the same scales); packed varlen documents share theirs.
+(``_C.CONSECUTIVE_SCALES_FROM_KV``), so nothing synchronises; NaN or inf inputs give NaN
+outputs, as they do unquantized.  With the joint tensors one scale covers K and joint K (one V
+and joint V: the kernels read both sources with the same scales); packed varlen documents share
+theirs.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
@@ -308,8 +309,8 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
     key_index = (cuk[:-1, None] + torch.arange(cols, device=device)).clamp_(max=max(total_k - 1, 0))
     # At head 128 on Hopper, documents whose keys start at multiples of 8 rows (host offsets:
     # checked here) in a key tensor of a multiple of 8 rows take one TMA box per 16-key chunk
-    # (the binding's consecutive & 2; a document's last chunk may run into the next one's rows,
-    # masked): 8192-key documents 584 -> 605 TFLOP/s on the H200 against the flat boxes
+    # (the binding's CONSECUTIVE_CHUNKS; a document's last chunk may run into the next one's
+    # rows, masked): 8192-key documents 584 -> 605 TFLOP/s on the H200 against the flat boxes
     # (elsewhere the bit is ignored)
     chunks = host_k and impl.head_size == 128 and total_k % 8 == 0 and bool((cu_k % 8 == 0).all())
     q = query[0]
@@ -336,11 +337,12 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
             key_limits = lim.clamp_(min=0).to(torch.int32)
             mask = _C.MASK_LIMITS
     k, v = _key_value(key, value)
-    consecutive, scales = 3 if chunks else 1, ()
+    consecutive = _C.CONSECUTIVE_TILES | (_C.CONSECUTIVE_CHUNKS if chunks else 0)
+    scales: tuple[torch.Tensor, ...] = ()
     if fp8:
-        # the per-chunk boxes (consecutive & 2) are the bf16 kernels' producer: not asked for
+        # the per-chunk boxes (CONSECUTIVE_CHUNKS) are the bf16 kernels' producer: not asked for
         (k, v), scales = _quantize_kv(k, v)
-        consecutive = 1 | 4
+        consecutive = _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
     if host_q:
         # host offsets were checked: the kernels write every document token (no memset: it
         # costs ~4 % of a four-document call on an H200)
@@ -431,9 +433,9 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> t
     parts = (joint_index, main_index) if front else (main_index, joint_index)
     # Without a mask the keys are a set (no position matters): the source that fills whole
     # 128-key tiles goes first, so every tile reads one source's consecutive keys (Hopper: flat
-    # TMA boxes; the binding's consecutive & 1) -- or, at head 128, the one that fills whole
+    # TMA boxes; the binding's CONSECUTIVE_TILES) -- or, at head 128, the one that fills whole
     # 16-key chunks, each then 16 consecutive rows of one source from a multiple of 8 when both
-    # sources' rows are (Hopper: a TMA box per chunk and 176-key tiles; consecutive & 2).
+    # sources' rows are (Hopper: a TMA box per chunk and 176-key tiles; CONSECUTIVE_CHUNKS).
     unmasked = not impl.causal and keep is None and jkeep is None
     runs = unmasked and (sj_k % 128 == 0 or keys % 128 == 0)
     aligned = s_k % 8 == 0 and sj_k % 8 == 0  # every source row of a chunk from a multiple of 8
@@ -460,11 +462,13 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> t
         key_index, seq_lens, limits = _kept_first(key_index, vkeep, limits)
     key_index = key_index.to(torch.int32)
     k, v, k2, v2 = _key_value(key, value, jk, jv)
-    consecutive, scales = int(runs) | (2 if chunks else 0), ()
+    tiles = _C.CONSECUTIVE_TILES if runs else 0
+    consecutive = tiles | (_C.CONSECUTIVE_CHUNKS if chunks else 0)
+    scales: tuple[torch.Tensor, ...] = ()
     if fp8:
-        # one scale for K and one for V over both sources; no per-chunk boxes (consecutive & 2)
+        # one scale for K and one for V over both sources; no per-chunk boxes (CONSECUTIVE_CHUNKS)
         (k, v, k2, v2), scales = _quantize_kv(k, v, k2, v2)
-        consecutive = int(runs) | 4
+        consecutive = tiles | _C.CONSECUTIVE_SCALES_FROM_KV
     # one launch per batch row and query source: [B, S] slices of the output need not flatten
     spans = ((jq, 0), (query, sj_q)) if front else ((query, 0), (jq, s_q))
     # [0, n] filled on the device: no host memory, nothing to synchronise, capturable
@@ -555,7 +559,7 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         per_row = s_k // key_block
         key_index = rows // key_block + torch.arange(per_row, device=device, dtype=torch.int64)
         seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)
-        consecutive = 1
+        consecutive = _C.CONSECUTIVE_TILES
     else:
         key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
         key_index, seq_lens, limits = _kept_first(key_index, keep, limits)
@@ -571,10 +575,11 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     scales: tuple[torch.Tensor, ...] = ()
     if fp8:
         (k, v), scales = _quantize_kv(k, v)
+        consecutive |= _C.CONSECUTIVE_SCALES_FROM_KV
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, s_q, None, None, key_block, consecutive | (4 if fp8 else 0), *scales,
+        None, None, None, s_q, None, None, key_block, consecutive, *scales,
     )  # fmt: skip
     return out.view(batch, s_q, heads, head)
