@@ -37,8 +37,8 @@
  * On the last tile the consumers zero the V rows past the last visible key (stale or unwritten
  * data, 0 * nan = nan) and the mask drops the K rows.  Consumers release a K slot as soon as
  * S = Q K^T is done and a V slot when P V is, so the producer refills K one softmax before V
- * (head 128: P V is waited for after the next tile's softmax, LATE_PV_WAIT; with 176-key tiles
- * the TMA producer then issues K of a tile before V of the tile before, K_AHEAD).
+ * (head 128 itself: P V is waited for after the next tile's softmax, LATE_PV_WAIT; with 176-key
+ * tiles the TMA producer then issues K of a tile before V of the tile before, K_AHEAD).
  * No CTA-wide barrier inside the key loop.
  * A CTA's fixed costs were cut where they were serial: the consumers issue their Q rows right
  * after the CTA's place is known (not after the key limits' barrier), the per-chunk producer
@@ -97,9 +97,9 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * it after the softmax, where the source puts it, kept there by the store below): the
      * V slot is then released a softmax later, so this goes with a third V slot (head 128,
      * 128-key tiles) or, where a third does not fit (176-key tiles), with K_AHEAD.  Head 64
-     * (three slots of each, three consumer warpgroups) keeps ptxas's early wait: the late one
-     * measured slower there. */
-    constexpr bool LATE_PV_WAIT = D == 128 && (SV > ST || BN == 176);
+     * (three slots of each, three consumer warpgroups) and the padded head-128 forms (72 to 96
+     * dims) keep ptxas's early wait: the late one measured slower at both (head-sizes.md). */
+    constexpr bool LATE_PV_WAIT = D == 128 && DR == D && (SV > ST || BN == 176);
     /* The TMA producer's order with as many V slots as K and the late wait: K of tile kt
      * before V of tile kt - 1, which a consumer needs a tile later (its P V is issued with the
      * next tile's Q K^T) and whose slot frees a softmax later -- waiting for that slot first
@@ -583,10 +583,10 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * warpgroups (128 query rows per CTA), two K/V stages (a third of each does not fit in shared
  * memory) and with 128-key tiles a third V stage (192 KB of tiles: h90_produce_cp_async_groups
  * copies K and V of a tile together once both slots are free, and the extra V slot frees them
- * one tile earlier; every producer's consumers wait for P V after the softmax, which holds a V
- * slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and their TMA
- * producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192 rows) --
- * its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
+ * one tile earlier; at 128 dims every producer's consumers wait for P V after the softmax,
+ * which holds a V slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and
+ * their TMA producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192
+ * rows) -- its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
  * host chose 176-key tiles.  Head 256 has a form of its own (two slots of each), and the padded
  * head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0) run head 64's
  * form (32), head 128's (72, 80, 96) or head 256's (160, 192).  The head-256 form takes 80-key
