@@ -11,9 +11,12 @@
  *
  * A float8_e4m3fn cache (cache_dtype DK_F8E4M3) stores each element quantized, x / scale in
  * fp32 rounded to e4m3 (dk_f32_to_e4m3's rounding, bit for bit):
- *   - kv_write_vec_kernel<DT> under the fast path's conditions (the cache side aligned to
- *     its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores, the quotient
- *     from the scale's reciprocal and two exact residual steps (quotient_e4m3: no division);
+ *   - kv_write_vec_kernel<DT, 2> for 16-bit inputs whose heads are multiples of 16 elements
+ *     and whose cache side is 16-byte aligned: two 16-byte loads per 16-byte store;
+ *     kv_write_vec_kernel<DT, 1> under the fast path's other conditions (the cache side
+ *     aligned to its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
+ *     both take the quotient from the scale's reciprocal and two exact residual steps
+ *     (quotient_e4m3: no division);
  *   - kv_write_fp8_kernel otherwise: one element at a time with any strides.
  *
  * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
@@ -38,6 +41,10 @@
  * HBM latency at a modest occupancy (one unit per thread did not: docs/performance.md, KV
  * write). */
 #define KV_WRITE_TOKENS 4
+/* The same for kv_write_vec_kernel<DT, 2>, whose units are twice as wide: one token, 64 bytes in
+ * flight per thread -- fewer registers, more CTAs per SM; 2 and 4 tokens measured slower
+ * (docs/fp8.md, *The quantizing write's bandwidth*). */
+#define KV_WRITE_TOKENS_WIDE 1
 
 /*
  * Strided fallback.  One block per token; its threads walk the (tensor, head, unit) items of
@@ -178,74 +185,90 @@ pack_e4m3x2(float a, float b)
 #endif
 }
 
-/* A unit of the vec kernel into the cache at dst: as it is (OUT == KV_COPY, 16 bytes), or
- * quantized with scale from DT = OUT values (16 / sizeof(DT) bytes, element j at byte j);
- * recip is fast_reciprocal(scale). */
-template <int OUT>
-static __device__ __forceinline__ void
-store_unit(char *dst, const uint4 &unit, float scale, float recip)
+/* A 16-byte unit of DT values quantized with scale (recip = fast_reciprocal(scale)): element j
+ * at byte j of the result, 16 / sizeof(DT) bytes (8, or 4 in .x for fp32). */
+template <int DT>
+static __device__ __forceinline__ uint2
+quantize_unit(const uint4 &unit, float scale, float recip)
 {
-    if (OUT == KV_COPY) {
-        *(uint4 *)dst = unit;
-        return;
-    }
-    constexpr int E = OUT == DK_F32 ? 4 : 8;
+    constexpr int E = DT == DK_F32 ? 4 : 8;
     uint32_t q[2] = {0, 0};
     if (recip != 0.0f) {
 #pragma unroll
         for (int j = 0; j < E; j += 2) {
-            const float a = quotient_e4m3(unit_element<OUT>(unit, j), -scale, recip);
-            const float b = quotient_e4m3(unit_element<OUT>(unit, j + 1), -scale, recip);
+            const float a = quotient_e4m3(unit_element<DT>(unit, j), -scale, recip);
+            const float b = quotient_e4m3(unit_element<DT>(unit, j + 1), -scale, recip);
             q[j / 4] |= pack_e4m3x2(a, b) << (8 * (j % 4));
         }
     }
     else {
 #pragma unroll
         for (int j = 0; j < E; j++) {
-            q[j / 4] |= (uint32_t)quantize_e4m3(unit_element<OUT>(unit, j), scale) << (8 * (j % 4));
+            q[j / 4] |= (uint32_t)quantize_e4m3(unit_element<DT>(unit, j), scale) << (8 * (j % 4));
         }
     }
-    if (E == 8) {
-        *(uint2 *)dst = make_uint2(q[0], q[1]);
+    return make_uint2(q[0], q[1]);
+}
+
+/* W 16-byte input units of the vec kernel into the cache at dst: as they are (OUT == KV_COPY,
+ * W == 1, 16 bytes), or quantized with scale from DT = OUT values, W * 16 / sizeof(DT) bytes
+ * (W == 2 only for 16-bit DT: one 16-byte store). */
+template <int OUT, int W>
+static __device__ __forceinline__ void
+store_unit(char *dst, const uint4 *unit, float scale, float recip)
+{
+    if constexpr (OUT == KV_COPY) {
+        *(uint4 *)dst = unit[0];
+    }
+    else if constexpr (W == 2) {
+        const uint2 lo = quantize_unit<OUT>(unit[0], scale, recip);
+        const uint2 hi = quantize_unit<OUT>(unit[1], scale, recip);
+        *(uint4 *)dst = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+    else if constexpr (OUT == DK_F32) {
+        *(uint32_t *)dst = quantize_unit<OUT>(unit[0], scale, recip).x;
     }
     else {
-        *(uint32_t *)dst = q[0];
+        *(uint2 *)dst = quantize_unit<OUT>(unit[0], scale, recip);
     }
 }
 
 /*
- * Fast path: 16-byte units (elems_per_unit elements), dim strides 1, all addresses 16-byte
- * aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and owns the tile of
- * blockDim.y * KV_WRITE_TOKENS consecutive tokens starting at blockIdx.x * tile; lane y moves
- * tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads * units_per_head
- * units of a token row in steps of blockDim.x (a single step whenever the row fits the CTA)
- * and moves the same unit of K and of V.  It loads every one of its tokens' units first
- * (key/value are read-only here, hence the non-coherent path), then stores those whose slot is
- * in the cache.  Rows of skipped tokens are loaded too: they lie inside key/value, and the
- * loads need not wait for the slots.
+ * Fast path: units of W 16-byte loads (W * elems_per_unit elements), dim strides 1, all
+ * addresses 16-byte aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and
+ * owns the tile of blockDim.y * TOK consecutive tokens starting at blockIdx.x * tile; lane y
+ * moves tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads *
+ * units_per_head units of a token row in steps of blockDim.x (a single step whenever the row
+ * fits the CTA) and moves the same unit of K and of V.  It loads every one of its tokens' units
+ * first (key/value are read-only here, hence the non-coherent path), then stores those whose
+ * slot is in the cache.  Rows of skipped tokens are loaded too: they lie inside key/value, and
+ * the loads need not wait for the slots.
  *
- * OUT is KV_COPY for a cache of the inputs' dtype (each unit stored as it is), or the inputs'
- * dtype DT for a float8_e4m3fn cache: each unit quantized with its head's scales and stored as
- * elems_per_unit = 16 / sizeof(DT) bytes (8: a uint2, 4: a uint32), the cache offsets in bytes.
+ * OUT is KV_COPY for a cache of the inputs' dtype (each 16-byte unit stored as it is, W 1), or
+ * the inputs' dtype DT for a float8_e4m3fn cache: each unit quantized with its head's scales
+ * and stored as W * 16 / sizeof(DT) bytes, the cache offsets in bytes.  W 2 (16-bit DT): one
+ * 16-byte store per unit (W 1's 8-byte stores: 3.35 against 3.66 TB/s, docs/fp8.md).
  */
-template <int OUT>
+template <int OUT, int W>
 static __global__ void
 kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
                     int32_t elems_per_unit)
 {
+    static_assert(W == 1 || (W == 2 && (OUT == DK_F16 || OUT == DK_BF16)), "unit width");
+    constexpr int TOK = W == 2 ? KV_WRITE_TOKENS_WIDE : KV_WRITE_TOKENS;
     const int32_t units = (int32_t)a.num_kv_heads * units_per_head;
     const int64_t capacity = a.num_blocks * a.block_size;
-    const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * KV_WRITE_TOKENS + threadIdx.y;
+    const int64_t t0 = (int64_t)blockIdx.x * blockDim.y * TOK + threadIdx.y;
     const char *key = (const char *)a.key;
     const char *value = (const char *)a.value;
     char *key_cache = (char *)a.key_cache;
     char *value_cache = (char *)a.value_cache;
     const int64_t cache_elem_size = OUT == KV_COPY ? elem_size : 1;
-    /* fp8: 16 / sizeof(DT), what prepare_fp8 passes, known here at compile time */
-    const int32_t unit_elems = OUT == KV_COPY ? elems_per_unit : (OUT == DK_F32 ? 4 : 8);
-    int64_t slot[KV_WRITE_TOKENS];
+    /* fp8: W * 16 / sizeof(DT), what prepare_fp8 passes, known here at compile time */
+    const int32_t unit_elems = OUT == KV_COPY ? elems_per_unit : W * (OUT == DK_F32 ? 4 : 8);
+    int64_t slot[TOK];
 #pragma unroll
-    for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+    for (int i = 0; i < TOK; i++) {
         int64_t t = t0 + (int64_t)i * blockDim.y;
         slot[i] = t < a.num_tokens ? __ldg(a.slot_mapping + t * a.slot_stride) : -1;
     }
@@ -262,26 +285,32 @@ kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_p
             kr = fast_reciprocal(ks);
             vr = fast_reciprocal(vs);
         }
-        uint4 k[KV_WRITE_TOKENS];
-        uint4 v[KV_WRITE_TOKENS];
+        uint4 k[TOK][W];
+        uint4 v[TOK][W];
 #pragma unroll
-        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+        for (int i = 0; i < TOK; i++) {
             int64_t t = t0 + (int64_t)i * blockDim.y;
-            k[i] = make_uint4(0, 0, 0, 0);
-            v[i] = make_uint4(0, 0, 0, 0);
-            if (t < a.num_tokens) {
-                k[i] = __ldg((const uint4 *)(key + (t * a.key_stride_token + key_off) * elem_size));
-                v[i] = __ldg(
-                    (const uint4 *)(value + (t * a.value_stride_token + value_off) * elem_size));
+            const uint4 *ksrc =
+                (const uint4 *)(key + (t * a.key_stride_token + key_off) * elem_size);
+            const uint4 *vsrc =
+                (const uint4 *)(value + (t * a.value_stride_token + value_off) * elem_size);
+#pragma unroll
+            for (int w = 0; w < W; w++) {
+                k[i][w] = make_uint4(0, 0, 0, 0);
+                v[i][w] = make_uint4(0, 0, 0, 0);
+                if (t < a.num_tokens) {
+                    k[i][w] = __ldg(ksrc + w);
+                    v[i][w] = __ldg(vsrc + w);
+                }
             }
         }
 #pragma unroll
-        for (int i = 0; i < KV_WRITE_TOKENS; i++) {
+        for (int i = 0; i < TOK; i++) {
             if (slot[i] >= 0 && slot[i] < capacity) {
                 int64_t off = (slot[i] / a.block_size) * a.cache_stride_block +
                               (slot[i] % a.block_size) * a.cache_stride_token + cache_off;
-                store_unit<OUT>(key_cache + off * cache_elem_size, k[i], ks, kr);
-                store_unit<OUT>(value_cache + off * cache_elem_size, v[i], vs, vr);
+                store_unit<OUT, W>(key_cache + off * cache_elem_size, k[i], ks, kr);
+                store_unit<OUT, W>(value_cache + off * cache_elem_size, v[i], vs, vr);
             }
         }
     }
@@ -343,13 +372,33 @@ ptr_aligned16(const void *p)
     return (uintptr_t)p % 16 == 0;
 }
 
+/* The vec kernel's CTA for rows of `units` units: up to 256 units wide, one unit column per
+ * thread and 256 / units token lanes; wider rows one lane, blockDim.x the row split into even
+ * passes (rounded to warps).  grid[0] covers num_tokens in tiles of lanes * tok tokens. */
+static void
+vec_shape(dk_pending_launch *p, int64_t units, int64_t num_tokens, int64_t tok)
+{
+    int64_t bx = units;
+    int64_t by = KV_WRITE_MAX_THREADS / units;
+    if (units >= KV_WRITE_MAX_THREADS) {
+        int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
+        bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
+        by = 1;
+    }
+    p->grid[0] = (uint32_t)dk_cdiv(num_tokens, by * tok);
+    p->block[0] = (uint32_t)bx;
+    p->block[1] = (uint32_t)by;
+}
+
 /* The fp8 write's launch (sizes checked by the caller): the vec kernel when the inputs meet
- * the fast path's conditions and the cache its units of E = 16 / element-size bytes. */
+ * the fast path's conditions and the cache its units of E = 16 / element-size bytes -- with
+ * 16-bit inputs, heads of whole 16-element units and a 16-byte aligned cache side, units of
+ * two loads and one 16-byte store. */
 static dk_status
 prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
 {
     const int64_t es = (int64_t)dk_dtype_size(a->dtype);
-    const int64_t e = 16 / es; /* elements (= cache bytes) per unit */
+    const int64_t e = 16 / es; /* elements (= cache bytes) per 16-byte load */
     const bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 &&
                      a->cache_stride_dim == 1 && aligned16(a->head_size * es) &&
                      ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
@@ -358,26 +407,27 @@ prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
                      aligned16(a->value_stride_head * es) && (uintptr_t)a->key_cache % e == 0 &&
                      (uintptr_t)a->value_cache % e == 0 && a->cache_stride_block % e == 0 &&
                      a->cache_stride_token % e == 0 && a->cache_stride_head % e == 0;
+    const bool wide = vec && es == 2 && a->head_size % 16 == 0 && ptr_aligned16(a->key_cache) &&
+                      ptr_aligned16(a->value_cache) && aligned16(a->cache_stride_block) &&
+                      aligned16(a->cache_stride_token) && aligned16(a->cache_stride_head);
     p->kv = *a;
     p->elem_size = es;
     p->grid[1] = p->grid[2] = p->block[1] = p->block[2] = 1;
+    if (wide) {
+        p->elems_per_unit = 16;
+        p->units_per_head = (int32_t)(a->head_size / 16);
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS_WIDE);
+        p->func = a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16, 2>
+                                     : (const void *)kv_write_vec_kernel<DK_BF16, 2>;
+        return DK_OK;
+    }
     if (vec) {
         p->elems_per_unit = (int32_t)e;
         p->units_per_head = (int32_t)(a->head_size / e);
-        int64_t units = a->num_kv_heads * p->units_per_head;
-        int64_t bx = units;
-        int64_t by = KV_WRITE_MAX_THREADS / units;
-        if (units >= KV_WRITE_MAX_THREADS) {
-            int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
-            bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
-            by = 1;
-        }
-        p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
-        p->block[0] = (uint32_t)bx;
-        p->block[1] = (uint32_t)by;
-        p->func = a->dtype == DK_F32   ? (const void *)kv_write_vec_kernel<DK_F32>
-                  : a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16>
-                                       : (const void *)kv_write_vec_kernel<DK_BF16>;
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS);
+        p->func = a->dtype == DK_F32   ? (const void *)kv_write_vec_kernel<DK_F32, 1>
+                  : a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16, 1>
+                                       : (const void *)kv_write_vec_kernel<DK_BF16, 1>;
         return DK_OK;
     }
     p->elems_per_unit = 1;
@@ -440,20 +490,8 @@ dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_err
     p->units_per_head = (int32_t)(a->head_size / p->elems_per_unit);
     p->grid[1] = p->grid[2] = p->block[1] = p->block[2] = 1;
     if (vec) {
-        /* Rows up to 256 units wide: one unit column per thread and 256 / units token lanes.
-         * Wider rows: one lane, blockDim.x the row split into even passes (rounded to warps). */
-        int64_t units = a->num_kv_heads * p->units_per_head;
-        int64_t bx = units;
-        int64_t by = KV_WRITE_MAX_THREADS / units;
-        if (units >= KV_WRITE_MAX_THREADS) {
-            int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
-            bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
-            by = 1;
-        }
-        p->grid[0] = (uint32_t)dk_cdiv(a->num_tokens, by * KV_WRITE_TOKENS);
-        p->block[0] = (uint32_t)bx;
-        p->block[1] = (uint32_t)by;
-        p->func = (const void *)kv_write_vec_kernel<KV_COPY>;
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS);
+        p->func = (const void *)kv_write_vec_kernel<KV_COPY, 1>;
         return DK_OK;
     }
     int64_t items = 2 * a->num_kv_heads * p->units_per_head;

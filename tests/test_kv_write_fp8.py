@@ -165,6 +165,45 @@ def test_forward_paged_refuses_an_fp8_cache_without_scales_before_writing(device
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case",
+    [(16, 0, 4), (128, 0, 8), (256, 0, 40), (72, 0, 8), (128, 8, 8), (40, 8, 3)],
+    ids=["wide_16", "wide_128", "wide_256_x40", "narrow_72", "narrow_cache_at_8", "narrow_40_at_8"],
+)
+def test_cuda_vec_unit_widths(dtype, case):
+    """The vec kernel's two unit widths on 16-bit inputs, each bit for bit torch's: 16-element
+    units and 16-byte stores (heads of whole 16-element units, a 16-byte aligned cache side)
+    and 8-element units with 8-byte stores (a 72- or 40-dim head, or a cache that starts 8
+    bytes past a 16-byte boundary).  Token counts that end a tile part-way and rows of one to
+    several passes."""
+    size, cache_offset, heads = case
+    gen = torch.Generator().manual_seed(size + cache_offset + heads)
+    n, block, blocks = 77, 16, 8
+    key = (torch.randn(n, heads, size, generator=gen) * 40).to(dtype).cuda()
+    value = (torch.randn(n, heads, size, generator=gen) / 40).to(dtype).cuda()
+    slots = torch.randperm(blocks * block, generator=gen)[:n]
+    slots[[0, 30, 76]] = -1
+    slots = slots.cuda()
+    numel = 2 * blocks * block * heads * size
+    storage = torch.full((numel + cache_offset,), 0x55, dtype=torch.uint8, device="cuda")
+    cache = storage[cache_offset:].view(F8).view(2, blocks, block, heads, size)
+    assert cache.data_ptr() % 16 == cache_offset
+    k_scale = (torch.rand(heads, generator=gen) + 0.02).cuda()
+    v_scale = k_scale.flip(0) * 0.02
+    _C.kv_write(key, value, cache, slots, k_scale, v_scale)
+    keep = slots >= 0
+    k, v = _written(cache, slots[keep])
+    assert torch.equal(k, _torch_quantized(key[keep], k_scale))
+    assert torch.equal(v, _torch_quantized(value[keep], v_scale))
+    untouched = torch.ones(blocks * block, dtype=torch.bool, device="cuda")
+    untouched[slots[keep]] = False
+    flat = cache.view(torch.uint8).reshape(2, -1, heads, size)
+    assert (flat[:, untouched] == 0x55).all()
+    assert (storage[:cache_offset] == 0x55).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_fast_quantizer_on_many_scales(dtype):
     """The CUDA division and rounding against torch's on every 16-bit pattern (fp32: 2^16
