@@ -97,11 +97,13 @@ def _fp8_attention_case(dtype, head, block, mask):
     assert rel < 0.1, f"fp8 attention {dtype} d{head} b{block} mask{mask}: relative L2 {rel}"
 
 
-def _kv_write_case(dtype, strided, fp8=False):
+def _kv_write_case(dtype, strided, fp8=False, head=64):
     """The write (fp8: quantizing into a float8_e4m3fn cache, per-head scales; strided: K/V
-    views of a fused projection, and with fp8 a dim stride of 2 -- the element-wise kernel)."""
+    views of a fused projection, and with fp8 a dim stride of 2 -- the element-wise kernel; a
+    head of whole 16-element units takes 16-byte e4m3 stores from 16-bit inputs, head 40 the
+    8-byte ones)."""
     g = torch.Generator().manual_seed(7)
-    tokens, kv_heads, head, block, nb = 45, 2, 64, 16, 6
+    tokens, kv_heads, block, nb = 45, 2, 16, 6
     src = torch.randn(tokens, 3, kv_heads, 2 * head if fp8 else head, generator=g).to(dtype)
     if fp8:
         src = src[..., ::2] if strided else src[..., :head]
@@ -118,7 +120,7 @@ def _kv_write_case(dtype, strided, fp8=False):
             key.to(device), value.to(device), cache, slots.to(device), *(s.to(device) for s in scales)
         )
         caches.append(cache.cpu().view(torch.uint8) if fp8 else cache.cpu())
-    assert torch.equal(caches[0], caches[1]), f"kv_write {dtype} strided={strided} fp8={fp8}"
+    assert torch.equal(caches[0], caches[1]), f"kv_write {dtype} strided={strided} fp8={fp8} d{head}"
 
 
 def _slots_and_rows_case():
@@ -210,6 +212,7 @@ def main():
         _kv_write_case(dtype, strided=True)
         _kv_write_case(dtype, strided=False, fp8=True)
         _kv_write_case(dtype, strided=True, fp8=True)
+        _kv_write_case(dtype, strided=False, fp8=True, head=40)
     for dtype, head in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64)):
         # on Hopper: 16 and 32 TMA boxes (head 64/128), 16 sequential the flat map's boxes
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
