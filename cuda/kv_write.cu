@@ -234,7 +234,7 @@ store_unit(char *dst, const uint4 *unit, float scale, float recip)
 }
 
 /*
- * Fast path: units of W 16-byte loads (W * elems_per_unit elements), dim strides 1, all
+ * Fast path: units of W 16-byte loads (elems_per_unit elements), dim strides 1, all
  * addresses 16-byte aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and
  * owns the tile of blockDim.y * TOK consecutive tokens starting at blockIdx.x * tile; lane y
  * moves tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads *
