@@ -45,6 +45,11 @@
  * flight per thread -- fewer registers, more CTAs per SM; 2 and 4 tokens measured slower
  * (docs/fp8.md, *The quantizing write's bandwidth*). */
 #define KV_WRITE_TOKENS_WIDE 1
+/* kv_write_wide_kernel's CTA size and the CTAs per SM its registers must leave room for (12 x
+ * 128 threads: at most 40 registers a thread).  Smaller CTAs split rows of 256+ units into
+ * passes, and more of them fit an SM; both measured faster (docs/fp8.md). */
+#define KV_WRITE_WIDE_THREADS 128
+#define KV_WRITE_WIDE_CTAS 12
 
 /*
  * Strided fallback.  One block per token; its threads walk the (tensor, head, unit) items of
@@ -234,7 +239,7 @@ store_unit(char *dst, const uint4 *unit, float scale, float recip)
 }
 
 /*
- * Fast path: units of W 16-byte loads (elems_per_unit elements), dim strides 1, all
+ * Fast path: units of W 16-byte loads (W * elems_per_unit elements), dim strides 1, all
  * addresses 16-byte aligned.  A CTA is blockDim.y token lanes x blockDim.x unit columns and
  * owns the tile of blockDim.y * TOK consecutive tokens starting at blockIdx.x * tile; lane y
  * moves tokens y, y + blockDim.y, ... of the tile.  A thread walks the num_kv_heads *
@@ -250,9 +255,9 @@ store_unit(char *dst, const uint4 *unit, float scale, float recip)
  * 16-byte store per unit (W 1's 8-byte stores: 3.35 against 3.66 TB/s, docs/fp8.md).
  */
 template <int OUT, int W>
-static __global__ void
-kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
-                    int32_t elems_per_unit)
+static __device__ __forceinline__ void
+kv_write_vec(const dk_kv_write_args &a, int64_t elem_size, int32_t units_per_head,
+             int32_t elems_per_unit)
 {
     static_assert(W == 1 || (W == 2 && (OUT == DK_F16 || OUT == DK_BF16)), "unit width");
     constexpr int TOK = W == 2 ? KV_WRITE_TOKENS_WIDE : KV_WRITE_TOKENS;
@@ -316,6 +321,25 @@ kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_p
     }
 }
 
+/* The fast path, units of one 16-byte load (kv_write_vec<OUT, 1>): copies and fp8 writes. */
+template <int OUT>
+static __global__ void
+kv_write_vec_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                    int32_t elems_per_unit)
+{
+    kv_write_vec<OUT, 1>(a, elem_size, units_per_head, elems_per_unit);
+}
+
+/* The fast path, units of two 16-byte loads and one 16-byte e4m3 store (kv_write_vec<DT, 2>). */
+template <int DT>
+static __global__ void
+__launch_bounds__(KV_WRITE_WIDE_THREADS, KV_WRITE_WIDE_CTAS)
+    kv_write_wide_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_head,
+                         int32_t elems_per_unit)
+{
+    kv_write_vec<DT, 2>(a, elem_size, units_per_head, elems_per_unit);
+}
+
 /* The strided path into a float8_e4m3fn cache: kv_write_kernel's walk, one element at a time
  * (units_per_head = head_size), each quantized with its head's scale. */
 template <int DT>
@@ -372,16 +396,17 @@ ptr_aligned16(const void *p)
     return (uintptr_t)p % 16 == 0;
 }
 
-/* The vec kernel's CTA for rows of `units` units: up to 256 units wide, one unit column per
- * thread and 256 / units token lanes; wider rows one lane, blockDim.x the row split into even
- * passes (rounded to warps).  grid[0] covers num_tokens in tiles of lanes * tok tokens. */
+/* The vec kernels' CTA of up to `threads` threads for rows of `units` units: rows up to
+ * `threads` units wide, one unit column per thread and threads / units token lanes; wider rows
+ * one lane, blockDim.x the row split into even passes (rounded to warps).  grid[0] covers
+ * num_tokens in tiles of lanes * tok tokens. */
 static void
-vec_shape(dk_pending_launch *p, int64_t units, int64_t num_tokens, int64_t tok)
+vec_shape(dk_pending_launch *p, int64_t units, int64_t num_tokens, int64_t tok, int64_t threads)
 {
     int64_t bx = units;
-    int64_t by = KV_WRITE_MAX_THREADS / units;
-    if (units >= KV_WRITE_MAX_THREADS) {
-        int64_t passes = dk_cdiv(units, KV_WRITE_MAX_THREADS);
+    int64_t by = threads / units;
+    if (units >= threads) {
+        int64_t passes = dk_cdiv(units, threads);
         bx = dk_cdiv(dk_cdiv(units, passes), 32) * 32;
         by = 1;
     }
@@ -416,18 +441,20 @@ prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
     if (wide) {
         p->elems_per_unit = 16;
         p->units_per_head = (int32_t)(a->head_size / 16);
-        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS_WIDE);
-        p->func = a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16, 2>
-                                     : (const void *)kv_write_vec_kernel<DK_BF16, 2>;
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS_WIDE,
+                  KV_WRITE_WIDE_THREADS);
+        p->func = a->dtype == DK_F16 ? (const void *)kv_write_wide_kernel<DK_F16>
+                                     : (const void *)kv_write_wide_kernel<DK_BF16>;
         return DK_OK;
     }
     if (vec) {
         p->elems_per_unit = (int32_t)e;
         p->units_per_head = (int32_t)(a->head_size / e);
-        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS);
-        p->func = a->dtype == DK_F32   ? (const void *)kv_write_vec_kernel<DK_F32, 1>
-                  : a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16, 1>
-                                       : (const void *)kv_write_vec_kernel<DK_BF16, 1>;
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS,
+                  KV_WRITE_MAX_THREADS);
+        p->func = a->dtype == DK_F32   ? (const void *)kv_write_vec_kernel<DK_F32>
+                  : a->dtype == DK_F16 ? (const void *)kv_write_vec_kernel<DK_F16>
+                                       : (const void *)kv_write_vec_kernel<DK_BF16>;
         return DK_OK;
     }
     p->elems_per_unit = 1;
@@ -490,8 +517,9 @@ dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_err
     p->units_per_head = (int32_t)(a->head_size / p->elems_per_unit);
     p->grid[1] = p->grid[2] = p->block[1] = p->block[2] = 1;
     if (vec) {
-        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS);
-        p->func = (const void *)kv_write_vec_kernel<KV_COPY, 1>;
+        vec_shape(p, a->num_kv_heads * p->units_per_head, a->num_tokens, KV_WRITE_TOKENS,
+                  KV_WRITE_MAX_THREADS);
+        p->func = (const void *)kv_write_vec_kernel<KV_COPY>;
         return DK_OK;
     }
     int64_t items = 2 * a->num_kv_heads * p->units_per_head;
