@@ -11,9 +11,9 @@
  *
  * A float8_e4m3fn cache (cache_dtype DK_F8E4M3) stores each element quantized, x / scale in
  * fp32 rounded to e4m3 (dk_f32_to_e4m3's rounding, bit for bit):
- *   - kv_write_vec_kernel<DT, 2> for 16-bit inputs whose heads are multiples of 16 elements
+ *   - kv_write_wide_kernel<DT> for 16-bit inputs whose heads are multiples of 16 elements
  *     and whose cache side is 16-byte aligned: two 16-byte loads per 16-byte store;
- *     kv_write_vec_kernel<DT, 1> under the fast path's other conditions (the cache side
+ *     kv_write_vec_kernel<DT> under the fast path's other conditions (the cache side
  *     aligned to its units of 16 / element-size bytes): 16-byte loads, 8- or 4-byte stores;
  *     both take the quotient from the scale's reciprocal and two exact residual steps
  *     (quotient_e4m3: no division);
@@ -41,7 +41,7 @@
  * HBM latency at a modest occupancy (one unit per thread did not: docs/performance.md, KV
  * write). */
 #define KV_WRITE_TOKENS 4
-/* The same for kv_write_vec_kernel<DT, 2>, whose units are twice as wide: one token, 64 bytes in
+/* The same for kv_write_wide_kernel<DT>, whose units are twice as wide: one token, 64 bytes in
  * flight per thread -- fewer registers, more CTAs per SM; 2 and 4 tokens measured slower
  * (docs/fp8.md, *The quantizing write's bandwidth*). */
 #define KV_WRITE_TOKENS_WIDE 1
