@@ -172,11 +172,11 @@ def test_forward_paged_refuses_an_fp8_cache_without_scales_before_writing(device
     ids=["wide_16", "wide_128", "wide_256_x40", "narrow_72", "narrow_cache_at_8", "narrow_40_at_8"],
 )
 def test_cuda_vec_unit_widths(dtype, case):
-    """The vec kernel's two unit widths on 16-bit inputs, each bit for bit torch's: 16-element
-    units and 16-byte stores (heads of whole 16-element units, a 16-byte aligned cache side)
-    and 8-element units with 8-byte stores (a 72- or 40-dim head, or a cache that starts 8
-    bytes past a 16-byte boundary).  Token counts that end a tile part-way and rows of one to
-    several passes."""
+    """The fast path's two unit widths on 16-bit inputs, each bit for bit torch's:
+    kv_write_wide_kernel's 16-element units and 16-byte stores (heads of whole 16-element
+    units, a 16-byte aligned cache side) and kv_write_vec_kernel's 8-element units with 8-byte
+    stores (a 72- or 40-dim head, or a cache that starts 8 bytes past a 16-byte boundary).
+    Token counts that end a tile part-way and rows of one to several passes."""
     size, cache_offset, heads = case
     gen = torch.Generator().manual_seed(size + cache_offset + heads)
     n, block, blocks = 77, 16, 8
