@@ -15,7 +15,7 @@
  *         "sm90").
  *   - fp16/bf16, head_size 32, 72, 80, 96, 160, 192 or 256 on the same Hopper GPUs, K/V rows in
  *     16-byte chunks, kernel choice auto: the warp-specialized kernel with tiles of 64 (32),
- *     128 (72 to 96) or 256 dims (160 to 256), the dims past head_size zeros, fed by its
+ *     128 (72 to 96), 192 (160, 192) or 256 dims, the dims past head_size zeros, fed by its
  *     cp.async producers ("sm90-ws"; h90_cp_async_head).
  *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
  *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the padded sizes' other calls.
@@ -78,8 +78,8 @@ h90_head(int64_t head_size)
 }
 
 /* Whether the warp-specialized wgmma kernel takes head_size with its cp.async producers only:
- * 256, and padded to tiles of 64 (32), 128 (72, 80, 96) or 256 (160, 192) dims with zeros past
- * head_size -- its products skip most of the zeros (docs/head-sizes.md: 1.2 to 2.5x the
+ * 192 and 256, and padded to tiles of 64 (32), 128 (72, 80, 96) or 192 (160) dims with zeros
+ * past head_size -- its products skip most of the zeros (docs/head-sizes.md: 1.2 to 2.5x the
  * mma.sync kernel's speed at these sizes).  K/V rows must be in 16-byte chunks; other calls at
  * these sizes run the mma.sync kernel.  Cannot fail. */
 static bool

@@ -4,10 +4,12 @@
  * K/V rows in 16-byte chunks: the per-warpgroup wgmma pipeline of attention_sm90.cu, fed by a
  * producer warpgroup.  Also head 256 (80-key tiles -- 64 where the cache's blocks are not a
  * power of two of 16+ keys --, two consumer warpgroups of 224 registers: O 128 per thread, S 40,
- * P 20; two K and two V slots, 224 KB of tiles) and, padded to 64, 128 or 256 dims with
- * zeros past the head size (the template's DR), heads 32, 72, 80, 96, 160 and 192, whose
- * products skip what they can of the zeros (KD, NP) and, from 72 on, read Q's fragments from
- * registers (Q_RS); these take the cp.async producers only.
+ * P 20; two K and two V slots, 224 KB of tiles), head 192 in rows of three 64-dim panels
+ * (112-key tiles, FlashAttention-3's choice there: O 96 registers per thread, S 56, P 28; two
+ * K and two V slots, 216 KB of tiles with Q) and, padded to 64, 128 or 192 dims with zeros past
+ * the head size (the template's DR), heads 32, 72, 80, 96 and 160, whose products skip what
+ * they can of the zeros (KD, NP) and, at 72 to 96, read Q's fragments from registers (Q_RS);
+ * these take the cp.async producers only.
  *
  * NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg leaves it 56
  * registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers (224 or 160 registers)
@@ -64,7 +66,8 @@
 
 /* Whether h90_produce_cp_async_groups serves a cache of this block size: a power of two of 16+
  * keys, so that no 16-key group of a tile straddles two blocks (the kernel's producer branch
- * makes the same test; the launcher gives such caches 80-key tiles).  Cannot fail. */
+ * makes the same test; the launcher gives such caches the head-256 form's 80-key tiles).
+ * Cannot fail. */
 static bool
 h90_group_blocks(int64_t block_size)
 {
@@ -73,7 +76,7 @@ h90_group_blocks(int64_t block_size)
 
 /* VG: a cache cut into 16-key chunks (dims.k_groups): tmk and tmv are the per-chunk 5-d maps,
  * h90_produce_tma_groups fills the K and V slots, both in the K_GROUPS layout.  DR < D: a padded
- * head size -- the call's head dims DR, the tiles' D (64, 128 or 256), dims DR .. D - 1 zeros in
+ * head size -- the call's head dims DR, the tiles' D (64, 128 or 192), dims DR .. D - 1 zeros in
  * Q, K and V (zeroed once in every K and V slot: the cp.async producers, the only ones such a
  * call takes, never copy them), skipped by the products where wgmma's shapes allow (KD, NP
  * below) and not written out. */
@@ -106,10 +109,10 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * holds the K load back behind it. */
     constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) ||
-                      ((BN == 64 || BN == 80) && D == 256),
+                      ((BN == 64 || BN == 80) && D == 256) || (BN == 112 && D == 192),
                   "key tile");
-    static_assert(D != 256 || ((BN == 64 || BN == 80) && NC == 2 && VG == 0),
-                  "head 256: 64- or 80-key tiles");
+    static_assert(D < 192 || (NC == 2 && VG == 0 && (D == 192 || DR == D)),
+                  "the 192- and 256-dim forms: two consumer warpgroups, cp.async producers");
     static_assert(DR == D || (VG == 0 && BN != 176 && DR % 8 == 0 && DR < D), "padded head");
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
@@ -121,13 +124,12 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int KD = (DR + 15) / 16 * 16;
     constexpr int NP = DR;
     /* Q's fragments in registers for S = Q K^T (h90_qk_rs, KD / 4 of them), so that the products
-     * read only K from shared memory: the padded forms of 72 to 192 dims.  In the head-256 form
-     * (64- or 80-key tiles) a k-step's Q and K reads (4 KB) take as long as its MMA, and the
-     * producer's copies share that bandwidth: 192 ran 7-10 % faster with Q in registers, 160 3-5 %,
-     * the head-128 form's padded sizes 1-4 %.  Not at 256 (64 registers do not fit beside O's 128;
-     * a quarter of Q from registers measured 1-3 % slower) nor at head 128 itself (slower,
-     * hopper-kernels.md). */
-    constexpr bool Q_RS = (D == 256 && DR <= 192) || (D == 128 && DR < D);
+     * read only K from shared memory: the padded forms of 72 to 96 dims (1-4 % faster).  Not at
+     * head 128 itself (slower, hopper-kernels.md), 256 (64 registers do not fit beside O's 128)
+     * nor in the 192-dim form, whose 112-key tiles leave no room for them: there the wider tile
+     * reads Q once per 112 keys, and ran 12-13 % faster than 64-key tiles with Q in registers
+     * (head-sizes.md). */
+    constexpr bool Q_RS = D == 128 && DR < D;
     constexpr int DT = NP / 8;
     constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
@@ -235,11 +237,11 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
              * (cuobjdump), a change not measured on the GPU yet */
             if (a.block_size >= 16 && (a.block_size & (a.block_size - 1)) == 0) {
                 if (a.key_cache2 != NULL) {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, true, DR, D == 256>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, true, DR, D >= 192>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
                 else {
-                    h90_produce_cp_async_groups<D, BN, ST, SV, false, DR, D == 256>(
+                    h90_produce_cp_async_groups<D, BN, ST, SV, false, DR, D >= 192>(
                         a, h, row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v);
                 }
             }
@@ -258,7 +260,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         if (tid >= 32) {
             return;
         }
-        if constexpr (DR < D || D == 256) { /* the host gives these cp.async producers only */
+        if constexpr (DR < D || D >= 192) { /* the host gives these cp.async producers only */
             __trap();
         }
         const int32_t bs = (int32_t)a.block_size;
@@ -587,14 +589,14 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * which holds a V slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and
  * their TMA producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192
  * rows) -- its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
- * host chose 176-key tiles.  Head 256 has a form of its own (two slots of each), and the padded
- * head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0) run head 64's
- * form (32), head 128's (72, 80, 96) or head 256's (160, 192).  The head-256 form takes 80-key
- * tiles (FlashAttention-3's choice there: 3-4 % faster than 64 at 256 and 160) where the
- * group producer serves the cache (blocks of a power of two of 16+ keys: a 16-key group never
- * straddles two blocks); the per-row producer's row table does not fit beside 80-key slots
- * (224 KB), so other block sizes keep 64.  192 keeps 64 too: with Q's fragments in registers
- * (Q_RS) 80-key tiles spill and serialize its wgmma. */
+ * host chose 176-key tiles.  Heads 192 and 256 have forms of their own (two slots of each), and
+ * the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
+ * run head 64's form (32), head 128's (72, 80, 96) or head 192's (160).  The head-256 form takes
+ * 80-key tiles (FlashAttention-3's choice there: 3-4 % faster than 64) where the group producer
+ * serves the cache (blocks of a power of two of 16+ keys: a 16-key group never straddles two
+ * blocks); the per-row producer's row table does not fit beside 80-key slots (224 KB), so other
+ * block sizes keep 64.  The 192-dim form's 112-key slots (216 KB with Q) leave room for that
+ * table: one form serves every block size. */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -634,14 +636,10 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 160:
-        if (h90_group_blocks(a->block_size)) {
-            return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80, 0, 160>(
-                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
-        }
-        return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 160>(
+        return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112, 0, 160>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 192:
-        return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 64, 0, 192>(
+        return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 256:
         if (h90_group_blocks(a->block_size)) {

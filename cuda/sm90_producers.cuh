@@ -42,11 +42,13 @@ static __device__ __forceinline__ h90_cp_thread
 h90_cp_setup(const dk_attention_args &a, int64_t h, int64_t row)
 {
     constexpr int CH = D / 8; /* 16-byte chunks per key row */
+    /* chunks per row a pass of the 128 threads takes: all, or one 64-dim panel at 192 dims */
+    constexpr int CW = 128 % CH == 0 ? CH : 8;
     const int tid = (int)threadIdx.x;
     return {h / (a.num_heads / a.num_kv_heads),
             a.block_table + row * a.bt_stride_row,
-            (uint32_t)(tid % CH),
-            (uint32_t)(tid / CH),
+            (uint32_t)(tid % CW),
+            (uint32_t)(tid / CW),
             (const char *)a.key_cache,
             (const char *)a.value_cache,
             (const char *)a.key_cache2,
@@ -73,8 +75,13 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
                      uint32_t empty_k, uint32_t empty_v)
 {
     constexpr uint32_t KVB = BN * D * 2;
-    constexpr int CH = D / 8;                /* 16-byte chunks per key row */
-    constexpr int RP = 128 / CH;             /* rows per pass of the 128 threads */
+    constexpr int CH = D / 8; /* 16-byte chunks per key row */
+    /* A pass of the 128 threads copies CW chunks of RP rows: whole rows where a row's chunks
+     * divide 128, else (192 dims) one 64-dim panel of 16 rows, the panels one after another. */
+    constexpr int CW = 128 % CH == 0 ? CH : 8;
+    constexpr int RP = 128 / CW; /* rows per pass */
+    constexpr int NPN = CH / CW; /* passes per row: 1, or 3 panels */
+    static_assert(BN % RP == 0 && CH % CW == 0, "whole passes");
     __shared__ const char *s_prow[2][2][BN]; /* [tile & 1][K, V][row]: row addresses */
     const int tid = (int)threadIdx.x;        /* 0 .. 127 */
     const auto [kvh, bt, c, rr, kc, vc, kc2, vc2] = h90_cp_setup<D>(a, h, row);
@@ -117,12 +124,28 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
             const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB;
             const char *const *rows = s_prow[kt & 1][kv];
             /* a padded tile's chunks past DR stay the kernel's zeros */
-            if (DR == D || c < DR / 8) {
+            if constexpr (NPN == 1) {
+                if (DR == D || c < DR / 8) {
+#pragma unroll
+                    for (int i = 0; i < BN / RP; i++) {
+                        const uint32_t r = rr + (uint32_t)(RP * i);
+                        cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
+                                   j0 + (int32_t)r < kv_end ? 16u : 0u);
+                    }
+                }
+            }
+            else {
 #pragma unroll
                 for (int i = 0; i < BN / RP; i++) {
                     const uint32_t r = rr + (uint32_t)(RP * i);
-                    cp_async16(dst + sw128(BN, r, c), rows[r] + c * 16u,
-                               j0 + (int32_t)r < kv_end ? 16u : 0u);
+                    const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
+#pragma unroll
+                    for (int pn = 0; pn < NPN; pn++) {
+                        const uint32_t cc = c + (uint32_t)(CW * pn);
+                        if (DR == D || cc < DR / 8) {
+                            cp_async16(dst + sw128(BN, r, cc), rows[r] + cc * 16u, n);
+                        }
+                    }
                 }
             }
             cp_async_arrive_noinc((kv == 0 ? full_k : full_v) + 8u * slot);
@@ -145,9 +168,9 @@ h90_produce_cp_async(const dk_attention_args &a, int64_t h, int64_t row, int32_t
  * once both slots are free (V has one slot more than K so that K is not held back), and every
  * thread then arrives on both full barriers.  Slots, barriers, tiles and DR as
  * h90_produce_cp_async; SPLIT: K of a tile is copied as soon as its slot is free and V after it
- * once V's is (head 256's two slots of each: V frees a P V after K, and waiting for both held
- * the next K back); TWO: the cache has a second source (dense joint tokens), else the head's
- * and the lane's offsets are folded into the base pointers.
+ * once V's is (the 192- and 256-dim forms' two slots of each: V frees a P V after K, and waiting
+ * for both held the next K back); TWO: the cache has a second source (dense joint tokens), else
+ * the head's and the lane's offsets are folded into the base pointers.
  */
 template <int D, int BN, int ST, int SV, bool TWO, int DR = D, bool SPLIT = false>
 static __device__ __forceinline__ void
@@ -156,11 +179,15 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
                             uint32_t full_v, uint32_t empty_k, uint32_t empty_v)
 {
     constexpr uint32_t KVB = BN * D * 2;
-    constexpr int CH = D / 8;        /* 16-byte chunks per key row (16 or 8) */
-    constexpr int RW = 32 / CH;      /* rows per warp-wide copy (2 or 4) */
+    constexpr int CH = D / 8; /* 16-byte chunks per key row (8, 16, 24 or 32) */
+    /* A warp-wide copy takes CW chunks of RW rows: whole rows where a row's chunks divide the
+     * warp, else (192 dims) one 64-dim panel of 4 rows, the row's panels one after another. */
+    constexpr int CW = 32 % CH == 0 ? CH : 8;
+    constexpr int RW = 32 / CW;      /* rows per warp-wide copy (1, 2 or 4) */
+    constexpr int NPN = CH / CW;     /* such copies per row: 1, or 3 panels */
     constexpr int NG = BN / 16;      /* 16-key groups per tile */
     constexpr int GW = (NG + 3) / 4; /* per warp (some warps one fewer where 4 does not divide) */
-    static_assert(BN % 16 == 0 && 32 % CH == 0, "four warps split a tile's 16-key groups");
+    static_assert(BN % 16 == 0 && CH % CW == 0, "four warps split a tile's 16-key groups");
     /* th.c and th.rr spread the warpgroup's threads over a pass's rows; here each warp copies
      * whole groups, so its lanes take c and rr below instead */
     const h90_cp_thread th = h90_cp_setup<D>(a, h, row);
@@ -169,8 +196,8 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
     const char *const kc = th.kc, *const vc = th.vc, *const kc2 = th.kc2, *const vc2 = th.vc2;
     const uint32_t lane = threadIdx.x & 31u;
     const int32_t warp = (int32_t)((threadIdx.x >> 5) & 3u);
-    const uint32_t c = lane % CH;  /* this lane's chunk of a row */
-    const uint32_t rr = lane / CH; /* and its row within each RW-row copy */
+    const uint32_t c = lane % CW;  /* this lane's chunk of a row (of its first panel) */
+    const uint32_t rr = lane / CW; /* and its row within each RW-row copy */
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t shift = (uint32_t)__ffs((int)bs) - 1u; /* bs is a power of two */
     const int64_t tbytes = a.cache_stride_token * 2;
@@ -215,16 +242,36 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
      * dst2 row by row beside them (a padded tile's chunks past DR stay the kernel's zeros). */
     auto copy_group = [&](int g, int32_t j0, uint32_t dst, const char *src, bool both,
                           uint32_t dst2, const char *src2) {
-        if (DR == D || c < DR / 8) {
-            const int32_t q = warp + 4 * g;
+        const int32_t q = warp + 4 * g;
+        /* row pass p, panel pn (the chunk c + CW pn of the row) */
+        auto copy = [&](int p, int pn) {
+            const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
+            const uint32_t cc = c + (uint32_t)(CW * pn);
+            const int64_t t = (int64_t)(RW * p) * tbytes + 16 * CW * pn;
+            const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
+            cp_async16(dst + sw128(BN, r, cc), src + t, n);
+            if (both) {
+                cp_async16(dst2 + sw128(BN, r, cc), src2 + t, n);
+            }
+        };
+        /* (ptxas spills the 56-register producer if the padded forms test their chunk per copy
+         * or the panels' loop is the outer one) */
+        if constexpr (NPN == 1) {
+            if (DR == D || c < DR / 8) {
+#pragma unroll
+                for (int p = 0; p < 16 / RW; p++) {
+                    copy(p, 0);
+                }
+            }
+        }
+        else {
 #pragma unroll
             for (int p = 0; p < 16 / RW; p++) {
-                const uint32_t r = (uint32_t)(16 * q + RW * p) + rr; /* row in the tile */
-                const int64_t t = (int64_t)(RW * p) * tbytes;
-                const uint32_t n = j0 + (int32_t)r < kv_end ? 16u : 0u;
-                cp_async16(dst + sw128(BN, r, c), src + t, n);
-                if (both) {
-                    cp_async16(dst2 + sw128(BN, r, c), src2 + t, n);
+#pragma unroll
+                for (int pn = 0; pn < NPN; pn++) {
+                    if (DR == D || c + (uint32_t)(CW * pn) < DR / 8) {
+                        copy(p, pn);
+                    }
                 }
             }
         }

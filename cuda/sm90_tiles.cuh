@@ -77,12 +77,12 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
         }
     }
     named_barrier(1u + (uint32_t)cw, 128u);
-    constexpr int CH = D / 8;     /* 16-byte chunks per row */
-    constexpr int RPP = 128 / CH; /* rows per pass of the warpgroup */
-    const int c = wt % CH;
+    constexpr int CH = D / 8; /* 16-byte chunks per row: 128 % CH == 0 but at 192 dims */
 #pragma unroll
-    for (int p = 0; p < 64 / RPP; p++) {
-        const int r = cw * 64 + p * RPP + wt / CH;
+    for (int p = 0; p < 64 * CH / 128; p++) {
+        /* chunk i of the warpgroup's rows: whole rows per pass where CH divides 128 */
+        const int i = 128 * p + wt;
+        const int r = cw * 64 + i / CH, c = i % CH;
         if (r < tile_rows && (DR == D || c < DR / 8)) {
             uint16_t *dst =
                 (uint16_t *)a.out + h * a.o_stride_head + (t0 + r) * a.o_stride_token + 8 * c;
@@ -102,13 +102,12 @@ static __device__ __forceinline__ void
 h90_load_q(const dk_attention_args &a, uint32_t sq, int t, int row0, int64_t q0, int64_t q_start,
            int64_t query_len, int64_t h, bool q_vec)
 {
-    constexpr int CHUNKS = D / 8;
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
-    const uint32_t c = (uint32_t)(t % CHUNKS);
-    const uint32_t r0 = (uint32_t)(row0 + t / CHUNKS);
+    constexpr int CHUNKS = D / 8; /* THREADS % CHUNKS == 0 but at 192 dims */
+    static_assert(ROWS * CHUNKS % THREADS == 0, "whole passes");
 #pragma unroll
-    for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
-        const uint32_t r = r0 + (uint32_t)(pass * ROWS_PER_PASS);
+    for (int pass = 0; pass < ROWS * CHUNKS / THREADS; pass++) {
+        const int i = THREADS * pass + t; /* chunk i of the rows */
+        const uint32_t r = (uint32_t)(row0 + i / CHUNKS), c = (uint32_t)(i % CHUNKS);
         const uint32_t dst = sq + sw128(BM, r, c);
         if (q0 + r < query_len && (DR == D || c < DR / 8)) {
             const uint16_t *src = (const uint16_t *)a.query +
@@ -134,12 +133,10 @@ static __device__ __forceinline__ void
 h90_negate_q(uint32_t sq, int t, int row0)
 {
     constexpr int CHUNKS = D / 8;
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
-    const uint32_t c = (uint32_t)(t % CHUNKS);
-    const uint32_t r0 = (uint32_t)(row0 + t / CHUNKS);
 #pragma unroll
-    for (int pass = 0; pass < ROWS / ROWS_PER_PASS; pass++) {
-        const uint32_t dst = sq + sw128(BM, r0 + (uint32_t)(pass * ROWS_PER_PASS), c);
+    for (int pass = 0; pass < ROWS * CHUNKS / THREADS; pass++) {
+        const int i = THREADS * pass + t; /* chunk i of the rows, as h90_load_q */
+        const uint32_t dst = sq + sw128(BM, (uint32_t)(row0 + i / CHUNKS), (uint32_t)(i % CHUNKS));
         uint32_t v0, v1, v2, v3;
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)

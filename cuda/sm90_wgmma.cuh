@@ -132,6 +132,7 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_D36 H90_D32, H90_D4(32)
 #define H90_D40 H90_D32, H90_D8(32)
 #define H90_D48 H90_D40, H90_D8(40)
+#define H90_D56 H90_D48, H90_D8(48)
 #define H90_D80 H90_D64, H90_D8(64), H90_D8(72)
 #define H90_D96 H90_D88, H90_D8(88)
 #define H90_D128 H90_D88, H90_D8(88), H90_D8(96), H90_D8(104), H90_D8(112), H90_D8(120)
@@ -153,6 +154,10 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_R48                                                                                    \
     "{" H90_R32_BODY                                                                               \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define H90_R56                                                                                    \
+    "{" H90_R32_BODY                                                                               \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
+    "%49, %50, %51, %52, %53, %54, %55}"
 #define H90_R80                                                                                    \
     "{" H90_R32_BODY                                                                               \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
@@ -208,6 +213,8 @@ H90_WGMMA_SS(wgmma_ss_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "
 H90_WGMMA_SS(wgmma_ss_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34")
 H90_WGMMA_SS(wgmma_ss_m64n80_bf16, 80, "bf16", H90_R40, H90_D40, "%40", "%41", "%42")
 H90_WGMMA_SS(wgmma_ss_m64n80_f16, 80, "f16", H90_R40, H90_D40, "%40", "%41", "%42")
+H90_WGMMA_SS(wgmma_ss_m64n112_bf16, 112, "bf16", H90_R56, H90_D56, "%56", "%57", "%58")
+H90_WGMMA_SS(wgmma_ss_m64n112_f16, 112, "f16", H90_R56, H90_D56, "%56", "%57", "%58")
 H90_WGMMA_RS(wgmma_rs_m64n32_bf16, 32, "bf16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
              "%21", "1")
 H90_WGMMA_RS(wgmma_rs_m64n32_f16, 32, "f16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
@@ -240,14 +247,6 @@ H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65",
              "%68", "%69", "1")
 H90_WGMMA_RS(wgmma_rs_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
              "%69", "1")
-H90_WGMMA_RS(wgmma_rsk_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
-             "%37", "0")
-H90_WGMMA_RS(wgmma_rsk_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
-             "%37", "0")
-H90_WGMMA_RS(wgmma_rsk_m64n80_bf16, 80, "bf16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
-             "%45", "0")
-H90_WGMMA_RS(wgmma_rsk_m64n80_f16, 80, "f16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
-             "%45", "0")
 H90_WGMMA_RS(wgmma_rsk_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
              "%68", "%69", "0")
 H90_WGMMA_RS(wgmma_rsk_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
@@ -300,9 +299,9 @@ h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
 }
 
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per
- * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 80, 128 and 176
- * keys (Q from shared memory; for 64, 80 and 128 also from registers), pv for every head size's
- * O (N = 32 .. 256). */
+ * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 80, 112, 128 and
+ * 176 keys (Q from shared memory; for 128 also from registers), pv for every head
+ * size's O (N = 32 .. 256). */
 template <typename T> struct h90_mma;
 
 #define H90_QK(N, TY)                                                                              \
@@ -327,9 +326,8 @@ template <typename T> struct h90_mma;
     H90_QK(128, TY)                                                                                \
     H90_QK(176, TY)                                                                                \
     H90_QK(80, TY)                                                                                 \
-    H90_QKR(64, TY)                                                                                \
+    H90_QK(112, TY)                                                                                \
     H90_QKR(128, TY)                                                                               \
-    H90_QKR(80, TY)                                                                                \
     H90_PV(32, TY)                                                                                 \
     H90_PV(64, TY)                                                                                 \
     H90_PV(72, TY)                                                                                 \
@@ -361,6 +359,7 @@ template <> struct h90_mma<__half> {
 #undef H90_D36
 #undef H90_D40
 #undef H90_D48
+#undef H90_D56
 #undef H90_D80
 #undef H90_D96
 #undef H90_R32_BODY
@@ -372,6 +371,7 @@ template <> struct h90_mma<__half> {
 #undef H90_R36
 #undef H90_R40
 #undef H90_R48
+#undef H90_R56
 #undef H90_R80
 #undef H90_R96
 #undef H90_WGMMA_SS

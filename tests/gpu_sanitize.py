@@ -218,13 +218,18 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
-    # the other head sizes: on Hopper the warp-specialized kernel padded to 64, 128 or 256 dims
-    # (block 16) and the mma.sync kernel (block 1, strided); elsewhere the mma.sync kernel's
-    # row-order chunk mappings, head 72's zero dims, 32-key tiles above head 128
+    # the other head sizes: on Hopper the warp-specialized kernel's own forms at 192 and 256 and
+    # the forms padded to 64, 128 or 192 dims (block 16: the group producer; block 48 at 160 and
+    # 192: the per-row producer's passes of 64-dim panels) and the mma.sync kernel (block 1,
+    # strided); elsewhere the mma.sync kernel's row-order chunk mappings, head 72's zero dims,
+    # 32-key tiles above head 128
     for head in _C.supported_head_sizes("cuda", "bfloat16", "auto"):
         if head in (64, 128):
             continue
-        for dtype, block in ((torch.bfloat16, 16), (torch.float16, 1)):
+        cases = [(torch.bfloat16, 16), (torch.float16, 1)]
+        if head in (160, 192):
+            cases.append((torch.bfloat16, 48))
+        for dtype, block in cases:
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1))
     # a row of 16384+ keys: 176-key tiles of per-chunk 5-d boxes on Hopper, random and
