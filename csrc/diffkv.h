@@ -510,8 +510,9 @@ dk_status dk_attention_check(const dk_attention_args *a, dk_error *err);
  * (block_table[r][b + 1] == block_table[r][b] + 1 within the tile); 0 for no tiles. */
 int32_t dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys);
 /* Whether the sm90 kernel's per-chunk TMA producer can read the cache as 16-key chunks (head
- * 128, one source, blocks of 16 n keys or one block per row of 8 n, strides its 5-d maps can
- * take): 1 the kv heads are adjacent 128-element rows (NHD), 2 a contiguous HND cache, 0 no.
+ * 128, 192 or 256, one source, blocks of 16 n keys or one block per row of 8 n, strides its 5-d
+ * maps can take): 1 the kv heads are adjacent head_size-element rows (NHD), 2 a contiguous HND
+ * cache, 0 no.
  * Such a cache takes that producer in any block order, so its runs need not be counted. */
 int32_t dk_attention_chunk_layout(const dk_attention_args *a);
 /* CPU reference.  Assumes dk_attention_check passed.  Cannot fail except DK_ERR_UNSUPPORTED

@@ -390,18 +390,18 @@ dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys)
 int32_t
 dk_attention_chunk_layout(const dk_attention_args *a)
 {
-    /* NHD: kv heads 128 elements apart; HND ([blocks, kv heads, block_size, 128] in memory:
-     * rows 128 apart, heads block_size rows, blocks all heads) */
-    const int64_t bs = a->block_size;
-    const int nhd = a->cache_stride_head == 128;
-    const int hnd = a->cache_stride_token == 128 && a->cache_stride_head == bs * 128 &&
+    /* NHD: kv heads D = head_size elements apart; HND ([blocks, kv heads, block_size, D] in
+     * memory: rows D apart, heads block_size rows, blocks all heads) */
+    const int64_t bs = a->block_size, d = a->head_size;
+    const int nhd = a->cache_stride_head == d;
+    const int hnd = a->cache_stride_token == d && a->cache_stride_head == bs * d &&
                     a->cache_stride_block == a->num_kv_heads * a->cache_stride_head &&
                     a->num_kv_heads >= 1 && a->num_blocks <= (int64_t)INT32_MAX / a->num_kv_heads;
     /* 16-key chunks never straddle two blocks: blocks of a multiple of 16 keys, or one block
      * per row of a multiple of 8 (the chunk past its end reads zeros: out of the map) */
     const int chunks = bs >= 8 && bs / 8 <= (int64_t)INT32_MAX &&
                        (bs % 16 == 0 || (a->bt_cols == 1 && bs % 8 == 0));
-    if (a->head_size != 128 || !chunks || a->key_cache2 != NULL || !(nhd || hnd) ||
+    if (!(d == 128 || d == 192 || d == 256) || !chunks || a->key_cache2 != NULL || !(nhd || hnd) ||
         a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
         a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
         a->cache_stride_block <= 0 || a->cache_stride_token % 8 != 0 ||

@@ -6,13 +6,15 @@
  * power of two of 16+ keys --, two consumer warpgroups of 224 registers: O 128 per thread, S 40,
  * P 20; two K and two V slots, 224 KB of tiles), head 192 in rows of three 64-dim panels
  * (112-key tiles, FlashAttention-3's choice there: O 96 registers per thread, S 56, P 28; two
- * K and two V slots, 216 KB of tiles with Q) and, padded to 64, 128 or 192 dims with zeros past
- * the head size (the template's DR), heads 32, 72, 80, 96 and 160, whose products skip what
- * they can of the zeros (KD, NP) and, at 72 to 96, read Q's fragments from registers (Q_RS);
- * these take the cp.async producers only.
+ * K and two V slots, 216 KB of tiles with Q) -- both fed by the per-chunk TMA producer where
+ * the cache's maps fold it, by cp.async otherwise -- and, padded to 64, 128 or 192 dims with
+ * zeros past the head size (the template's DR), heads 32, 72, 80, 96 and 160, whose products
+ * skip what they can of the zeros (KD, NP) and, at 72 to 96, read Q's fragments from
+ * registers (Q_RS); these take the cp.async producers only.
  *
  * NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg leaves it 56
- * registers with NC = 2, 32 with 3), warpgroups 1 .. NC the consumers (224 or 160 registers)
+ * registers with NC = 2, 32 with 3, 24 where it only issues TMA), warpgroups 1 .. NC the
+ * consumers (224, 240 or 160 registers)
  * with query rows 64 (w - 1) ...  Key tiles of BN = 128 keys, or 176 for head-128 calls over
  * long rows fed by TMA (producer 24 registers, consumers 240: a tile's fixed costs spread over
  * 37 % more keys).  K has ST slots and V SV, each with a "full" mbarrier and an "empty" one (one
@@ -99,10 +101,15 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     /* Whether a tile's softmax overlaps the warpgroup's own P V of the tile before (the wait for
      * it after the softmax, where the source puts it, kept there by the store below): the
      * V slot is then released a softmax later, so this goes with a third V slot (head 128,
-     * 128-key tiles) or, where a third does not fit (176-key tiles), with K_AHEAD.  Head 64
-     * (three slots of each, three consumer warpgroups) and the padded head-128 forms (72 to 96
-     * dims) keep ptxas's early wait: the late one measured slower at both (head-sizes.md). */
-    constexpr bool LATE_PV_WAIT = D == 128 && DR == D && (SV > ST || BN == 176);
+     * 128-key tiles) or, where a third does not fit (176-key tiles, the 192- and 256-dim
+     * forms), with K_AHEAD in the TMA producers; the split group producer copies K before V
+     * anyway.  Head 192 gained 9 % (cp.async) and 10-11 % (per-chunk TMA) with it, head 256
+     * fed by TMA 6-8 %.  Head 64 (three slots of each, three consumer warpgroups), the padded
+     * head-128 forms (72 to 96 dims) and head 256 fed by cp.async keep ptxas's early wait: the
+     * late one measured slower or no faster there; head 160 too (3-8 % slower in its earlier
+     * 256-dim form, not measured in this one; head-sizes.md). */
+    constexpr bool LATE_PV_WAIT = (D == 128 && DR == D && (SV > ST || BN == 176)) ||
+                                  (D == 192 && DR == D) || (D == 256 && VG != 0);
     /* The TMA producer's order with as many V slots as K and the late wait: K of tile kt
      * before V of tile kt - 1, which a consumer needs a tile later (its P V is issued with the
      * next tile's Q K^T) and whose slot frees a softmax later -- waiting for that slot first
@@ -111,11 +118,15 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) ||
                       ((BN == 64 || BN == 80) && D == 256) || (BN == 112 && D == 192),
                   "key tile");
-    static_assert(D < 192 || (NC == 2 && VG == 0 && (D == 192 || DR == D)),
-                  "the 192- and 256-dim forms: two consumer warpgroups, cp.async producers");
+    static_assert(D < 192 || (NC == 2 && VG <= 1 && (D == 192 || DR == D)),
+                  "the 192- and 256-dim forms: two consumer warpgroups, per-chunk or cp.async "
+                  "producers");
     static_assert(DR == D || (VG == 0 && BN != 176 && DR % 8 == 0 && DR < D), "padded head");
-    constexpr int PRODUCER_REGS = NC == 3 ? 32 : (BN == 176 ? 24 : 56);
-    constexpr int CONSUMER_REGS = NC == 3 ? 160 : (BN == 176 ? 240 : 224);
+    /* the TMA producers (one warp; per-chunk boxes: four) run in 24 registers, the cp.async
+     * ones need 56 */
+    constexpr bool TMA_ONLY = BN == 176 || (VG != 0 && D >= 192);
+    constexpr int PRODUCER_REGS = NC == 3 ? 32 : (TMA_ONLY ? 24 : 56);
+    constexpr int CONSUMER_REGS = NC == 3 ? 160 : (TMA_ONLY ? 240 : 224);
     using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
     constexpr int NT = BN / 8;
     /* A padded head size's products skip what they can of the zero dims: S = Q K^T sums over
@@ -353,7 +364,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t sink = smem_addr(&s_sink[LATE_PV_WAIT ? tid - 128 : 0]);
     /* K tiles' layout (h90_qk) */
     constexpr uint32_t khalf = VG ? 1024u : BN * 128u;
-    constexpr uint32_t ksbo = VG ? 2048u : 1024u;
+    constexpr uint32_t ksbo = VG ? 1024u * (D / 64) : 1024u;
 
     /* This warpgroup's 64 Q rows (issued above), negated for a negative scale. */
     cp_async_wait_all();
@@ -434,7 +445,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
                 named_barrier(8u + (uint32_t)cw, 256u);
                 issue_qk(sk0 + slot * KVB);
                 wgmma_commit();
-                h90_pv<T, NP, BN, VG != 0>(o, pa, sv0 + pslot * KVB);
+                h90_pv<T, NP, BN, VG != 0, D / 64>(o, pa, sv0 + pslot * KVB);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
@@ -477,8 +488,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         for (int i = valid * (D / 8) + wt; i < BN * (D / 8); i += 128) {
             const uint32_t r = (uint32_t)(i / (D / 8)), c = (uint32_t)(i % (D / 8));
             if constexpr (VG != 0) { /* K_GROUPS: [8-row group][64-dim panel][8 rows x 128 B] */
-                st_shared16(sv + (r / 8u) * 2048u + (c / 8u) * 1024u + (r % 8u) * 128u +
-                                ((c % 8u) ^ (r % 8u)) * 16u,
+                st_shared16(sv + (r / 8u) * (1024u * (D / 64)) + (c / 8u) * 1024u +
+                                (r % 8u) * 128u + ((c % 8u) ^ (r % 8u)) * 16u,
                             make_uint4(0u, 0u, 0u, 0u));
             }
             else {
@@ -489,7 +500,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         named_barrier(1u + (uint32_t)cw, 128u);
         fence_regs(o);
         wgmma_fence();
-        h90_pv<T, NP, BN, VG != 0>(o, pa, sv);
+        h90_pv<T, NP, BN, VG != 0, D / 64>(o, pa, sv);
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
@@ -589,14 +600,15 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * which holds a V slot longer -- LATE_PV_WAIT in the kernel; 176-key tiles keep two V slots and
  * their TMA producer runs K a tile ahead of V, K_AHEAD); head 64: three consumer warpgroups (192
  * rows) -- its smaller tiles leave registers for a third -- and three stages.  m.tile 176 where the
- * host chose 176-key tiles.  Heads 192 and 256 have forms of their own (two slots of each), and
+ * host chose 176-key tiles.  Heads 192 and 256 have forms of their own (two slots of each; the
+ * per-chunk TMA producer where the host encoded its maps, m.dims.k_groups, else cp.async), and
  * the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
  * run head 64's form (32), head 128's (72, 80, 96) or head 192's (160).  The head-256 form takes
- * 80-key tiles (FlashAttention-3's choice there: 3-4 % faster than 64) where the group producer
- * serves the cache (blocks of a power of two of 16+ keys: a 16-key group never straddles two
- * blocks); the per-row producer's row table does not fit beside 80-key slots (224 KB), so other
- * block sizes keep 64.  The 192-dim form's 112-key slots (216 KB with Q) leave room for that
- * table: one form serves every block size. */
+ * 80-key tiles (FlashAttention-3's choice there: 3-4 % faster than 64) where the per-chunk TMA
+ * producer or the group one serves the cache (blocks of 16 n keys, or of a power of two of 16+
+ * keys: a 16-key group never straddles two blocks); the per-row producer's row table does not fit
+ * beside 80-key slots (224 KB), so other block sizes keep 64.  The 192-dim form's 112-key slots
+ * (216 KB with Q) leave room for that table: one form serves every block size. */
 template <typename T>
 static cudaError_t
 h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
@@ -639,9 +651,17 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112, 0, 160>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 192:
+        if (m.dims.k_groups != 0) { /* per-chunk TMA boxes */
+            return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112, 1>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
         return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 256:
+        if (m.dims.k_groups != 0) { /* per-chunk TMA boxes */
+            return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80, 1>(
+                a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
         if (h90_group_blocks(a->block_size)) {
             return h90_launch_tma<T, H90T_STAGES, 256, 2, H90T_STAGES, 80>(
                 a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);

@@ -7,7 +7,8 @@
  *     shared ring);
  *   - h90_produce_cp_async_groups: cp.async rows for power-of-two blocks of 16+ keys (per
  *     16-key group addresses in registers);
- *   - h90_produce_tma_groups: one TMA box per 16-key chunk for K and for V (head 128).
+ *   - h90_produce_tma_groups: one TMA box per 16-key chunk for K and for V (heads 128, 192,
+ *     256).
  * The fourth way, per-block and flat TMA boxes from one warp, lives in the kernel itself.
  * Everything is static and compiled only where H90_DEVICE_CODE is defined (sm90_wgmma.cuh).
  */
@@ -355,7 +356,9 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
 {
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int NG = BN / 16; /* 16-key chunks per tile */
-    static_assert(D == 128 && NG <= 32, "head 128, a thread per chunk");
+    static_assert(D % 64 == 0 && NG <= 32, "64-dim panels, a thread per chunk");
+    constexpr uint32_t CB = 32u * D; /* bytes of a 16-key chunk */
+    constexpr int32_t PN = D / 64;   /* its panels */
     constexpr int PW = H90_TMA16_WARPS;
     const int32_t warp = (int32_t)(threadIdx.x >> 5);
     const int32_t lane = (int32_t)(threadIdx.x & 31u);
@@ -400,13 +403,13 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
         }
         if (chunk == 0) {
             const int32_t blocks = min(NG, (kv_end - kt * BN + 15) / 16);
-            mbar_arrive_expect_tx(bar, (uint32_t)blocks * 4096u);
+            mbar_arrive_expect_tx(bar, (uint32_t)blocks * CB);
         }
         if (b >= 0) {
-            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)chunk * 4096u;
+            const uint32_t dst = (kv == 0 ? sk0 : sv0) + slot * KVB + (uint32_t)chunk * CB;
             if constexpr (FLAT) {
                 const CUtensorMap *map = kv == 0 ? (b ? kmap2 : kmap) : (b ? vmap2 : vmap);
-                tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, 0);
+                tma_load_5d(dst, map, bar, 0, 0, PN * kvh, g, 0);
             }
             else {
                 const CUtensorMap *map = kv == 0 ? kmap : vmap;
@@ -414,7 +417,7 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
                     tma_load_5d(dst, map, bar, 0, 0, 0, g, b * heads + kvh);
                 }
                 else {
-                    tma_load_5d(dst, map, bar, 0, 0, 2 * kvh, g, b);
+                    tma_load_5d(dst, map, bar, 0, 0, PN * kvh, g, b);
                 }
             }
         }

@@ -21,15 +21,17 @@ sw128(uint32_t rows, uint32_t r, uint32_t c)
 
 /* Issues O += P V for one key tile (no commit): keys 16 kk .. 16 kk + 15 of P (registers) times
  * V rows 16 kk .. (the transposed B operand at shared address sv: 8-key groups 1024 bytes
- * apart, the stride; 64-dim panels BN * 128 bytes apart, the leading offset). */
-template <typename T, int D, int BN, bool VG = false>
+ * apart, the stride; 64-dim panels BN * 128 bytes apart, the leading offset; with VG the
+ * K_GROUPS layout of a tile of PN panels: panels 1024 apart, 8-key groups 1024 PN). */
+template <typename T, int D, int BN, bool VG = false, int PN = 2>
 static __device__ __forceinline__ void
 h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
 {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) {
-        if constexpr (VG) { /* K_GROUPS layout: 4 KB a 16-key block, panels 1024 apart */
-            h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 4096u, 1024u, 2048u));
+        if constexpr (VG) { /* K_GROUPS layout: a 16-key block 2 KB PN */
+            h90_mma<T>::pv(o, pa[kk],
+                           wgmma_desc(sv + (uint32_t)kk * 2048u * PN, 1024u, 1024u * PN));
         }
         else {
             h90_mma<T>::pv(o, pa[kk], wgmma_desc(sv + (uint32_t)kk * 2048u, BN * 128u, 1024u));
@@ -189,8 +191,8 @@ struct h90_rows {
 /* Issues S = Q K^T for one key tile (no commit) after a wgmma fence: D / 16 k-steps of 16 head
  * dims, 32 bytes apart within a 128-byte row; Q's 64-dim panels BM * 128 bytes apart and its
  * 8-row groups 1024.  K: panels khalf bytes apart and 8-row groups ksbo -- BN * 128 and 1024
- * (each panel a block of rows), or 1024 and 2048 (K_GROUPS: the panels of each 8-row group
- * side by side, as one TMA box per 16-key block lands them). */
+ * (each panel a block of rows), or 1024 and 1024 P for a tile of P panels (K_GROUPS: the
+ * panels of each 8-row group side by side, as one TMA box per 16-key block lands them). */
 template <typename T, int D, int BN, int BM>
 static __device__ __forceinline__ void
 h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 128u,

@@ -91,16 +91,17 @@ h90_encode(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, c
     return h90_encode_tiled(encode, map, a, base, rank, gdim, gstride, box);
 }
 
-/* The K (or V) map of the per-chunk producer ("sm90-tma16"): a head-128 cache whose kv heads
- * are adjacent 128-element rows (vLLM's NHD layout, or one layer of a layer-strided one), as 5
- * dims -- 64 elements (one 64-dim half), 8 tokens, 2 * num_kv_heads halves (the kv head folded
- * into the half: 128 bytes apart either way), block_size / 8 groups of 8 tokens, block -- or a
- * contiguous HND cache with the kv head folded into the block instead (dims 64, 8, 2,
- * block_size / 8, num_blocks * num_kv_heads); returns the h90_tma_dims.k_groups it encoded
- * for, 0 for none.  One 64 x 8 x 2 x 2 box brings a 16-key chunk, both halves, as two 8-row
- * groups of both panels (2048 bytes a group: the K_GROUPS layout of h90_qk).  Random 16-key
- * tables then take 8 boxes per K or V tile instead of 16 per-half ones.  Cannot fail: a cache
- * the maps cannot fold, or a driver that refuses the map, gives 0. */
+/* The K (or V) map of the per-chunk producer ("sm90-tma16"): a cache of head size D = 128, 192
+ * or 256 whose kv heads are adjacent D-element rows (vLLM's NHD layout, or one layer of a
+ * layer-strided one), as 5 dims -- 64 elements (one 64-dim panel), 8 tokens, P = D / 64 panels
+ * times num_kv_heads (the kv head folded into the panel: 128 bytes apart either way),
+ * block_size / 8 groups of 8 tokens, block -- or a contiguous HND cache with the kv head folded
+ * into the block instead (dims 64, 8, P, block_size / 8, num_blocks * num_kv_heads); returns the
+ * h90_tma_dims.k_groups it encoded for, 0 for none.  One 64 x 8 x P x 2 box brings a 16-key
+ * chunk, every panel, as two 8-row groups of all P panels (P KB a group: the K_GROUPS layout
+ * of h90_qk).  Random 16-key tables then take one box per chunk per K or V tile instead of
+ * one per block and panel.  Cannot fail: a cache the maps cannot fold, or a driver that
+ * refuses the map, gives 0. */
 static int32_t
 h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
@@ -116,12 +117,13 @@ h90_kgroups_encode(const dk_attention_args *a, CUtensorMap *map, const void *bas
         return 0;
     }
     const cuuint64_t tok = (cuuint64_t)a->cache_stride_token * 2; /* bytes */
+    const cuuint32_t panels = (cuuint32_t)(a->head_size / 64);    /* 64-dim panels per row */
     const cuuint64_t gdim[5] = {
-        64, 8, (cuuint64_t)(nhd ? 2 * a->num_kv_heads : 2), (cuuint64_t)(bs / 8),
+        64, 8, (cuuint64_t)(nhd ? panels * a->num_kv_heads : panels), (cuuint64_t)(bs / 8),
         (cuuint64_t)(nhd ? a->num_blocks : a->num_blocks * a->num_kv_heads)};
     const cuuint64_t gstride[4] = {
         tok, 128, 8 * tok, (cuuint64_t)(nhd ? a->cache_stride_block : a->cache_stride_head) * 2};
-    const cuuint32_t box[5] = {64, 8, 2, 2, 1};
+    const cuuint32_t box[5] = {64, 8, panels, 2, 1};
     if (!h90_encode_tiled(encode, map, a, base, 5, gdim, gstride, box)) {
         return 0;
     }

@@ -24,7 +24,7 @@ struct h90_tma_dims {
                           the caller vouched): flat boxes only, no per-block map */
     int32_t k_groups;  /* K and V by one TMA box per 16-key chunk (the 5-d maps
                           h90_kgroups_encode makes; tiles in the K_GROUPS layout, the kernel's
-                          VG): 1 the kv head folded into the maps' halves (NHD), 2 into their
+                          VG): 1 the kv head folded into the maps' panels (NHD), 2 into their
                           blocks (HND), 3 flat sources of vouched chunks (the kernel's VG 2;
                           DK_CONSECUTIVE_CHUNKS; the second source's maps in tfk2 / tfv2) */
 };

@@ -218,20 +218,23 @@ def main():
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _attention_case(dtype, head, block, mask, strided=(block == 1), sequential=sequential)
-    # the other head sizes: on Hopper the warp-specialized kernel's own forms at 192 and 256 and
-    # the forms padded to 64, 128 or 192 dims (block 16: the group producer; block 48 at 160 and
-    # 192: the per-row producer's passes of 64-dim panels) and the mma.sync kernel (block 1,
-    # strided); elsewhere the mma.sync kernel's row-order chunk mappings, head 72's zero dims,
+    # the other head sizes: on Hopper the warp-specialized kernel's own forms at 192 and 256 (block
+    # 16 and 48: per-chunk TMA boxes; block 16 over a padded head stride: the group producer) and
+    # the forms padded to 64, 128 or 192 dims (block 16: the group producer; block 48 at 160: the
+    # per-row producer's passes of 64-dim panels; block 1, a padded head stride: the per-row
+    # producer); elsewhere the mma.sync kernel's row-order chunk mappings, head 72's zero dims,
     # 32-key tiles above head 128
     for head in _C.supported_head_sizes("cuda", "bfloat16", "auto"):
         if head in (64, 128):
             continue
-        cases = [(torch.bfloat16, 16), (torch.float16, 1)]
-        if head in (160, 192):
-            cases.append((torch.bfloat16, 48))
-        for dtype, block in cases:
+        cases = [(torch.bfloat16, 16, False), (torch.float16, 1, True)]
+        if head in (160, 192, 256):
+            cases.append((torch.bfloat16, 48, False))
+        if head in (192, 256):
+            cases.append((torch.float16, 16, True))
+        for dtype, block, strided in cases:
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
-                _attention_case(dtype, head, block, mask, strided=(block == 1))
+                _attention_case(dtype, head, block, mask, strided=strided)
     # a row of 16384+ keys: 176-key tiles of per-chunk 5-d boxes on Hopper, random and
     # allocation order, with or without a mask
     for sequential in (False, True):

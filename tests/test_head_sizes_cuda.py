@@ -22,25 +22,38 @@ pytestmark = pytest.mark.gpu
 HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "auto")) if _C.cuda_compiled() else []
 WGMMA_HEADS = (64, 128)  # the Hopper kernels' own sizes
 # On Hopper the warp-specialized kernel with its cp.async producers (caches of 16-byte chunks):
-# head 256, and the others on tiles of 64, 128 or 256 dims with zeros past the head size; other
-# calls at these sizes run the mma.sync kernel there.
+# heads 192 and 256, and the others on tiles of 64, 128 or 192 dims with zeros past the head
+# size; other calls at these sizes run the mma.sync kernel there.
 CP_ASYNC_HEADS = (32, 72, 80, 96, 160, 192, 256)
+# Of those, the sizes whose caches of 16-key chunks (NHD or HND, no padding past the head) take
+# one TMA box per chunk instead ('sm90-tma16').
+CHUNK_TMA_HEADS = (192, 256)
 
 
 def _hopper():
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def _problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed):
+def _problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed, layout="nhd"):
     """K/V of every position of every row written into a paged cache (a random permutation of
-    blocks, 3 spare), NaN in every slot no row reads; q random.  Returns the call's tensors and
-    the dense K/V per row."""
+    blocks, 3 spare), NaN in every slot no row reads; q random.  layout: 'nhd' (contiguous
+    [2, blocks, block, kv heads, head]), 'hnd' (kv heads outside the block's tokens) or 'padded'
+    (NHD with each head's row 8 elements wider, NaN there: 16-byte chunks no TMA map folds).
+    Returns the call's tensors and the dense K/V per row."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [math.ceil(s / block) for s in seq_lens]
     num_blocks = sum(blocks) + 3
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     table = torch.full((len(seq_lens), max(blocks) + 1), perm[-1], dtype=torch.int32)
-    cache = torch.full((2, num_blocks, block, kv_heads, head), float("nan"), device="cuda", dtype=dtype)
+    nan = float("nan")
+    if layout == "hnd":
+        backing = torch.full((2, num_blocks, kv_heads, block, head), nan, device="cuda", dtype=dtype)
+        cache = backing.permute(0, 1, 3, 2, 4)
+    elif layout == "padded":
+        backing = torch.full((2, num_blocks, block, kv_heads, head + 8), nan, device="cuda", dtype=dtype)
+        cache = backing[..., :head]
+    else:
+        cache = torch.full((2, num_blocks, block, kv_heads, head), nan, device="cuda", dtype=dtype)
     dense = []
     at = 0
     for r, (s, n) in enumerate(zip(seq_lens, blocks, strict=True)):
@@ -50,7 +63,11 @@ def _problem(seq_lens, query_lens, heads, kv_heads, head, block, dtype, seed):
         v = torch.randn(s, kv_heads, head, device="cuda", generator=g).to(dtype)
         pos = torch.arange(s)
         slots = (table[r, pos // block].long() * block + pos % block).cuda()
-        _C.kv_write(k, v, cache, slots)
+        if layout == "nhd":
+            _C.kv_write(k, v, cache, slots)
+        else:  # the views' own strides, written through by indexing
+            cache[0, slots // block, slots % block] = k
+            cache[1, slots // block, slots % block] = v
         dense.append((k, v))
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), heads, head, device="cuda", generator=g).to(dtype)
@@ -87,11 +104,14 @@ def _check(out, q, qsl, dense, limits, scale, lse=None):
         _close(out[sl], q[sl], k, v, visible, scale, None if lse is None else lse[sl])
 
 
-def _masked_case(head, dtype, mask, block):
-    """Two rows (300 keys / 120 queries, 771 / 771), GQA 8/2, the mask's key limits: a function
-    that runs the paged call (the current kernel choice) and checks it against the reference."""
+def _masked_case(head, dtype, mask, block, layout="nhd"):
+    """Two rows (300 keys / 120 queries, 771 / 771), GQA 8/2, the mask's key limits, the cache in
+    _problem's layout: a function that runs the paged call (the current kernel choice) and checks
+    it against the reference."""
     seq_lens, query_lens = [300, 771], [120, 771]
-    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 8, 2, head, block, dtype, head + block)
+    q, cache, table, qsl, seq, dense = _problem(
+        seq_lens, query_lens, 8, 2, head, block, dtype, head + block, layout
+    )
     limits = _limits(seq_lens, query_lens, mask)
     code = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMITS}[mask]
     key_limits = torch.cat(limits).cuda() if mask == "limits" else None
@@ -118,19 +138,33 @@ def test_every_head_size_matches_the_reference(head, dtype, mask, block, attenti
         run()
         if kernel == "sm80" or head not in WGMMA_HEADS + CP_ASYNC_HEADS or not _hopper():
             assert _C.last_attention_kernel() == "sm80"
+        elif head in CHUNK_TMA_HEADS and block % 16 == 0:
+            assert _C.last_attention_kernel() == "sm90-tma16"
         elif head in CP_ASYNC_HEADS:
             assert _C.last_attention_kernel() == "sm90-ws"
 
 
 @pytest.mark.parametrize("head", [h for h in HEADS if h >= 160])
 @pytest.mark.parametrize("mask", ["none", "causal", "limits"])
-@pytest.mark.parametrize("block", [32, 64, 128])
-def test_head_256_form_blocks_past_16(head, mask, block):
-    """The head-256 form's group producer over blocks of 32 to 128 keys: 80-key tiles (160, 256)
-    start inside a block and span two, each 16-key group at its own offset in its block; 64-key
-    tiles (192) fill one block or take a part of one."""
-    _masked_case(head, torch.bfloat16, mask, block)()
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+def test_192_and_256_forms_group_producer(head, mask, block):
+    """The 192- and 256-dim forms' group producer over blocks of 16 to 128 keys, in a cache whose
+    head rows are padded (no per-chunk TMA map): 80-key tiles (256) start inside a block and span
+    two, 112-key ones (160, 192) likewise, each 16-key group at its own offset in its block."""
+    _masked_case(head, torch.bfloat16, mask, block, "padded")()
     assert _C.last_attention_kernel() == ("sm90-ws" if _hopper() else "sm80")
+
+
+@pytest.mark.parametrize("head", [h for h in HEADS if h in CHUNK_TMA_HEADS])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("mask", ["none", "limits"])
+@pytest.mark.parametrize("block", [16, 48, 128])
+def test_192_and_256_per_chunk_tma(head, layout, mask, block):
+    """Heads 192 and 256 over caches of 16-key chunks, NHD and HND, in random block order: one
+    TMA box of the chunk's 16 rows x 3 or 4 panels per chunk for K and V ('sm90-tma16'; a 112- or
+    80-key tile's chunks from different blocks), NaN in every slot no row reads."""
+    _masked_case(head, torch.float16, mask, block, layout)()
+    assert _C.last_attention_kernel() == ("sm90-tma16" if _hopper() else "sm80")
 
 
 @pytest.mark.parametrize("head", HEADS)
