@@ -403,7 +403,7 @@ dk_attention_chunk_layout(const dk_attention_args *a)
                        (bs % 16 == 0 || (a->bt_cols == 1 && bs % 8 == 0));
     if (!(d == 128 || d == 192 || d == 256) || !chunks || a->key_cache2 != NULL || !(nhd || hnd) ||
         a->num_blocks < 1 || a->num_blocks > (int64_t)INT32_MAX || a->num_kv_heads < 1 ||
-        a->num_kv_heads > (int64_t)INT32_MAX / 2 || a->cache_stride_token <= 0 ||
+        a->num_kv_heads > (int64_t)INT32_MAX / (d / 64) || a->cache_stride_token <= 0 ||
         a->cache_stride_block <= 0 || a->cache_stride_token % 8 != 0 ||
         a->cache_stride_block % 8 != 0 || a->cache_stride_block * 2 >= ((int64_t)1 << 40) ||
         a->cache_stride_token * 16 >= ((int64_t)1 << 40)) {

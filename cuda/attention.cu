@@ -161,9 +161,10 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
         if ((a->head_size == 192 || a->head_size == 256) && a->key_cache2 == NULL) {
             /* A cache of 16-key chunks in a layout the 5-d maps fold (NHD, HND, layer-strided):
              * one box per chunk for K and for V, as head 128's sm90-tma16 -- no copies on the
-             * load/store pipe, and the producer's registers go to the consumers (1.05-1.10x
-             * cuDNN at 16k against 0.90-1.00 with cp.async, docs/head-sizes.md).  Dense
-             * sources' vouched chunks (k_groups_ok 3) keep cp.async. */
+             * load/store pipe, and the producer's registers go to the consumers (with the late
+             * P V wait 1.11-1.22x cuDNN at 16k against 0.90-1.00 with cp.async,
+             * docs/head-sizes.md).  Dense sources' vouched chunks (k_groups_ok 3) keep
+             * cp.async. */
             h90_maps t;
             (void)h90_tma_maps(a, 128, &t);
             if (t.k_groups_ok == 1 || t.k_groups_ok == 2) {
