@@ -387,6 +387,27 @@ dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys)
     return tiles > 0 ? (int32_t)(runs * DK_TABLE_RUNS_ALL / tiles) : 0;
 }
 
+void
+dk_attention_uniform_rows(dk_attention_args *a)
+{
+    a->uniform_query_len = 0;
+    a->uniform_seq_len = 0;
+    if (a->num_rows < 1) {
+        return;
+    }
+    const int64_t q = (int64_t)a->query_start_loc[1] - a->query_start_loc[0];
+    if (a->query_start_loc[0] != 0 || q <= 0 || q > INT32_MAX) {
+        return;
+    }
+    for (int64_t r = 0; r < a->num_rows; r++) {
+        if ((int64_t)a->query_start_loc[r + 1] != (r + 1) * q || a->seq_lens[r] != a->seq_lens[0]) {
+            return;
+        }
+    }
+    a->uniform_query_len = (int32_t)q;
+    a->uniform_seq_len = a->seq_lens[0];
+}
+
 int32_t
 dk_attention_chunk_layout(const dk_attention_args *a)
 {

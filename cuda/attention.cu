@@ -10,7 +10,9 @@
  *         (sm90_tma_map.cu): one TMA box per 16-key chunk ("sm90-tma16") for every head-128
  *         cache those maps fold, per-block or flat TMA boxes ("sm90-tma") for large blocks and
  *         for tables of consecutive blocks, cp.async rows ("sm90-ws") for the rest; key tiles
- *         of 176 keys instead of 128 over long rows where TMA can cut them;
+ *         of 176 keys instead of 128 over long rows where TMA can cut them; short unmasked
+ *         calls of uniform rows that the per-chunk boxes serve run its persistent form
+ *         (attention_sm90_persist.cu, "sm90-persist": attn_persist_ok);
  *       - otherwise the wgmma kernel whose warpgroups load their own tiles (attention_sm90.cu,
  *         "sm90").
  *   - fp16/bf16, head_size 32, 72, 80, 96, 160, 192 or 256 on the same Hopper GPUs, K/V rows in
@@ -61,6 +63,11 @@
 /* Longest row (keys) from which head-128 calls take 176-key tiles: over shorter rows the
  * larger tile's savings do not cover its coarser masking and tail. */
 #define H90_WIDE_MIN_KEYS 16384
+
+/* Most work items (128-row query tiles of one head), in CTAs per SM, that a call may have to run
+ * on the persistent kernel (attention_sm90_persist.cu): short calls, whose CTAs' fixed costs
+ * weigh most. */
+#define HP_MAX_WAVES 16
 
 /* The kernel the last call launched, for dk_cuda_last_attention_kernel (a string literal). */
 static const char *volatile attn_last_kernel = "none";
@@ -142,6 +149,67 @@ h90_wide_tiles(const dk_attention_args *a)
     return one_block || flat16 || vouched;
 }
 
+/* Multiprocessors of the current device, cached per device (0 on a CUDA error, cleared).
+ * Cannot fail. */
+static int64_t
+attn_sm_count(void)
+{
+    static volatile int counts[ATTN_MAX_DEVICES];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    if (cached && counts[dev] > 0) {
+        return counts[dev];
+    }
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (cached) {
+        counts[dev] = n;
+    }
+    return n;
+}
+
+/* Whether a head-128 call that the per-chunk TMA producer serves in 128-key tiles (maps m) runs
+ * on the persistent kernel, over `sms` multiprocessors: rows that share one query length and one
+ * seq_len (the host copies say so: the kernel takes them as parameters), mask none (every row
+ * sees all its keys: no limits to read; causal rows, whose tiles differ in cost, ran 10-30 %
+ * slower on its static round-robin of items), one source, 16-byte aligned output rows (its
+ * staged epilogue), at most HP_MAX_WAVES items per SM, a last query tile at least half full, and
+ * the stream not being captured -- a graph replays its parameters, while the device metadata may
+ * change between replays.  Cannot fail. */
+static bool
+attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cudaStream_t s)
+{
+    if (a->head_size != 128 || m.tile != 128 || (m.dims.k_groups != 1 && m.dims.k_groups != 2) ||
+        a->key_cache2 != NULL || a->uniform_query_len <= 0 || a->uniform_seq_len <= 0 || sms <= 0 ||
+        a->mask != DK_MASK_NONE) {
+        return false;
+    }
+    if (a->o_stride_dim != 1 || (uintptr_t)a->out % 16 != 0 || (a->o_stride_token * 2) % 16 != 0 ||
+        (a->o_stride_head * 2) % 16 != 0) {
+        return false;
+    }
+    const int64_t items = a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
+    /* A last query tile under half full (4097 queries: one row) measured 4-5 % slower than one
+     * CTA per tile, for a reason not found (hopper-kernels.md, *The persistent form*). */
+    const int64_t tail = a->uniform_query_len % ATTN_BM;
+    if (items > HP_MAX_WAVES * sms || (tail != 0 && tail < ATTN_BM / 2)) {
+        return false;
+    }
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return st == cudaStreamCaptureStatusNone;
+}
+
 /*
  * Launches a checked fp16/bf16 call on the Hopper kernels (arguments as dk_cuda_attention
  * computed them; kv_vec: K/V rows in 16-byte chunks) and records which one ran.  Returns
@@ -178,6 +246,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
     }
     else if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
+        int64_t sms = 0;
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
         m.tile = tile;
@@ -195,6 +264,10 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             m.dims.k_groups = m.k_groups_ok;
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";
+            sms = attn_sm_count();
+            if (attn_persist_ok(a, m, sms, s)) {
+                kernel = "sm90-persist";
+            }
         }
         else {
             /* Head 64 takes 16-key blocks through the block-group cp.async producer even
@@ -208,7 +281,9 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             }
             kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         }
-        e = attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        e = strcmp(kernel, "sm90-persist") == 0
+                ? attn_sm90_persist_launch(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
+                : attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     else {
         e = attn_sm90_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec,

@@ -343,7 +343,9 @@ h90_produce_cp_async_groups(const dk_attention_args &a, int64_t h, int64_t row, 
  * coordinates are its first row / 8 in its source.  hnd: the maps fold the kv head into the
  * block (HND), else into the halves (NHD).  first_ok: first_blk is this thread's block-table
  * entry of tile 0, loaded at the kernel's start.  Slots, barriers and tiles as
- * h90_produce_cp_async; called by the H90_TMA16_WARPS producer warps.
+ * h90_produce_cp_async, except that tile kt takes the slots and phases of ring position base +
+ * kt (base: the tiles a persistent CTA's earlier work items took, attention_sm90_persist.cu);
+ * called by the H90_TMA16_WARPS producer warps.
  * No cp.async at all: the copies of a cp.async producer share the memory pipe with the
  * consumers' wgmma issue. */
 template <int D, int BN, int ST, int SV, bool KA, bool FLAT>
@@ -352,7 +354,7 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
                        int32_t n_tiles, uint32_t sk0, uint32_t sv0, uint32_t full_k,
                        uint32_t full_v, uint32_t empty_k, uint32_t empty_v, const CUtensorMap *kmap,
                        const CUtensorMap *vmap, const CUtensorMap *kmap2, const CUtensorMap *vmap2,
-                       bool hnd, bool first_ok, int32_t first_blk)
+                       bool hnd, bool first_ok, int32_t first_blk, int32_t base = 0)
 {
     constexpr uint32_t KVB = BN * D * 2;
     constexpr int NG = BN / 16; /* 16-key chunks per tile */
@@ -396,10 +398,12 @@ h90_produce_tma_groups(const dk_attention_args &a, int64_t h, int64_t row, int32
     };
     const auto issue = [&](int32_t kt, int kv, int32_t b, int32_t g) {
         const int stages = kv == 0 ? ST : SV;
-        const uint32_t slot = (uint32_t)(kt % stages);
+        const int32_t pos = base + kt; /* ring position */
+        const uint32_t slot = (uint32_t)(pos % stages);
         const uint32_t bar = (kv == 0 ? full_k : full_v) + 8u * slot;
-        if (kt >= stages) { /* the phase the slot's last use ended */
-            mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot, (uint32_t)((kt / stages - 1) & 1));
+        if (pos >= stages) { /* the phase the slot's last use ended */
+            mbar_wait((kv == 0 ? empty_k : empty_v) + 8u * slot,
+                      (uint32_t)((pos / stages - 1) & 1));
         }
         if (chunk == 0) {
             const int32_t blocks = min(NG, (kv_end - kt * BN + 15) / 16);

@@ -19,9 +19,11 @@ import diffkv
 from diffkv import _C
 
 
-def _attention_case(dtype, head, block, mask, strided, sequential=False, seq_lens=(37, 70)):
+def _attention_case(
+    dtype, head, block, mask, strided, sequential=False, seq_lens=(37, 70), query_lens=(20, 70)
+):
     g = torch.Generator().manual_seed(head + block + mask)
-    rows, seq_lens, query_lens, heads, kv_heads = 2, list(seq_lens), [20, 70], 4, 2
+    rows, seq_lens, query_lens, heads, kv_heads = 2, list(seq_lens), list(query_lens), 4, 2
     blocks = [-(-s // block) for s in seq_lens]
     nb = sum(blocks) + 3
     # sequential: blocks in allocation order (a flat cache's tiles of consecutive blocks)
@@ -240,6 +242,11 @@ def main():
     for sequential in (False, True):
         for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
             _attention_case(torch.bfloat16, 128, 16, mask, False, sequential, seq_lens=(37, 16400))
+    # two uniform rows of 18 query tiles (the last half full), 4 heads: 144 tiles, on Hopper the
+    # persistent kernel ('sm90-persist': a CTA takes a second tile where there are fewer SMs)
+    _attention_case(
+        torch.bfloat16, 128, 16, _C.MASK_NONE, False, seq_lens=(2240, 2240), query_lens=(2240, 2240)
+    )
     if torch.cuda.get_device_capability()[0] == 9:  # the e4m3 kernel is Hopper's
         fp8_cases = ((torch.bfloat16, 128, 16), (torch.float16, 128, 1), (torch.bfloat16, 64, 16))
         for dtype, head, block in fp8_cases:

@@ -349,6 +349,9 @@ dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op, dk
          * head 128 the per-chunk boxes (attention_sm90.cu): no count for those */
         a->table_runs = dk_attention_table_runs(a, 128);
     }
+    if (q.device_type == DK_CUDA) {
+        dk_attention_uniform_rows(a); /* the persistent sm90 kernel's rows (attention.cu) */
+    }
     /* From here on the kernels use the tensors on the query's device. */
     a->block_table = (const int32_t *)bt.data;
     a->bt_stride_row = bt.strides[0];

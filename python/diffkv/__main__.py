@@ -282,7 +282,8 @@ def info(args):
         kernels = {
             "sm90-tma": (
                 "sm90-tma (warp-specialized wgmma: at head 128 sm90-tma16 -- one TMA box per 16-key"
-                " chunk for K and V -- for blocks of 16 n keys in any order; at 64 and 128 TMA boxes"
+                " chunk for K and V -- for blocks of 16 n keys in any order, persistent (sm90-persist)"
+                " for short unmasked calls of uniform rows; at 64 and 128 TMA boxes"
                 " for power-of-two blocks of 32+ keys and runs of consecutive blocks; sm90-ws,"
                 " cp.async, otherwise and at the other head sizes; e4m3 wgmma for fp8 caches at 64 and 128)"
             ),

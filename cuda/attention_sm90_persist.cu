@@ -1,0 +1,325 @@
+/*
+ * attention_sm90_persist.cu -- the persistent form of the warp-specialized Hopper kernel
+ * ("sm90-persist"): one CTA per SM walking the work items (query tiles) of a short call, so that
+ * a CTA's fixed costs overlap the work before them instead of following it.
+ *
+ * Over 1-2 rows of 1k-4k tokens the kernel of attention_sm90_ws.cu, one CTA per 128-row query
+ * tile, spent about 4 us of every CTA outside its key loop against 1.4 us per 128-key tile: the
+ * row's span, Q and the first K tile coming in, the epilogue, the SM's next CTA starting
+ * (hopper-kernels.md, *CTA prologue and epilogue*).  cuDNN's SDPA, 1.05-1.2x faster there, runs
+ * one CTA per SM (grid 132 on the H200, 232 KB of shared memory).  Here a CTA takes items
+ * blockIdx.x, blockIdx.x + gridDim.x, ... in attn_cta_place's order (the CTAs that run together
+ * take the items the one-CTA-per-item grid would run together), and:
+ *   - the producer warpgroup runs on into the next item's K/V tiles as soon as slots free up:
+ *     the slots, their full / empty mbarriers and phases count tiles over the whole CTA (ring
+ *     position base + kt), so the next item's first tiles land while the consumers finish;
+ *   - each consumer warpgroup has two Q buffers and issues its next item's 64 Q rows into the
+ *     other one at the start of an item (its previous epilogue staged there, and is done);
+ *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
+ *     across items: one opening before the first item, one closing after the last;
+ *   - nothing is read from global memory to find an item's rows: the host passes a uniform
+ *     batch's query and key lengths (dk_attention_args.uniform_query_len / uniform_seq_len,
+ *     checked on its copies of the metadata), and under the one mask this form takes, none,
+ *     every row sees all kv_end = seq_len keys: every item has the same tiles, and a thread's
+ *     row limits are kv_end or 0 past the row's end (no shared limits, no CTA barrier per item).
+ * A consumer finishes an item (its last P V, the epilogue) before it starts the next one: a
+ * form that issued the next item's first Q K^T beside the last P V and ran the epilogue under
+ * the next softmax measured 2-9 % slower on 1-2k-token rows (hopper-kernels.md, *The
+ * persistent form*).
+ * Everything else is the ws kernel's head-128 form with the per-chunk TMA producer
+ * (sm90-tma16): 128-query-row items, 128-key tiles in two K and three V slots, the late P V
+ * wait, the staged epilogue.  Shared memory: two Q tiles and five K/V slots, 224 KB.
+ *
+ * Entry point (attention_internal.cuh): attn_sm90_persist_launch.
+ */
+#include "attention_common.cuh"
+#include "attention_internal.cuh"
+#include "cuda_common.cuh"
+#include "sm90_async.cuh"
+#include "sm90_producers.cuh"
+#include "sm90_tiles.cuh"
+#include "sm90_tma_map.cuh"
+#include "sm90_wgmma.cuh"
+
+#include <cuda.h> /* CUtensorMap */
+
+#define HP_D 128  /* head size */
+#define HP_NC 2   /* consumer warpgroups */
+#define HP_BM 128 /* query rows per item */
+#define HP_BN 128 /* keys per tile */
+#define HP_ST 2   /* K slots */
+#define HP_SV 3   /* V slots */
+
+#ifdef H90_DEVICE_CODE
+/* One work item: its head, batch row, first query row q0 (of the batch row) and the batch row's
+ * first packed token. */
+struct hp_item {
+    int64_t h, row, q0, q_start;
+};
+
+static __device__ __forceinline__ hp_item
+hp_place(const dk_attention_args &a, int64_t item, int64_t tiles_per_row, int64_t head_group)
+{
+    hp_item it;
+    int64_t tile_rev;
+    attn_cta_place(a, item, tiles_per_row, head_group, false, NULL, &it.h, &it.row, &tile_rev);
+    it.q0 = (tiles_per_row - 1 - tile_rev) * HP_BM;
+    it.q_start = it.row * a.uniform_query_len;
+    return it;
+}
+#endif
+
+template <typename T>
+/* clang-format off */
+static __global__ void __launch_bounds__(128 * (HP_NC + 1), 1)
+attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
+                              const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
+                              int64_t items, int64_t tiles_per_row, int64_t head_group,
+                              float scale_log2, bool neg_q, bool q_vec, bool hnd)
+/* clang-format on */
+{
+#ifdef H90_DEVICE_CODE
+    constexpr int D = HP_D, NC = HP_NC, BM = HP_BM, BN = HP_BN, ST = HP_ST, SV = HP_SV;
+    constexpr int NT = BN / 8;
+    constexpr int DT = D / 8;
+    constexpr uint32_t QB = BM * D * 2;
+    constexpr uint32_t KVB = BN * D * 2;
+    using regs = h90_ws_regs<56, 224>;
+
+    extern __shared__ uint4 hp_smem[];
+    /* full K[ST], full V[SV], empty K[ST], empty V[SV] */
+    __shared__ __align__(8) uint64_t s_bar[2 * (ST + SV)];
+    __shared__ float s_sink[128 * NC]; /* the late P V wait's stores */
+    const uint32_t raw = smem_addr(hp_smem);
+    const uint32_t sq0 = raw + ((1024u - (raw & 1023u)) & 1023u); /* Q buffers 0 and 1 */
+    const uint32_t sk0 = sq0 + 2 * QB;                            /* K slot i at sk0 + i KVB */
+    const uint32_t sv0 = sk0 + ST * KVB;                          /* V slot i at sv0 + i KVB */
+    const uint32_t full_k = smem_addr(s_bar);
+    const uint32_t full_v = full_k + 8u * ST;
+    const uint32_t empty_k = full_v + 8u * SV;
+    const uint32_t empty_v = empty_k + 8u * ST;
+
+    const int64_t query_len = a.uniform_query_len;
+    /* every item sees the row's keys (mask none, one seq_len): the same tiles */
+    const int32_t kv_end = (int32_t)min((int64_t)a.uniform_seq_len, a.bt_cols * a.block_size);
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
+    const int64_t step = gridDim.x;
+    const int tid = (int)threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
+    const int lane = tid % 32;
+
+    /* The first item's Q rows go out first (each consumer warpgroup its own 64). */
+    hp_item it = hp_place(a, blockIdx.x, tiles_per_row, head_group);
+    if (wg > 0) {
+        h90_load_q<D, BM, 128, 64>(a, sq0, tid - 128 * wg, (wg - 1) * 64, it.q0, it.q_start,
+                                   query_len, it.h, q_vec);
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < ST + SV; i++) { /* full K and V: one expect_tx; empties: 8 warps */
+            mbar_init(full_k + 8u * (uint32_t)i, 1u);
+            mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        regs::producer();
+        if (tid < 32 * H90_TMA16_WARPS) {
+            int32_t base = 0;
+            for (int64_t i = blockIdx.x; i < items; i += step) {
+                const hp_item p = hp_place(a, i, tiles_per_row, head_group);
+                h90_produce_tma_groups<D, BN, ST, SV, false, false>(
+                    a, p.h, p.row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
+                    &tmk, &tmv, NULL, NULL, hnd, false, 0, base);
+                base += n_tiles;
+            }
+        }
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    regs::consumer();
+    const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 of an item */
+    const int wt = tid - 128 * wg; /* thread within the warpgroup */
+    const int w4 = wt / 32;
+    const int g = lane >> 2;
+    const int tq = lane & 3;
+    const uint32_t sink = smem_addr(&s_sink[tid - 128]);
+    constexpr uint32_t khalf = 1024u, ksbo = 1024u * (D / 64); /* K_GROUPS tiles (h90_qk) */
+    const int32_t valid = kv_end - (n_tiles - 1) * BN;         /* keys of the last tile */
+
+    /* The turns: the last warpgroup opens the first one, for the whole CTA; every tile's
+     * Q K^T is one turn. */
+    if (cw == NC - 1) {
+        named_arrive(8u, 256u);
+    }
+    int32_t base = 0; /* ring position of the item's first tile */
+    int n = 0;        /* items done: Q buffer n & 1 */
+    for (int64_t i = blockIdx.x; i < items; i += step, n++) {
+        const uint32_t sq = sq0 + (uint32_t)(n & 1) * QB;
+        /* this item's Q (the only cp.async group in flight), negated for a negative scale */
+        cp_async_wait_all();
+        if (neg_q) {
+            h90_negate_q<D, BM, 128, 64>(sq, wt, cw * 64);
+        }
+        fence_proxy_async();
+        named_barrier(1u + (uint32_t)cw, 128u); /* also: the other buffer's epilogue is done */
+        const hp_item cur = it;
+        if (i + step < items) { /* the next item's Q into the other buffer */
+            it = hp_place(a, i + step, tiles_per_row, head_group);
+            h90_load_q<D, BM, 128, 64>(a, sq0 + (uint32_t)((n + 1) & 1) * QB, wt, cw * 64, it.q0,
+                                       it.q_start, query_len, it.h, q_vec);
+        }
+
+        float o[D / 2];
+#pragma unroll
+        for (int k = 0; k < D / 2; k++) {
+            o[k] = 0.0f;
+        }
+        float m[2] = {-INFINITY, -INFINITY};
+        float l[2] = {0.0f, 0.0f};
+        uint32_t pa[BN / 16][4];
+        float s[NT * 4];
+        h90_rows rows;
+        rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
+        const int64_t r0 = cur.q0 + cw * 64 + w4 * 16 + g; /* this thread's rows r0, r0 + 8 */
+        rows.lim0 = r0 < query_len ? kv_end : 0;
+        rows.lim1 = r0 + 8 < query_len ? kv_end : 0;
+        rows.g_min = cur.q0 + cw * 64 + 63 < query_len ? kv_end : 0; /* the warpgroup's least */
+        rows.tq = tq;
+        rows.scale_log2 = scale_log2;
+
+        if (n_tiles > 0) {
+            for (int32_t kt = 0; kt < n_tiles; kt++) {
+                const int32_t j0 = kt * BN;
+                const int32_t pos = base + kt;
+                const uint32_t slot = (uint32_t)(pos % ST);
+                mbar_wait(full_k + 8u * slot, (uint32_t)((pos / ST) & 1)); /* K_kt landed */
+                float alpha[2];
+                if (kt == 0) {
+                    named_barrier(8u + (uint32_t)cw, 256u);
+                    h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                    wgmma_commit();
+                    named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                    wgmma_wait_all();
+                    fence_regs(s);
+                    if (lane == 0) {
+                        mbar_arrive(empty_k + 8u * slot);
+                    }
+                    h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
+                }
+                else {
+                    const uint32_t pslot = (uint32_t)((pos - 1) % SV);
+                    mbar_wait(full_v + 8u * pslot, (uint32_t)(((pos - 1) / SV) & 1)); /* V_kt-1 */
+                    named_barrier(8u + (uint32_t)cw, 256u);
+                    h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                    wgmma_commit();
+                    h90_pv<T, D, BN, true, D / 64>(o, pa, sv0 + pslot * KVB);
+                    wgmma_commit();
+                    named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                    wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
+                    fence_regs(s);
+                    if (lane == 0) {
+                        mbar_arrive(empty_k + 8u * slot);
+                    }
+                    const bool rescale = h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
+                    /* the late P V wait (attention_sm90_ws.cu, LATE_PV_WAIT) */
+                    st_shared_f32(sink, l[0] + l[1]);
+                    wgmma_wait_all();
+                    fence_regs(o);
+                    if (lane == 0) {
+                        mbar_arrive(empty_v + 8u * pslot);
+                    }
+                    if (rescale) {
+                        h90_rescale_o<DT>(o, alpha);
+                    }
+                }
+                h90_pack_p<T, BN>(pa, s);
+            }
+            /* The last tile's V: rows past kv_end become zeros (stale or unwritten data, 0 * nan
+             * = nan; by both warpgroups: the same values), then P V, then the slot goes back to
+             * the producer. */
+            const int32_t lpos = base + n_tiles - 1;
+            const uint32_t lslot = (uint32_t)(lpos % SV);
+            const uint32_t sv = sv0 + lslot * KVB;
+            mbar_wait(full_v + 8u * lslot, (uint32_t)((lpos / SV) & 1));
+            for (int k = valid * (D / 8) + wt; k < BN * (D / 8); k += 128) {
+                const uint32_t r = (uint32_t)(k / (D / 8)), c = (uint32_t)(k % (D / 8));
+                st_shared16(sv + (r / 8u) * (1024u * (D / 64)) + (c / 8u) * 1024u +
+                                (r % 8u) * 128u + ((c % 8u) ^ (r % 8u)) * 16u,
+                            make_uint4(0u, 0u, 0u, 0u));
+            }
+            fence_proxy_async();
+            named_barrier(1u + (uint32_t)cw, 128u);
+            fence_regs(o);
+            wgmma_fence();
+            h90_pv<T, D, BN, true, D / 64>(o, pa, sv);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(o);
+            if (lane == 0) {
+                mbar_arrive(empty_v + 8u * lslot);
+            }
+        }
+        base += n_tiles;
+
+        /* Epilogue: this warpgroup's rows, staged through its rows of this item's Q buffer. */
+        const float sl2[2] = {scale_log2, scale_log2};
+        h90_store_o_staged<T, D, BM>(a, sq, cw, wt, cur.h, cur.q_start + cur.q0, query_len - cur.q0,
+                                     l, m, sl2, o);
+    }
+    if (cw == 0) {
+        named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
+    }
+#else
+    (void)tmk;
+    (void)tmv;
+    (void)a;
+    (void)items;
+    (void)tiles_per_row;
+    (void)head_group;
+    (void)scale_log2;
+    (void)neg_q;
+    (void)q_vec;
+    (void)hnd;
+    __trap();
+#endif
+}
+
+/* Launches the kernel for dtype T over min(items, SMs) CTAs (attn_sm90_persist_launch's
+ * contract).  The shared-memory attribute is set once per (dtype, device). */
+template <typename T>
+static cudaError_t
+hp_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
+          bool neg_q, bool q_vec, int64_t sms, cudaStream_t s)
+{
+    static volatile bool attr_set[ATTN_MAX_DEVICES];
+    /* two Q buffers, ST K and SV V slots, alignment slack */
+    const size_t smem =
+        (size_t)2 * HP_BM * HP_D * 2 + (size_t)(HP_ST + HP_SV) * HP_BN * HP_D * 2 + 1024;
+    const void *kernel = (const void *)attention_sm90_persist_kernel<T>;
+    const cudaError_t e = attn_allow_smem(kernel, smem, attr_set);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    int64_t tiles_per_row = dk_cdiv(a->uniform_query_len, HP_BM);
+    int64_t items = a->num_heads * a->num_rows * tiles_per_row;
+    const unsigned blocks = (unsigned)(items < sms ? items : sms);
+    bool hnd = m.dims.k_groups == 2;
+    void *args[] = {(void *)&m.k, (void *)&m.v, (void *)a, &items, &tiles_per_row,
+                    &head_group,  &scale_log2,  &neg_q,    &q_vec, &hnd};
+    return dk_launch_after(a->pending, kernel, dim3(blocks), dim3(128 * (HP_NC + 1)), smem, s,
+                           args);
+}
+
+/* attention_internal.cuh's contract. */
+cudaError_t
+attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
+                         float scale_log2, bool neg_q, bool q_vec, int64_t sms, cudaStream_t s)
+{
+    return a->dtype == DK_BF16
+               ? hp_launch<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
+               : hp_launch<__half>(a, m, head_group, scale_log2, neg_q, q_vec, sms, s);
+}
