@@ -78,8 +78,8 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
 
 /* attention_sm90_persist.cu: the persistent form of the ws kernel over min(items, sms) CTAs:
  * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), 128-key tiles,
- * masks none and causal, rows of a->uniform_query_len queries over a->uniform_seq_len keys,
- * 16-byte aligned output rows (the staged epilogue). */
+ * mask none, rows of a->uniform_query_len queries over a->uniform_seq_len keys, 16-byte aligned
+ * output rows (the staged epilogue). */
 cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m,
                                      int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
                                      int64_t sms, cudaStream_t s);
