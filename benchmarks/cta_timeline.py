@@ -12,7 +12,10 @@ epilogue*, has what it showed):
     (cd /tmp/tl && DIFFKV_CUDA_ARCHS=90a python setup.py -q build_ext --inplace)
     PYTHONPATH=/tmp/tl/python python benchmarks/cta_timeline.py run [--seq-lens 2048,4096,8192]
 
-The patch anchors on the kernel's source text and stops with an error if that text moved.
+The copy also keeps every call off the persistent kernel (cuda/attention_sm90_persist.cu, which
+takes short unmasked calls of uniform rows -- these among them -- and has no stamps), so that the
+one-CTA-per-tile kernel is what runs and is stamped. The patch anchors on the source text and
+stops with an error if that text moved.
 """
 
 from __future__ import annotations
@@ -90,6 +93,14 @@ STAMPS = (
 )
 
 
+# the persistent kernel's choice (cuda/attention.cu): refused in the stamped copy
+CHOICE_FILE = Path("cuda") / "attention.cu"
+CHOICE_ANCHOR = (
+    "attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cudaStream_t s)\n{\n"
+)
+CHOICE_OFF = "    return false; /* cta_timeline.py: the stamped kernel is the one-CTA-per-tile one */\n"
+
+
 def patch(dest: Path) -> None:
     if dest.exists():
         sys.exit(f"{dest} exists: give a new directory")
@@ -118,6 +129,11 @@ def patch(dest: Path) -> None:
                 pos = src.index("\n", pos) + 1
         src = src[:pos] + text + src[pos:]
     path.write_text(src)
+    choice = dest / CHOICE_FILE
+    text = choice.read_text()
+    if CHOICE_ANCHOR not in text:
+        sys.exit(f"{CHOICE_FILE}: the persistent kernel's choice (attn_persist_ok) not found")
+    choice.write_text(text.replace(CHOICE_ANCHOR, CHOICE_ANCHOR + CHOICE_OFF, 1))
     print(
         f"stamped copy in {dest}; build it with DIFFKV_CUDA_ARCHS=90a python setup.py -q build_ext --inplace"
     )

@@ -28,3 +28,13 @@ def test_patch_places_every_stamp(tmp_path):
         for line in added
     )
     assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
+    # the persistent kernel (no stamps) is never chosen in the copy: one line added to its choice
+    choice = (dest / "cuda" / "attention.cu").read_text().splitlines()
+    kept = (ROOT / "cuda" / "attention.cu").read_text().splitlines()
+    assert [line for line in choice if line not in set(kept)] == [
+        "    return false; /* cta_timeline.py: the stamped kernel is the one-CTA-per-tile one */"
+    ]
+    at = choice.index(
+        "attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cudaStream_t s)"
+    )
+    assert choice[at + 2].startswith("    return false;")
