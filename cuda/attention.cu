@@ -188,11 +188,7 @@ attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cuda
 {
     if (a->head_size != 128 || m.tile != 128 || (m.dims.k_groups != 1 && m.dims.k_groups != 2) ||
         a->key_cache2 != NULL || a->uniform_query_len <= 0 || a->uniform_seq_len <= 0 || sms <= 0 ||
-        a->mask != DK_MASK_NONE) {
-        return false;
-    }
-    if (a->o_stride_dim != 1 || (uintptr_t)a->out % 16 != 0 || (a->o_stride_token * 2) % 16 != 0 ||
-        (a->o_stride_head * 2) % 16 != 0) {
+        a->mask != DK_MASK_NONE || !attn_out_rows16(a)) {
         return false;
     }
     const int64_t items = a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
@@ -247,6 +243,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
     else if (kv_vec && h90_ws_allowed()) {
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         int64_t sms = 0;
+        bool persist = false;
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
         m.tile = tile;
@@ -265,7 +262,8 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";
             sms = attn_sm_count();
-            if (attn_persist_ok(a, m, sms, s)) {
+            persist = attn_persist_ok(a, m, sms, s);
+            if (persist) {
                 kernel = "sm90-persist";
             }
         }
@@ -281,9 +279,8 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             }
             kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         }
-        e = strcmp(kernel, "sm90-persist") == 0
-                ? attn_sm90_persist_launch(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
-                : attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        e = persist ? attn_sm90_persist_launch(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
+                    : attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     else {
         e = attn_sm90_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec,

@@ -36,6 +36,15 @@
  * (o_vec) vector accesses.
  */
 
+/* Whether every output row of a fp16/bf16 call starts 16-byte aligned with contiguous dims: the
+ * Hopper kernels' staged epilogue (h90_store_o_staged) then writes it.  Cannot fail. */
+static inline bool
+attn_out_rows16(const dk_attention_args *a)
+{
+    return a->o_stride_dim == 1 && (uintptr_t)a->out % 16 == 0 &&
+           (a->o_stride_token * 2) % 16 == 0 && (a->o_stride_head * 2) % 16 == 0;
+}
+
 /* Query rows per CTA of the mma.sync kernel at head size `head`: ATTN_BM, or 64 above head 160
  * (one 16-row m-tile per warp: attention_sm80.cu's attn_tile). */
 static constexpr int64_t

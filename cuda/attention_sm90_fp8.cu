@@ -677,9 +677,7 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
     int64_t tiles_per_row = dk_cdiv(a->max_query_len, H8_BM);
     bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
-    const int64_t es = 2;
-    bool o16 = a->o_stride_dim == 1 && (uintptr_t)a->out % 16 == 0 &&
-               (a->o_stride_token * es) % 16 == 0 && (a->o_stride_head * es) % 16 == 0;
+    bool o16 = attn_out_rows16(a);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)a, &tiles_per_row, &head_group,
                     &scale_log2,      &neg_q,           &q_vec,    &o_vec,         &o16,
                     &sort_rows};

@@ -566,9 +566,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
     bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
     /* 16-byte aligned output rows: the staged epilogue (h90_store_o_staged) */
-    const int64_t es = 2;
-    bool o16 = a->o_stride_dim == 1 && (uintptr_t)a->out % 16 == 0 &&
-               (a->o_stride_token * es) % 16 == 0 && (a->o_stride_head * es) % 16 == 0;
+    bool o16 = attn_out_rows16(a);
     /* the kernel's parameters, in order (with a pending KV write: one submission) */
     h90_tma_dims dims = m.dims;
     void *args[] = {(void *)&m.k,
