@@ -284,6 +284,25 @@ def test_bench_causal_odd_lengths_no_plot(tmp_path, capsys):
     assert "baselines run on CUDA only" in capsys.readouterr().out
 
 
+def test_bench_denoise_span(tmp_path, capsys):
+    """--mask span: image queries over a prompt + image row, the plan's mask (every key
+    visible: run unmasked), checked against the float32 reference of that attention."""
+    argv = ["bench", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-plot"]
+    argv += ["--mask", "span", "--prompt-len", "40", "--seq-lens", "33,70", "--rows", "1,2"]
+    argv += ["--block-sizes", "16", "--heads", "6", "--kv-heads", "3", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    record = json.loads((tmp_path / "bench.json").read_text())
+    _check_record(record)
+    assert record["config"]["mask"] == "span" and record["config"]["prompt_len"] == 40
+    p = record["points"][0]
+    assert (p["seq_len"], p["rows"]) == (33, 1)
+    assert p["pairs"] == 33 * (40 + 33) and p["flops"] == 4 * 6 * 64 * p["pairs"]
+    assert all(q["diffkv"]["mask_run"] == "none" and q["check_ok"] for q in record["points"])
+    assert all(q["checks"]["fp32_reference"] < q["check_tol"] for q in record["points"])
+    assert "mask span" in capsys.readouterr().out
+    assert "denoise span over a 40-token prompt" in _bench_cli._title(record)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -295,6 +314,7 @@ def test_bench_causal_odd_lengths_no_plot(tmp_path, capsys):
             "--baselines: unknown ['fa3']; choose from ['flash', 'cudnn', 'flex']",
         ),
         (["--device", "mps"], "--device must be cpu or cuda[:i], got 'mps'"),
+        (["--prompt-len", "40"], "--prompt-len goes with --mask span"),
     ],
 )
 def test_bench_bad_options(tmp_path, capsys, extra, message):

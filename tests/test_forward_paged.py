@@ -331,6 +331,56 @@ def test_piecewise_spans(device, dtype, block_size, layout):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_denoise_span_over_the_whole_query_runs_unmasked(device, dtype, monkeypatch):
+    # HunyuanImage-3.0's denoise step: the image span covers the step's whole query, so every
+    # query token sees all its row's keys -- the plan says so and the layer call runs
+    # MASK_NONE; the prefill steps (causal prompt, then the span) keep MASK_LIMITS.  Outputs
+    # against the float64 reference of the span mask either way.
+    from diffkv import ops
+
+    masks = []
+    inputs = ops.paged_layer_inputs
+
+    def recording(*args, **kwargs):
+        result = inputs(*args, **kwargs)
+        masks.append((result.mask, result.key_limits is None))
+        return result
+
+    monkeypatch.setattr(ops, "paged_layer_inputs", recording)
+    h = Harness(device, dtype, 16, non_causal=False)
+    spans = [[(16, 40)], [(9, 33)]]
+    h.run_steps(
+        prefill=[(0, 40), (0, 33)],
+        denoise=[(16, 24), (9, 24)],
+        layout="packed_heads",
+        mask_kind="spans",
+        spans=spans,
+    )
+    # the prefill step's two layers, then the denoise steps' (the second denoise step reruns
+    # the first one's described calls: same plan, same metadata)
+    assert masks == [(_C.MASK_LIMITS, False)] * 2 + [(_C.MASK_NONE, True)] * 2
+
+
+def test_plan_mask():
+    from diffkv import ops
+
+    denoise = diffkv.build_paged_piecewise_plan([[(5, 9)], [(3, 12)]], [5, 3], [4, 9], [9, 12])
+    assert denoise.all_keys_visible is True
+    assert ops.plan_mask(denoise) == (_C.MASK_NONE, None)
+    # a span one key short of the row's end: its queries see keys < 11 of 12
+    short = diffkv.build_paged_piecewise_plan([[(3, 11)]], [3], [9], [12])
+    assert short.all_keys_visible is False
+    assert short.key_limits.tolist() == [11] * 8 + [12]
+    mask, limits = ops.plan_mask(short)
+    assert mask == _C.MASK_LIMITS and limits is short.key_limits
+    # a causal row: only its last token sees every key
+    assert diffkv.build_paged_piecewise_plan([[]], [0], [3], [3]).all_keys_visible is False
+    # a plan object without the field (vLLM-Omni's own class) keeps its limits
+    foreign = SimpleNamespace(key_limits=denoise.key_limits)
+    assert ops.plan_mask(foreign) == (_C.MASK_LIMITS, denoise.key_limits)
+
+
 @pytest.mark.parametrize("layout", ["layer_major", "block_major"])
 def test_cache_layouts(device, layout):
     h = Harness(device, torch.bfloat16, 4, non_causal=False, seq_lens=(21, 30), layout=layout)

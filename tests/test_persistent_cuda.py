@@ -87,6 +87,31 @@ def test_the_one_cta_per_tile_kernel_gives_the_same_bits():
     _check(out2, q[:2000], qsl[:3], dense[:2], _limits([1500] * 2, [1000] * 2, "none"), 128**-0.5)
 
 
+def test_a_denoise_span_over_the_whole_query_runs_persistent():
+    """HunyuanImage-3.0's denoise step over short rows: two rows of a 512-token prompt and 1,024
+    image tokens, the image span covering the step's queries.  The plan says every query sees
+    all keys, ops.plan_mask gives MASK_NONE and the call runs persistent, bit-identical to the
+    same call under the plan's key limits (the one-CTA-per-tile kernel's LIMITS form)."""
+    if not _persist_built():
+        pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
+    from diffkv import build_paged_piecewise_plan, ops
+
+    prompt, image = 512, 1024
+    seq_lens, query_lens = [prompt + image] * 2, [image] * 2
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, 17)
+    plan = build_paged_piecewise_plan(
+        [[(prompt, prompt + image)]] * 2, [prompt] * 2, query_lens, seq_lens, device="cuda"
+    )
+    mask, key_limits = ops.plan_mask(plan)
+    assert plan.all_keys_visible and mask == _C.MASK_NONE and key_limits is None
+    out = _call(q, cache, table, qsl, seq, mask)
+    assert _C.last_attention_kernel() == "sm90-persist"
+    limited = _call(q, cache, table, qsl, seq, _C.MASK_LIMITS, key_limits=plan.key_limits)
+    assert _C.last_attention_kernel() == "sm90-tma16"
+    assert torch.equal(out, limited)
+    _check(out, q, qsl, dense, _limits(seq_lens, query_lens, "none"), 128**-0.5)
+
+
 def test_other_calls_keep_the_one_cta_per_tile_kernel():
     """Masked calls, more tiles than HP_MAX_WAVES per SM, a last query tile under half full and calls
     captured into a CUDA graph (which replays the launch's parameters while the device metadata

@@ -42,6 +42,7 @@ def test_plan_types():
         "segments_cover_query_contiguously",
         "homogeneous_batch_shape",
         "key_limits",
+        "all_keys_visible",
     ]
     assert diffkv.PagedPiecewisePlan is PagedPiecewisePlan
     assert diffkv.build_paged_piecewise_plan is build_paged_piecewise_plan

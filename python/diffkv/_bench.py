@@ -342,10 +342,13 @@ def print_table(
 # --- a paged cache for timing _C.paged_attention ------------------------------------------------
 
 
-def _paged(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator) -> dict[str, Any]:
+def _paged(
+    k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator, query_len: int | None = None
+) -> dict[str, Any]:
     """A cache [2, num_blocks, block_size, Hkv, D] holding rows k/v [R, Hkv, S, D] in blocks
     drawn from a random permutation of num_blocks = needed + spare, with the metadata
-    _C.paged_attention takes (device tensors and host copies)."""
+    _C.paged_attention takes (device tensors and host copies) for query_len queries a row (the
+    last ones of its S positions; default S)."""
     rows, kv_heads, seq_len, head_size = k.shape
     device = k.device
     per_row = -(-seq_len // block_size)
@@ -360,7 +363,8 @@ def _paged(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generat
         slots = table_dev[r].long()[pos // block_size] * block_size + pos % block_size
         flat[0].index_copy_(0, slots, k[r].transpose(0, 1))
         flat[1].index_copy_(0, slots, v[r].transpose(0, 1))
-    qsl = torch.arange(0, (rows + 1) * seq_len, seq_len, dtype=torch.int32)
+    query_len = seq_len if query_len is None else query_len
+    qsl = torch.arange(0, (rows + 1) * query_len, query_len, dtype=torch.int32)
     seq_lens = torch.full((rows,), seq_len, dtype=torch.int32)
     return {
         "cache": cache,
@@ -373,10 +377,16 @@ def _paged(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generat
 
 
 def paged_call(
-    query: torch.Tensor, paged: dict[str, Any], mask_code: int, scale: float, out: torch.Tensor
+    query: torch.Tensor,
+    paged: dict[str, Any],
+    mask_code: int,
+    scale: float,
+    out: torch.Tensor,
+    key_limits: torch.Tensor | None = None,
 ) -> Callable[[], None]:
     """A call of ``_C.paged_attention`` over ``_paged``'s cache and metadata (its host copies
-    included, as a caller that has them passes them), no arguments, for the timers."""
+    included, as a caller that has them passes them), no arguments, for the timers; key_limits
+    with mask_code ``MASK_LIMITS``."""
     host = paged["host"]
 
     def run() -> None:
@@ -386,7 +396,7 @@ def paged_call(
             paged["block_table"],
             paged["query_start_loc"],
             paged["seq_lens"],
-            None,
+            key_limits,
             mask_code,
             scale,
             out,

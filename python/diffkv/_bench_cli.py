@@ -3,7 +3,11 @@
 The sweep: every head size x sequence length x rows x block size (``--head-sizes all``: every
 head size the CUDA kernels take for fp16/bf16).  Each row holds seq_len tokens that all
 attend (query_len == seq_len, the prefill / full-image case), non-causal by default
-(``--mask causal`` for the causal mask).  diffkv runs ``diffkv._C.paged_attention`` on a
+(``--mask causal`` for the causal mask).  ``--mask span`` times HunyuanImage-3.0's denoise step
+instead: each row holds a prompt of ``--prompt-len`` tokens, then seq_len image tokens under one
+full-attention span; the queries are the image tokens, the keys the whole row, and diffkv's mask
+is what ``diffkv.piecewise``'s plan and ``ops.plan_mask`` give a layer call (the baselines,
+which cannot take the plan, run unmasked: the span makes every key visible).  diffkv runs ``diffkv._C.paged_attention`` on a
 paged cache ``[2, num_blocks, block_size, Hkv, D]`` whose blocks are a random permutation with
 spare blocks; the baselines run in the same process on the same data laid out densely
 (``[rows, H, seq_len, D]``, one call): torch SDPA with the flash backend, torch SDPA with the
@@ -58,11 +62,15 @@ from diffkv._bench import (
     write_json,
 )
 from diffkv.backends.diffkv import supported_head_sizes
+from diffkv.ops import plan_mask
+from diffkv.piecewise import build_paged_piecewise_plan
 
 BASELINES = ("flash", "cudnn", "flex")
+MASK_NAMES = {_C.MASK_NONE: "none", _C.MASK_CAUSAL: "causal", _C.MASK_LIMITS: "limits"}
 BASELINE_TITLES = {"flash": "torch SDPA flash", "cudnn": "torch SDPA cuDNN", "flex": "FlexAttention"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-REFERENCE_MAX_SCORES = 1 << 24  # float32 reference only when rows * H * S * S is at most this
+PROMPT_LEN = 500  # --mask span's default prompt: HunyuanImage-3.0's shorter one in benchmarks/
+REFERENCE_MAX_SCORES = 1 << 24  # float32 reference only when rows * H * queries * keys is at most this
 SCHEMA = 2  # 2: config head_sizes (a list) and a head_size per point; schema 1 records are read too
 PLOT_HINT = "pip install 'diffkv[bench]' (matplotlib), then: python -m diffkv bench --plot {json}"
 # The plot: one panel of PANEL_INCHES per rows value, saved at PLOT_DPI dots per inch.
@@ -144,6 +152,7 @@ SWEEP_OPTIONS = (
     "head_sizes",
     "dtype",
     "mask",
+    "prompt_len",
     "baselines",
     "warmup",
     "reps",
@@ -185,7 +194,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e.g. 64,96,128, or all: the CUDA kernels' fp16/bf16 sizes (default 128)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--mask", choices=("none", "causal"), default="none", help="default none")
+    parser.add_argument(
+        "--mask",
+        choices=("none", "causal", "span"),
+        default="none",
+        help="default none; span: HunyuanImage-3.0's denoise step (image queries over prompt + image keys)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=_positive,
+        default=None,
+        help="with --mask span: the prompt tokens before each row's image tokens (default 500)",
+    )
     parser.add_argument(
         "--baselines", default=",".join(BASELINES), help="subset of flash,cudnn,flex ('' for none)"
     )
@@ -202,6 +222,8 @@ def _resolve(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> di
     for key in base:
         value = getattr(args, key)
         cfg[key] = value if value is not None else base[key]
+    if args.prompt_len is not None and args.mask != "span":
+        parser_error("--prompt-len goes with --mask span")
     if cfg["heads"] % cfg["kv_heads"] != 0:
         parser_error(f"--heads must be a multiple of --kv-heads, got {cfg['heads']} and {cfg['kv_heads']}")
     baselines = [b for b in args.baselines.split(",") if b]
@@ -246,6 +268,7 @@ def _resolve(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> di
         device=device,
         dtype=args.dtype,
         mask=args.mask,
+        prompt_len=(PROMPT_LEN if args.prompt_len is None else args.prompt_len) if args.mask == "span" else 0,
         quick=args.quick,
         baselines=[] if args.quick else baselines,
         out="diffkv-bench" if args.out is None else args.out,
@@ -316,9 +339,12 @@ def _seq_label(n: int) -> str:
 # --- one (seq_len, rows) group: data, baselines, diffkv per block size -------------------------
 
 
-def _pairs(seq_len: int, causal: bool) -> int:
-    """Visible (query, key) pairs of one square row."""
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+def _pairs(seq_len: int, mask: str, prompt_len: int = 0) -> int:
+    """Visible (query, key) pairs of one row: seq_len queries over seq_len keys (none, causal) or
+    over prompt_len + seq_len keys (span)."""
+    if mask == "causal":
+        return seq_len * (seq_len + 1) // 2
+    return seq_len * (prompt_len + seq_len) if mask == "span" else seq_len * seq_len
 
 
 def _tflops(flops: float, us: float) -> float:
@@ -430,8 +456,9 @@ def _group(
     device, dtype = cfg["device"], DTYPES[cfg["dtype"]]
     heads, kv_heads = cfg["heads"], cfg["kv_heads"]
     causal = cfg["mask"] == "causal"
+    prompt = cfg["prompt_len"]  # 0 but under --mask span
     scale = head_size**-0.5
-    flops = 4 * heads * head_size * rows * _pairs(seq_len, causal)
+    flops = 4 * heads * head_size * rows * _pairs(seq_len, cfg["mask"], prompt)
     where = f"seq {_seq_label(seq_len)} rows {rows}"
     if len(cfg["head_sizes"]) > 1:
         where += f" head {head_size}"
@@ -439,8 +466,8 @@ def _group(
     gen = torch.Generator(device=device)
     gen.manual_seed((seq_len * 16 + rows) * 1024 + head_size)
     q = torch.randn(rows, heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
-    v = torch.randn(rows, kv_heads, seq_len, head_size, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(rows, kv_heads, prompt + seq_len, head_size, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(rows, kv_heads, prompt + seq_len, head_size, generator=gen, device=device, dtype=dtype)
 
     timers: dict[str, Callable[[], Any]] = {}
     baselines: dict[str, dict[str, Any]] = {}
@@ -471,16 +498,22 @@ def _group(
             notes.setdefault(f"{name}: {setup['reason']}", where)
 
     query = q.transpose(1, 2).reshape(rows * seq_len, heads, head_size).contiguous()
-    mask_code = _C.MASK_CAUSAL if causal else _C.MASK_NONE
+    mask_code, key_limits = (_C.MASK_CAUSAL if causal else _C.MASK_NONE), None
+    if cfg["mask"] == "span":  # the mask a layer call gets from the step's piecewise plan
+        plan = build_paged_piecewise_plan(
+            [[(prompt, prompt + seq_len)]] * rows, [prompt] * rows, [seq_len] * rows,
+            [prompt + seq_len] * rows, device=device,
+        )
+        mask_code, key_limits = plan_mask(plan)
     tol = 5e-3 if dtype == torch.float32 else 3e-2
     runs: dict[int, dict[str, Any]] = {}
     for block_size in cfg["block_sizes"]:
         steps += 1
         progress.show(f"{where}: diffkv block {block_size} setup")
-        paged = _paged(k, v, block_size, torch.Generator().manual_seed(block_size))
+        paged = _paged(k, v, block_size, torch.Generator().manual_seed(block_size), query_len=seq_len)
         out = torch.empty_like(query)
 
-        run = paged_call(query, paged, mask_code, scale, out)
+        run = paged_call(query, paged, mask_code, scale, out, key_limits)
 
         entry: dict[str, Any] = {"paged": paged, "out": out}
         try:
@@ -505,7 +538,7 @@ def _group(
             "gqa": setup["gqa"],
             "samples_us": t["samples_us"],
         }
-    if not refs and rows * heads * seq_len * seq_len <= REFERENCE_MAX_SCORES:
+    if not refs and rows * heads * seq_len * (prompt + seq_len) <= REFERENCE_MAX_SCORES:
         refs["fp32_reference"] = _reference(q, k, v, causal, scale)
     baselines = {name: baselines[name] for name in BASELINES}
 
@@ -523,6 +556,7 @@ def _group(
                 "min_us": t["min_us"],
                 "samples_us": t["samples_us"],
                 "kernel": entry["kernel"],
+                "mask_run": MASK_NAMES[mask_code],
             }
             checks = {name: _max_diff(entry["out"], ref) for name, ref in refs.items()}
             ok = all(d <= tol for d in checks.values())
@@ -532,7 +566,7 @@ def _group(
             "head_size": head_size,
             "block_size": block_size,
             "num_blocks": entry["paged"]["num_blocks"],
-            "pairs": rows * _pairs(seq_len, causal),
+            "pairs": rows * _pairs(seq_len, cfg["mask"], prompt),
             "flops": flops,
             "diffkv": result,
             "baselines": {},
@@ -561,7 +595,9 @@ def _title(record: dict[str, Any]) -> str:
     cfg, env = record["config"], record["env"]
     where = env.get("gpu") or env["device"]
     heads = f"{cfg['heads']}/{cfg['kv_heads']}" if cfg["heads"] != cfg["kv_heads"] else f"{cfg['heads']}"
-    mask = "causal" if cfg["mask"] == "causal" else "non-causal"
+    mask = {"causal": "causal", "span": f"denoise span over a {cfg.get('prompt_len')}-token prompt"}.get(
+        cfg["mask"], "non-causal"
+    )
     kernel = env.get("diffkv_build", {}).get("attention_kernel", "none")
     kernel = f" ({kernel} kernel)" if kernel != "none" else ""
     sizes = "/".join(str(d) for d in cfg["head_sizes"])
@@ -756,9 +792,8 @@ def _sweep(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> int:
     )
     active = cfg["baselines"] if device.type == "cuda" else []
     groups = [(s, r, d) for d in cfg["head_sizes"] for r in cfg["rows"] for s in cfg["seq_lens"]]
-    causal = cfg["mask"] == "causal"
     steps_per_group = len(active) + len(cfg["block_sizes"])
-    flops = [4 * cfg["heads"] * d * r * _pairs(s, causal) for s, r, d in groups]
+    flops = [4 * cfg["heads"] * d * r * _pairs(s, cfg["mask"], cfg["prompt_len"]) for s, r, d in groups]
     progress = Progress(len(groups) * steps_per_group, steps_per_group * sum(flops), sys.stderr)
     notes: dict[str, str] = {}
     for seq_len, rows, head_size in groups:

@@ -267,6 +267,17 @@ def graph_host_copies(metadata: Any) -> tuple[torch.Tensor | None, ...]:
     return metadata.block_table_cpu, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
 
 
+def plan_mask(piecewise_plan: Any) -> tuple[int, torch.Tensor | None]:
+    """The mask a piecewise plan's layer call runs: ``(MASK_LIMITS, its key limits)``, or
+    ``(MASK_NONE, None)`` when every query token sees all its row's keys (the plan's
+    ``all_keys_visible``; a denoise step under HunyuanImage-3.0's image span): the same
+    attention, served by the kernels of unmasked calls (on Hopper the persistent one for short
+    uniform rows).  A plan object without the field (vLLM-Omni's own class) keeps its limits."""
+    if getattr(piecewise_plan, "all_keys_visible", False):
+        return _C.MASK_NONE, None
+    return _C.MASK_LIMITS, piecewise_plan.key_limits
+
+
 def paged_layer_inputs(
     layer: Any,
     kv_cache: torch.Tensor,
@@ -284,7 +295,7 @@ def paged_layer_inputs(
     layer call (``DiffKVAttentionImpl.forward_paged``), its fallback for foreign contexts
     (``run_forward_paged``) and the compiled one (``forward_paged_layer``) all run from it."""
     if piecewise_plan is not None:
-        mask, key_limits = _C.MASK_LIMITS, piecewise_plan.key_limits
+        mask, key_limits = plan_mask(piecewise_plan)
     else:
         mask, key_limits = (_C.MASK_CAUSAL if metadata.causal else _C.MASK_NONE), None
     num_positions = 1

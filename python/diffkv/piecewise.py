@@ -6,7 +6,9 @@ newest version), computed in C by ``diffkv._C.build_plan``.  It returns a
 ``PagedPiecewisePlan`` whose ``segments`` describe vLLM-Omni's per-segment decomposition (used
 for per-segment native metadata) and whose ``key_limits`` carry diffkv's single-launch form of
 the same mask: packed query token ``t`` at global position ``p`` sees keys ``j < key_limits[t]``
-(``p + 1`` in a causal segment, the span end in a full segment).
+(``p + 1`` in a causal segment, the span end in a full segment).  A plan whose every query token
+sees all its row's keys (a denoise step whose image span covers the whole query, as
+HunyuanImage-3.0's does) says so (``all_keys_visible``): its layer calls run unmasked.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class PagedPiecewisePlan:
     tile ``[0, num_query_tokens)`` in order; homogeneous_batch_shape: ``(rows, query_len)``
     when there are several rows of one query length and every segment has a shared local
     range; key_limits: int32 ``[num_query_tokens]``, the exclusive key bound of every packed
-    query token (diffkv's single-launch mask).
+    query token (diffkv's single-launch mask); all_keys_visible: every key limit is its row's
+    seq_len, so the mask is no mask (``ops.plan_mask`` then runs the call as ``MASK_NONE``: the
+    same attention, on the kernels of unmasked calls).
     """
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
@@ -73,6 +77,7 @@ class PagedPiecewisePlan:
     segments_cover_query_contiguously: bool
     homogeneous_batch_shape: tuple[int, int] | None = None
     key_limits: torch.Tensor | None = None
+    all_keys_visible: bool = False
 
 
 def _packed_length(query_lens: Sequence[int]) -> int:
@@ -155,6 +160,13 @@ def build_paged_piecewise_plan(
 
     if segments and covers_contiguously:
         covers_contiguously = segments[-1].query_range[1] == num_query_tokens
+    # every packed token's limit its row's seq_len (checked on the host copy)
+    all_keys_visible = num_query_tokens > 0 and torch.equal(
+        key_limits_cpu,
+        torch.repeat_interleave(
+            torch.tensor([int(s) for s in seq_lens], dtype=torch.int32), torch.tensor(lens, dtype=torch.int64)
+        ),
+    )
     homogeneous_batch_shape = None
     if num_rows > 1 and all_local and all(query_len == lens[0] for query_len in lens):
         homogeneous_batch_shape = (num_rows, lens[0])
@@ -165,4 +177,5 @@ def build_paged_piecewise_plan(
         segments_cover_query_contiguously=covers_contiguously,
         homogeneous_batch_shape=homogeneous_batch_shape,
         key_limits=key_limits,
+        all_keys_visible=all_keys_visible,
     )
