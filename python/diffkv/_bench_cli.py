@@ -7,9 +7,9 @@ attend (query_len == seq_len, the prefill / full-image case), non-causal by defa
 instead: each row holds a prompt of ``--prompt-len`` tokens, then seq_len image tokens under one
 full-attention span; the queries are the image tokens, the keys the whole row, and diffkv's mask
 is what ``diffkv.piecewise``'s plan and ``ops.plan_mask`` give a layer call (the baselines,
-which cannot take the plan, run unmasked: the span makes every key visible).  diffkv runs ``diffkv._C.paged_attention`` on a
-paged cache ``[2, num_blocks, block_size, Hkv, D]`` whose blocks are a random permutation with
-spare blocks; the baselines run in the same process on the same data laid out densely
+which cannot take the plan, run unmasked: the span makes every key visible).
+diffkv runs ``diffkv._C.paged_attention`` on a paged cache ``[2, num_blocks, block_size, Hkv,
+D]`` whose blocks are a random permutation with spare blocks; the baselines run in the same process on the same data laid out densely
 (``[rows, H, seq_len, D]``, one call): torch SDPA with the flash backend, torch SDPA with the
 cuDNN backend and ``torch.compile(flex_attention)``.  GQA goes through ``enable_gqa=True``,
 or K/V expanded beforehand (outside the timing) when a backend refuses it.  A baseline that
