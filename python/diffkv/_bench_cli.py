@@ -1,20 +1,21 @@
 """``python -m diffkv bench``: paged attention throughput on this GPU against torch's kernels.
 
 The sweep: every head size x sequence length x rows x block size (``--head-sizes all``: every
-head size the CUDA kernels take for fp16/bf16).  Each row holds seq_len tokens that all
-attend (query_len == seq_len, the prefill / full-image case), non-causal by default
-(``--mask causal`` for the causal mask).  ``--mask span`` times HunyuanImage-3.0's denoise step
-instead: each row holds a prompt of ``--prompt-len`` tokens, then seq_len image tokens under one
-full-attention span; the queries are the image tokens, the keys the whole row, and diffkv's mask
-is what ``diffkv.piecewise``'s plan and ``ops.plan_mask`` give a layer call (the baselines,
-which cannot take the plan, run unmasked: the span makes every key visible).
-diffkv runs ``diffkv._C.paged_attention`` on a paged cache ``[2, num_blocks, block_size, Hkv,
-D]`` whose blocks are a random permutation with spare blocks; the baselines run in the same process on the same data laid out densely
-(``[rows, H, seq_len, D]``, one call): torch SDPA with the flash backend, torch SDPA with the
-cuDNN backend and ``torch.compile(flex_attention)``.  GQA goes through ``enable_gqa=True``,
-or K/V expanded beforehand (outside the timing) when a backend refuses it.  A baseline that
-cannot run is skipped with its reason in the notes.  Baselines do not depend on the block size:
-they are timed once per (seq_len, rows) and reported on every block size's point.
+head size the CUDA kernels take for fp16/bf16).  Each row holds seq_len tokens that all attend
+(query_len == seq_len, the prefill / full-image case), non-causal by default (``--mask causal``
+for the causal mask).  ``--mask span`` times HunyuanImage-3.0's denoise step instead: each row
+holds a prompt of ``--prompt-len`` tokens, then seq_len image tokens under one full-attention
+span; the queries are the image tokens, the keys the whole row, and diffkv's mask is what
+``diffkv.piecewise``'s plan and ``ops.plan_mask`` give a layer call (the baselines, which cannot
+take the plan, run unmasked: the span makes every key visible).  diffkv runs
+``diffkv._C.paged_attention`` on a paged cache ``[2, num_blocks, block_size, Hkv, D]`` whose
+blocks are a random permutation with spare blocks; the baselines run in the same process on the
+same data laid out densely (``[rows, H, seq_len, D]``, one call): torch SDPA with the flash
+backend, torch SDPA with the cuDNN backend and ``torch.compile(flex_attention)``.  GQA goes
+through ``enable_gqa=True``, or K/V expanded beforehand (outside the timing) when a backend
+refuses it.  A baseline that cannot run is skipped with its reason in the notes.  Baselines do
+not depend on the block size: they are timed once per (seq_len, rows) and reported on every
+block size's point.
 
 Timing (``diffkv._bench``, the helpers the repository's benchmarks use too): CUDA events
 around the call only, warm-up calls first, the L2 cache flushed before every repetition, the
@@ -501,8 +502,11 @@ def _group(
     mask_code, key_limits = (_C.MASK_CAUSAL if causal else _C.MASK_NONE), None
     if cfg["mask"] == "span":  # the mask a layer call gets from the step's piecewise plan
         plan = build_paged_piecewise_plan(
-            [[(prompt, prompt + seq_len)]] * rows, [prompt] * rows, [seq_len] * rows,
-            [prompt + seq_len] * rows, device=device,
+            [[(prompt, prompt + seq_len)]] * rows,
+            [prompt] * rows,
+            [seq_len] * rows,
+            [prompt + seq_len] * rows,
+            device=device,
         )
         mask_code, key_limits = plan_mask(plan)
     tol = 5e-3 if dtype == torch.float32 else 3e-2
