@@ -244,6 +244,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         int64_t sms = 0;
         bool persist = false;
+        CUtensorMap qm; /* the query's map, for the persistent kernel */
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
         m.tile = tile;
@@ -262,7 +263,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";
             sms = attn_sm_count();
-            persist = attn_persist_ok(a, m, sms, s);
+            persist = attn_persist_ok(a, m, sms, s) && h90_q_map(a, &qm);
             if (persist) {
                 kernel = "sm90-persist";
             }
@@ -279,7 +280,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             }
             kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         }
-        e = persist ? attn_sm90_persist_launch(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
+        e = persist ? attn_sm90_persist_launch(a, m, qm, head_group, scale_log2, neg_q, sms, s)
                     : attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     else {

@@ -13,8 +13,12 @@
  *   - the producer warpgroup runs on into the next item's K/V tiles as soon as slots free up:
  *     the slots, their full / empty mbarriers and phases count tiles over the whole CTA (ring
  *     position base + kt), so the next item's first tiles land while the consumers finish;
- *   - each consumer warpgroup has two Q buffers and issues its next item's 64 Q rows into the
- *     other one at the start of an item (its previous epilogue staged there, and is done);
+ *   - two Q buffers, filled by the producer's TMA (two boxes of the query's map, h90_q_map, per
+ *     item, a full / empty mbarrier pair per buffer): an item's Q lands while the item before
+ *     it runs, and the consumers issue no copies (the next item's Q as 8 cp.async per
+ *     consumer thread, at the start of an item, had held its first Q K^T back by about 1 us:
+ *     per-item clock stamps, hopper-kernels.md, *The persistent form*); a buffer goes back to
+ *     the producer once both warpgroups' epilogues, staged through it, are done;
  *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
@@ -28,7 +32,9 @@
  * persistent form*).
  * Everything else is the ws kernel's head-128 form with the per-chunk TMA producer
  * (sm90-tma16): 128-query-row items, 128-key tiles in two K and three V slots, the late P V
- * wait, the staged epilogue.  Shared memory: two Q tiles and five K/V slots, 224 KB.
+ * wait, the staged epilogue.  Shared memory: two Q tiles and five K/V slots, 224 KB.  Query
+ * rows past a row's end come in with the item (the next row's, or zeros past the tensor):
+ * their limits are 0, so no key reaches them, and their outputs are not stored.
  *
  * Entry point (attention_internal.cuh): attn_sm90_persist_launch.
  */
@@ -67,15 +73,36 @@ hp_place(const dk_attention_args &a, int64_t item, int64_t tiles_per_row, int64_
     it.q_start = it.row * a.uniform_query_len;
     return it;
 }
+
+/* The producer's Q of the CTA's n-th item `it` into buffer n & 1 (two boxes of 64 dims x 128
+ * rows, 16 KB each, the tiles' 128-byte swizzle), once both warpgroups are done with the item
+ * two before it; by one thread. */
+static __device__ __forceinline__ void
+hp_produce_q(const CUtensorMap *tmq, const hp_item &it, int n, uint32_t sq0, uint32_t full_q,
+             uint32_t empty_q)
+{
+    constexpr uint32_t QB = HP_BM * HP_D * 2;
+    const uint32_t b = (uint32_t)(n & 1);
+    if (n >= 2) {
+        mbar_wait(empty_q + 8u * b, (uint32_t)(((n >> 1) - 1) & 1));
+    }
+    mbar_arrive_expect_tx(full_q + 8u * b, QB);
+#pragma unroll
+    for (int p = 0; p < HP_D / 64; p++) {
+        tma_load_3d(sq0 + b * QB + (uint32_t)p * (HP_BM * 128u), tmq, full_q + 8u * b, 64 * p,
+                    (int32_t)it.h, (int32_t)(it.q_start + it.q0));
+    }
+}
 #endif
 
 template <typename T>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (HP_NC + 1), 1)
 attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
-                              const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
+                              const __grid_constant__ CUtensorMap tmv,
+                              const __grid_constant__ CUtensorMap tmq, const dk_attention_args a,
                               int64_t items, int64_t tiles_per_row, int64_t head_group,
-                              float scale_log2, bool neg_q, bool q_vec, bool hnd)
+                              float scale_log2, bool neg_q, bool hnd)
 /* clang-format on */
 {
 #ifdef H90_DEVICE_CODE
@@ -87,8 +114,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     using regs = h90_ws_regs<56, 224>;
 
     extern __shared__ uint4 hp_smem[];
-    /* full K[ST], full V[SV], empty K[ST], empty V[SV] */
-    __shared__ __align__(8) uint64_t s_bar[2 * (ST + SV)];
+    /* full K[ST], full V[SV], empty K[ST], empty V[SV], full Q[2], empty Q[2] */
+    __shared__ __align__(8) uint64_t s_bar[2 * (ST + SV) + 4];
     __shared__ float s_sink[128 * NC]; /* the late P V wait's stores */
     const uint32_t raw = smem_addr(hp_smem);
     const uint32_t sq0 = raw + ((1024u - (raw & 1023u)) & 1023u); /* Q buffers 0 and 1 */
@@ -98,6 +125,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t full_v = full_k + 8u * ST;
     const uint32_t empty_k = full_v + 8u * SV;
     const uint32_t empty_v = empty_k + 8u * ST;
+    const uint32_t full_q = empty_v + 8u * SV;
+    const uint32_t empty_q = full_q + 16u;
 
     const int64_t query_len = a.uniform_query_len;
     /* every item sees the row's keys (mask none, one seq_len): the same tiles */
@@ -108,11 +137,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
     const int lane = tid % 32;
 
-    /* The first item's Q rows go out first (each consumer warpgroup its own 64). */
-    hp_item it = hp_place(a, blockIdx.x, tiles_per_row, head_group);
-    if (wg > 0) {
-        h90_load_q<D, BM, 128, 64>(a, sq0, tid - 128 * wg, (wg - 1) * 64, it.q0, it.q_start,
-                                   query_len, it.h, q_vec);
+    if (tid == 32) { /* K's and V's maps fetched while the first Q comes in */
+        tma_prefetch_map(&tmk);
+        tma_prefetch_map(&tmv);
     }
     if (tid == 0) {
 #pragma unroll
@@ -120,7 +147,14 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
             mbar_init(full_k + 8u * (uint32_t)i, 1u);
             mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC);
         }
+        mbar_init(full_q, 1u); /* full and empty Q likewise */
+        mbar_init(full_q + 8u, 1u);
+        mbar_init(empty_q, 4u * NC);
+        mbar_init(empty_q + 8u, 4u * NC);
         mbar_init_fence();
+        /* the first item's Q goes out first */
+        hp_produce_q(&tmq, hp_place(a, blockIdx.x, tiles_per_row, head_group), 0, sq0, full_q,
+                     empty_q);
     }
     __syncthreads();
 
@@ -128,8 +162,12 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         regs::producer();
         if (tid < 32 * H90_TMA16_WARPS) {
             int32_t base = 0;
-            for (int64_t i = blockIdx.x; i < items; i += step) {
+            int n = 0;
+            for (int64_t i = blockIdx.x; i < items; i += step, n++) {
                 const hp_item p = hp_place(a, i, tiles_per_row, head_group);
+                if (tid == 0 && n > 0) {
+                    hp_produce_q(&tmq, p, n, sq0, full_q, empty_q);
+                }
                 h90_produce_tma_groups<D, BN, ST, SV, false, false>(
                     a, p.h, p.row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
                     &tmk, &tmv, NULL, NULL, hnd, false, 0, base);
@@ -157,20 +195,16 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     int32_t base = 0; /* ring position of the item's first tile */
     int n = 0;        /* items done: Q buffer n & 1 */
+    /* the item's placement; the next one's is worked out while the item's first Q K^T runs */
+    hp_item cur = hp_place(a, blockIdx.x, tiles_per_row, head_group), next = cur;
     for (int64_t i = blockIdx.x; i < items; i += step, n++) {
         const uint32_t sq = sq0 + (uint32_t)(n & 1) * QB;
-        /* this item's Q (the only cp.async group in flight), negated for a negative scale */
-        cp_async_wait_all();
+        /* this item's Q, negated for a negative scale */
+        mbar_wait(full_q + 8u * (uint32_t)(n & 1), (uint32_t)((n >> 1) & 1));
         if (neg_q) {
             h90_negate_q<D, BM, 128, 64>(sq, wt, cw * 64);
-        }
-        fence_proxy_async();
-        named_barrier(1u + (uint32_t)cw, 128u); /* also: the other buffer's epilogue is done */
-        const hp_item cur = it;
-        if (i + step < items) { /* the next item's Q into the other buffer */
-            it = hp_place(a, i + step, tiles_per_row, head_group);
-            h90_load_q<D, BM, 128, 64>(a, sq0 + (uint32_t)((n + 1) & 1) * QB, wt, cw * 64, it.q0,
-                                       it.q_start, query_len, it.h, q_vec);
+            fence_proxy_async();
+            named_barrier(1u + (uint32_t)cw, 128u);
         }
 
         float o[D / 2];
@@ -203,6 +237,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                     h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                     wgmma_commit();
                     named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                    if (i + step < items) {
+                        next = hp_place(a, i + step, tiles_per_row, head_group);
+                    }
                     wgmma_wait_all();
                     fence_regs(s);
                     if (lane == 0) {
@@ -269,6 +306,13 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         const float sl2[2] = {scale_log2, scale_log2};
         h90_store_o_staged<T, D, BM>(a, sq, cw, wt, cur.h, cur.q_start + cur.q0, query_len - cur.q0,
                                      l, m, sl2, o);
+        /* the buffer back to the producer: this warp's reads of it (and writes) are done */
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+            mbar_arrive(empty_q + 8u * (uint32_t)(n & 1));
+        }
+        cur = n_tiles > 0 ? next : hp_place(a, i + step, tiles_per_row, head_group);
     }
     if (cw == 0) {
         named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
@@ -280,9 +324,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     (void)items;
     (void)tiles_per_row;
     (void)head_group;
+    (void)tmq;
     (void)scale_log2;
     (void)neg_q;
-    (void)q_vec;
     (void)hnd;
     __trap();
 #endif
@@ -292,8 +336,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
  * contract).  The shared-memory attribute is set once per (dtype, device). */
 template <typename T>
 static cudaError_t
-hp_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group, float scale_log2,
-          bool neg_q, bool q_vec, int64_t sms, cudaStream_t s)
+hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, int64_t head_group,
+          float scale_log2, bool neg_q, int64_t sms, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     /* two Q buffers, ST K and SV V slots, alignment slack */
@@ -308,18 +352,19 @@ hp_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group, flo
     int64_t items = a->num_heads * a->num_rows * tiles_per_row;
     const unsigned blocks = (unsigned)(items < sms ? items : sms);
     bool hnd = m.dims.k_groups == 2;
-    void *args[] = {(void *)&m.k, (void *)&m.v, (void *)a, &items, &tiles_per_row,
-                    &head_group,  &scale_log2,  &neg_q,    &q_vec, &hnd};
+    void *args[] = {(void *)&m.k,   (void *)&m.v, (void *)&q,  (void *)a, &items,
+                    &tiles_per_row, &head_group,  &scale_log2, &neg_q,    &hnd};
     return dk_launch_after(a->pending, kernel, dim3(blocks), dim3(128 * (HP_NC + 1)), smem, s,
                            args);
 }
 
 /* attention_internal.cuh's contract. */
 cudaError_t
-attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
-                         float scale_log2, bool neg_q, bool q_vec, int64_t sms, cudaStream_t s)
+attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q,
+                         int64_t head_group, float scale_log2, bool neg_q, int64_t sms,
+                         cudaStream_t s)
 {
     return a->dtype == DK_BF16
-               ? hp_launch<__nv_bfloat16>(a, m, head_group, scale_log2, neg_q, q_vec, sms, s)
-               : hp_launch<__half>(a, m, head_group, scale_log2, neg_q, q_vec, sms, s);
+               ? hp_launch<__nv_bfloat16>(a, m, q, head_group, scale_log2, neg_q, sms, s)
+               : hp_launch<__half>(a, m, q, head_group, scale_log2, neg_q, sms, s);
 }

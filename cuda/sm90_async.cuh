@@ -54,6 +54,14 @@ mbar_wait(uint32_t bar, uint32_t parity)
                  : "memory");
 }
 
+/* Brings a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's descriptor
+ * cache ahead of its first box. */
+static __device__ __forceinline__ void
+tma_prefetch_map(const CUtensorMap *map)
+{
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 /* One TMA box of a 4-d tensor map (coordinates innermost first) into shared memory at dst,
  * completing `bar`'s transactions by its size. */
 static __device__ __forceinline__ void

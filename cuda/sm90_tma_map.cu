@@ -398,6 +398,57 @@ h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v)
     return e.ok;
 }
 
+/* attention_internal.cuh's contract: the query as 3 dims -- head_size elements, the heads, the
+ * packed tokens -- with a box of 64 elements x 1 head x 128 tokens (a 64-dim panel of a 128-row
+ * Q tile, in the tiles' 128-byte swizzle); tokens past num_tokens come in as zeros.  The last
+ * map is kept per host thread (a layer's calls pass the same query buffer step after step). */
+bool
+h90_q_map(const dk_attention_args *a, CUtensorMap *map)
+{
+    struct q_key {
+        const void *query;
+        int64_t stride_token, stride_head, tokens, heads, head_size;
+        int32_t dtype;
+    };
+    static thread_local q_key last;
+    static thread_local CUtensorMap last_map;
+    static thread_local bool last_ok;
+    q_key key;
+    memset(&key, 0, sizeof(key)); /* compared with memcmp: no stray padding bytes */
+    key.query = a->query;
+    key.stride_token = a->q_stride_token;
+    key.stride_head = a->q_stride_head;
+    key.tokens = a->num_tokens;
+    key.heads = a->num_heads;
+    key.head_size = a->head_size;
+    key.dtype = (int32_t)a->dtype;
+    if (last_ok && memcmp(&key, &last, sizeof(key)) == 0) {
+        *map = last_map;
+        return true;
+    }
+    const h90_encode_fn encode = h90_encoder();
+    const int64_t st = a->q_stride_token * 2, sh = a->q_stride_head * 2; /* bytes */
+    if (encode == NULL || a->q_stride_dim != 1 || (uintptr_t)a->query % 16 != 0 || st <= 0 ||
+        sh <= 0 || st % 16 != 0 || sh % 16 != 0 || st >= ((int64_t)1 << 40) ||
+        sh >= ((int64_t)1 << 40) || a->num_tokens <= 0 || a->num_tokens > INT32_MAX ||
+        a->num_heads > INT32_MAX) {
+        return false;
+    }
+    const cuuint64_t gdim[3] = {(cuuint64_t)a->head_size, (cuuint64_t)a->num_heads,
+                                (cuuint64_t)a->num_tokens};
+    const cuuint64_t gstride[2] = {(cuuint64_t)sh, (cuuint64_t)st};
+    const cuuint32_t box[3] = {64, 1, 128};
+    CUtensorMap m;
+    if (!h90_encode_tiled(encode, &m, a, a->query, 3, gdim, gstride, box)) {
+        return false;
+    }
+    last = key;
+    last_map = m;
+    last_ok = true;
+    *map = m;
+    return true;
+}
+
 /* attention_internal.cuh's contract. */
 bool
 h90_tma_encoder_ready(void)

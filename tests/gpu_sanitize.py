@@ -243,10 +243,10 @@ def main():
         for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
             _attention_case(torch.bfloat16, 128, 16, mask, False, sequential, seq_lens=(37, 16400))
     # two uniform rows of 18 query tiles (the last half full), 4 heads: 144 tiles, on Hopper the
-    # persistent kernel ('sm90-persist': a CTA takes a second tile where there are fewer SMs)
-    _attention_case(
-        torch.bfloat16, 128, 16, _C.MASK_NONE, False, seq_lens=(2240, 2240), query_lens=(2240, 2240)
-    )
+    # persistent kernel ('sm90-persist': a CTA takes a second tile where there are fewer SMs);
+    # then 35 tiles a row, 280 in all: some CTAs take a third, whose Q reuses the first's buffer
+    for n in (2240, 4480):
+        _attention_case(torch.bfloat16, 128, 16, _C.MASK_NONE, False, seq_lens=(n, n), query_lens=(n, n))
     if torch.cuda.get_device_capability()[0] == 9:  # the e4m3 kernel is Hopper's
         fp8_cases = ((torch.bfloat16, 128, 16), (torch.float16, 128, 1), (torch.bfloat16, 64, 16))
         for dtype, head, block in fp8_cases:

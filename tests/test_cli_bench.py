@@ -72,7 +72,7 @@ def _check_record(record, *, quick=True):
     assert {"benchmark", "schema", "config", "env", "points", "notes", "files"} <= set(record)
     assert ENV_KEYS <= set(record["env"])
     assert record["env"]["diffkv_build"]["limited_api"]
-    assert record["env"]["diffkv_build"]["attention_kernel"] in ("sm90", "sm80", "none")
+    assert record["env"]["diffkv_build"]["attention_kernel"] in ("sm90-tma", "sm90", "sm80", "none")
     assert record["schema"] == _bench_cli.SCHEMA
     cfg = record["config"]
     assert {"seq_lens", "rows", "block_sizes", "heads", "kv_heads", "head_sizes", "dtype", "mask"} <= set(cfg)
