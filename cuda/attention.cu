@@ -179,16 +179,16 @@ attn_sm_count(void)
  * on the persistent kernel, over `sms` multiprocessors: rows that share one query length and one
  * seq_len (the host copies say so: the kernel takes them as parameters), mask none (every row
  * sees all its keys: no limits to read; causal rows, whose tiles differ in cost, ran 10-30 %
- * slower on its static round-robin of items), one source, 16-byte aligned output rows (its
- * staged epilogue), at most HP_MAX_WAVES items per SM, a last query tile at least half full, and
- * the stream not being captured -- a graph replays its parameters, while the device metadata may
- * change between replays.  Cannot fail. */
+ * slower on its static round-robin of items), one source, at most HP_MAX_WAVES items per SM, a
+ * last query tile at least half full, and the stream not being captured -- a graph replays its
+ * parameters, while the device metadata may change between replays.  (The caller then needs the
+ * query's and the output's TMA maps: h90_persist_maps.)  Cannot fail. */
 static bool
 attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cudaStream_t s)
 {
     if (a->head_size != 128 || m.tile != 128 || (m.dims.k_groups != 1 && m.dims.k_groups != 2) ||
         a->key_cache2 != NULL || a->uniform_query_len <= 0 || a->uniform_seq_len <= 0 || sms <= 0 ||
-        a->mask != DK_MASK_NONE || !attn_out_rows16(a)) {
+        a->mask != DK_MASK_NONE) {
         return false;
     }
     const int64_t items = a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
@@ -244,7 +244,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
         /* TMA boxes when the cache suits them, else the cp.async producer (box 0) */
         int64_t sms = 0;
         bool persist = false;
-        CUtensorMap qm; /* the query's map, for the persistent kernel */
+        CUtensorMap qm, om; /* the query's and the output's maps, for the persistent kernel */
         const int32_t tile = h90_wide_tiles(a) ? 176 : 128;
         h90_producer pr = h90_tma_maps(a, tile, &m);
         m.tile = tile;
@@ -263,7 +263,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             m.tile = a->max_seq_len >= H90_WIDE_MIN_KEYS ? 176 : 128;
             kernel = "sm90-tma16";
             sms = attn_sm_count();
-            persist = attn_persist_ok(a, m, sms, s) && h90_q_map(a, &qm);
+            persist = attn_persist_ok(a, m, sms, s) && h90_persist_maps(a, &qm, &om);
             if (persist) {
                 kernel = "sm90-persist";
             }
@@ -280,7 +280,7 @@ attn_sm90(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
             }
             kernel = pr == H90_CP_ASYNC ? "sm90-ws" : "sm90-tma";
         }
-        e = persist ? attn_sm90_persist_launch(a, m, qm, head_group, scale_log2, neg_q, sms, s)
+        e = persist ? attn_sm90_persist_launch(a, m, qm, om, head_group, scale_log2, neg_q, sms, s)
                     : attn_sm90_ws_launch(a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
     else {

@@ -86,12 +86,12 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
                                 cudaStream_t s);
 
 /* attention_sm90_persist.cu: the persistent form of the ws kernel over min(items, sms) CTAs:
- * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), the query's map q
- * (h90_q_map), 128-key tiles, mask none, rows of a->uniform_query_len queries over
- * a->uniform_seq_len keys, 16-byte aligned output rows (the staged epilogue). */
+ * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), the query's and
+ * the output's maps q and o (h90_persist_maps), 128-key tiles, mask none, rows of
+ * a->uniform_query_len queries over a->uniform_seq_len keys. */
 cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m,
-                                     const CUtensorMap &q, int64_t head_group, float scale_log2,
-                                     bool neg_q, int64_t sms, cudaStream_t s);
+                                     const CUtensorMap &q, const CUtensorMap &o, int64_t head_group,
+                                     float scale_log2, bool neg_q, int64_t sms, cudaStream_t s);
 
 /* attention_sm90_fp8.cu: the e4m3 wgmma kernel over a float8_e4m3fn cache (a->kv_fp8), head 64
  * or 128, fp16/bf16 queries, K/V rows in 16-byte chunks; 128 query rows per CTA.  *tma: whether
@@ -112,11 +112,13 @@ bool h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *
  * chunks).  Cannot fail: a map the driver refuses only narrows the choice. */
 h90_producer h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m);
 
-/* sm90_tma_map.cu: the tensor map of a bf16/fp16 query at head 128 for the persistent kernel
- * (its producer brings each work item's 128 x 128 Q tile as two boxes) into *map.  Returns
- * false when the query's layout cannot be mapped (a dim stride other than 1, a base or token /
+/* sm90_tma_map.cu: the tensor maps of the persistent kernel's query (its producer brings each
+ * work item's 128 x 128 Q tile as two boxes) and output (each consumer warpgroup stores its 64
+ * rows as two boxes) into *q and *o, for a call of uniform rows (a->uniform_query_len): 4 dims,
+ * the rows apart, so that a box's rows past a row's end are zeros (Q) or not written (O).
+ * Returns false when a layout cannot be mapped (a dim stride other than 1, a base or a token /
  * head stride not a multiple of 16 bytes) or the driver refuses it.  Cannot fail otherwise. */
-bool h90_q_map(const dk_attention_args *a, CUtensorMap *map);
+bool h90_persist_maps(const dk_attention_args *a, CUtensorMap *q, CUtensorMap *o);
 
 /* sm90_tma_map.cu: whether the driver has a tensor-map encoder (fetched once).  Cannot fail. */
 bool h90_tma_encoder_ready(void);

@@ -75,8 +75,8 @@ hp_place(const dk_attention_args &a, int64_t item, int64_t tiles_per_row, int64_
 }
 
 /* The producer's Q of the CTA's n-th item `it` into buffer n & 1 (two boxes of 64 dims x 128
- * rows, 16 KB each, the tiles' 128-byte swizzle), once both warpgroups are done with the item
- * two before it; by one thread. */
+ * rows, 16 KB each, the tiles' 128-byte swizzle; rows past the row's end come in as zeros),
+ * once both warpgroups are done with the item two before it; by one thread. */
 static __device__ __forceinline__ void
 hp_produce_q(const CUtensorMap *tmq, const hp_item &it, int n, uint32_t sq0, uint32_t full_q,
              uint32_t empty_q)
@@ -89,8 +89,65 @@ hp_produce_q(const CUtensorMap *tmq, const hp_item &it, int n, uint32_t sq0, uin
     mbar_arrive_expect_tx(full_q + 8u * b, QB);
 #pragma unroll
     for (int p = 0; p < HP_D / 64; p++) {
-        tma_load_3d(sq0 + b * QB + (uint32_t)p * (HP_BM * 128u), tmq, full_q + 8u * b, 64 * p,
-                    (int32_t)it.h, (int32_t)(it.q_start + it.q0));
+        tma_load_4d(sq0 + b * QB + (uint32_t)p * (HP_BM * 128u), tmq, full_q + 8u * b, 64 * p,
+                    (int32_t)it.h, (int32_t)it.q0, (int32_t)it.row);
+    }
+}
+
+/* The epilogue of consumer warpgroup cw (thread wt) for item `it`: its accumulators, scaled by
+ * 1 / row sum and converted, into its 64 rows of the item's Q buffer sq in the tiles' swizzle
+ * (the 8 rows of a warp's 4-byte stores land in 8 different 16-byte chunks), the LSE as
+ * attn_store_row, then the warpgroup's first thread stores the rows by two TMA boxes of the
+ * output's map (rows past the row's end are not written) and commits them: it waits for their
+ * reads of sq (tma_store_wait_read) before the buffer goes back to the producer. */
+template <typename T>
+static __device__ __forceinline__ void
+hp_store_o(const dk_attention_args &a, const CUtensorMap *tmo, uint32_t sq, int cw, int wt,
+           const hp_item &it, int64_t query_len, const float (&l)[2], const float (&m)[2],
+           float scale_log2, const float (&o)[HP_D / 2])
+{
+    const int lane = wt & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int r = cw * 64 + (wt >> 5) * 16 + hf * 8 + g; /* row of the item's tile */
+        if (a.lse != NULL && tq == 0 && it.q0 + r < query_len) {
+            a.lse[(it.q_start + it.q0 + r) * a.lse_stride_token + it.h * a.lse_stride_head] =
+                sum > 0.0f ? (__fmul_rn(m[hf], scale_log2) + log2f(sum)) / LOG2E : -INFINITY;
+        }
+#pragma unroll
+        for (int dt = 0; dt < HP_D / 8; dt++) {
+            st_shared_u32(
+                sq + sw128(HP_BM, (uint32_t)r, (uint32_t)dt) + 4u * (uint32_t)tq,
+                half_ops<T>::pack(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv));
+        }
+    }
+    fence_proxy_async(); /* the stores, before the TMA unit reads them */
+    named_barrier(1u + (uint32_t)cw, 128u);
+    if (wt == 0) {
+#pragma unroll
+        for (int p = 0; p < HP_D / 64; p++) {
+            tma_store_4d(tmo, sq + (uint32_t)p * (HP_BM * 128u) + (uint32_t)cw * 64u * 128u, 64 * p,
+                         (int32_t)it.h, (int32_t)it.q0 + 64 * cw, (int32_t)it.row);
+        }
+        tma_store_commit();
+    }
+}
+
+/* Consumer warpgroup cw's release of Q buffer b (its item's epilogue done, the TMA stores'
+ * reads of it too): one arrival per warp. */
+static __device__ __forceinline__ void
+hp_release_q(uint32_t empty_q, uint32_t b, int wt)
+{
+    if (wt == 0) {
+        tma_store_wait_read();
+    }
+    __syncwarp();
+    if ((wt & 31) == 0) {
+        mbar_arrive(empty_q + 8u * b);
     }
 }
 #endif
@@ -100,7 +157,8 @@ template <typename T>
 static __global__ void __launch_bounds__(128 * (HP_NC + 1), 1)
 attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                               const __grid_constant__ CUtensorMap tmv,
-                              const __grid_constant__ CUtensorMap tmq, const dk_attention_args a,
+                              const __grid_constant__ CUtensorMap tmq,
+                              const __grid_constant__ CUtensorMap tmo, const dk_attention_args a,
                               int64_t items, int64_t tiles_per_row, int64_t head_group,
                               float scale_log2, bool neg_q, bool hnd)
 /* clang-format on */
@@ -240,6 +298,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                     if (i + step < items) {
                         next = hp_place(a, i + step, tiles_per_row, head_group);
                     }
+                    if (n > 0) { /* the item before's buffer, its stores issued long ago */
+                        hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+                    }
                     wgmma_wait_all();
                     fence_regs(s);
                     if (lane == 0) {
@@ -300,19 +361,17 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                 mbar_arrive(empty_v + 8u * lslot);
             }
         }
+        else if (n > 0) {
+            hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+        }
         base += n_tiles;
 
-        /* Epilogue: this warpgroup's rows, staged through its rows of this item's Q buffer. */
-        const float sl2[2] = {scale_log2, scale_log2};
-        h90_store_o_staged<T, D, BM>(a, sq, cw, wt, cur.h, cur.q_start + cur.q0, query_len - cur.q0,
-                                     l, m, sl2, o);
-        /* the buffer back to the producer: this warp's reads of it (and writes) are done */
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-            mbar_arrive(empty_q + 8u * (uint32_t)(n & 1));
-        }
+        /* Epilogue: this warpgroup's rows, by TMA through its rows of this item's Q buffer. */
+        hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
         cur = n_tiles > 0 ? next : hp_place(a, i + step, tiles_per_row, head_group);
+    }
+    if (wt == 0) {
+        tma_store_wait(); /* the last item's stores read their rows before the CTA ends */
     }
     if (cw == 0) {
         named_barrier(8u, 256u); /* the last turn's hand-over back to warpgroup 0 */
@@ -320,6 +379,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
 #else
     (void)tmk;
     (void)tmv;
+    (void)tmo;
     (void)a;
     (void)items;
     (void)tiles_per_row;
@@ -336,8 +396,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
  * contract).  The shared-memory attribute is set once per (dtype, device). */
 template <typename T>
 static cudaError_t
-hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, int64_t head_group,
-          float scale_log2, bool neg_q, int64_t sms, cudaStream_t s)
+hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, const CUtensorMap &o,
+          int64_t head_group, float scale_log2, bool neg_q, int64_t sms, cudaStream_t s)
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     /* two Q buffers, ST K and SV V slots, alignment slack */
@@ -352,8 +412,8 @@ hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, i
     int64_t items = a->num_heads * a->num_rows * tiles_per_row;
     const unsigned blocks = (unsigned)(items < sms ? items : sms);
     bool hnd = m.dims.k_groups == 2;
-    void *args[] = {(void *)&m.k,   (void *)&m.v, (void *)&q,  (void *)a, &items,
-                    &tiles_per_row, &head_group,  &scale_log2, &neg_q,    &hnd};
+    void *args[] = {(void *)&m.k,   (void *)&m.v, (void *)&q,  (void *)&o, (void *)a, &items,
+                    &tiles_per_row, &head_group,  &scale_log2, &neg_q,     &hnd};
     return dk_launch_after(a->pending, kernel, dim3(blocks), dim3(128 * (HP_NC + 1)), smem, s,
                            args);
 }
@@ -361,10 +421,10 @@ hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, i
 /* attention_internal.cuh's contract. */
 cudaError_t
 attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q,
-                         int64_t head_group, float scale_log2, bool neg_q, int64_t sms,
-                         cudaStream_t s)
+                         const CUtensorMap &o, int64_t head_group, float scale_log2, bool neg_q,
+                         int64_t sms, cudaStream_t s)
 {
     return a->dtype == DK_BF16
-               ? hp_launch<__nv_bfloat16>(a, m, q, head_group, scale_log2, neg_q, sms, s)
-               : hp_launch<__half>(a, m, q, head_group, scale_log2, neg_q, sms, s);
+               ? hp_launch<__nv_bfloat16>(a, m, q, o, head_group, scale_log2, neg_q, sms, s)
+               : hp_launch<__half>(a, m, q, o, head_group, scale_log2, neg_q, sms, s);
 }

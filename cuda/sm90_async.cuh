@@ -54,6 +54,39 @@ mbar_wait(uint32_t bar, uint32_t parity)
                  : "memory");
 }
 
+/* One TMA box of a 4-d tensor map out of shared memory at src (coordinates innermost first), in
+ * this thread's bulk group: commit it with tma_store_commit, and wait for its reads of shared
+ * memory (tma_store_wait_read) before the tile is written again. */
+static __device__ __forceinline__ void
+tma_store_4d(const CUtensorMap *map, uint32_t src, int32_t c0, int32_t c1, int32_t c2, int32_t c3)
+{
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], "
+                 "[%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
+/* Closes this thread's bulk group of TMA stores. */
+static __device__ __forceinline__ void
+tma_store_commit(void)
+{
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+/* Waits until this thread's committed TMA stores have read their shared memory. */
+static __device__ __forceinline__ void
+tma_store_wait_read(void)
+{
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+/* Waits until this thread's committed TMA stores are done (their global writes too). */
+static __device__ __forceinline__ void
+tma_store_wait(void)
+{
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 /* Brings a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's descriptor
  * cache ahead of its first box. */
 static __device__ __forceinline__ void

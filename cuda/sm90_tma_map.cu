@@ -398,55 +398,71 @@ h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v)
     return e.ok;
 }
 
-/* attention_internal.cuh's contract: the query as 3 dims -- head_size elements, the heads, the
- * packed tokens -- with a box of 64 elements x 1 head x 128 tokens (a 64-dim panel of a 128-row
- * Q tile, in the tiles' 128-byte swizzle); tokens past num_tokens come in as zeros.  The last
- * map is kept per host thread (a layer's calls pass the same query buffer step after step). */
-bool
-h90_q_map(const dk_attention_args *a, CUtensorMap *map)
+/* One map of the persistent kernel (h90_persist_maps): `base` (a query or an output of the
+ * call's dtype) as 4 dims -- head_size elements, the heads, a row's uniform_query_len tokens,
+ * the rows -- from its element strides between heads and tokens (each row's tokens follow the
+ * row before's), box 64 elements x 1 x `box_rows` x 1.  Returns false when a stride or extent
+ * is out of the map's range or the driver refuses it. */
+static bool
+h90_rows_map(h90_encode_fn encode, CUtensorMap *map, const dk_attention_args *a, const void *base,
+             int64_t stride_token, int64_t stride_head, int64_t stride_dim, uint32_t box_rows)
 {
-    struct q_key {
-        const void *query;
-        int64_t stride_token, stride_head, tokens, heads, head_size;
-        int32_t dtype;
+    const int64_t sh = stride_head * 2, st = stride_token * 2; /* bytes */
+    const int64_t sr = st * a->uniform_query_len;
+    if (stride_dim != 1 || (uintptr_t)base % 16 != 0 || sh <= 0 || st <= 0 || sh % 16 != 0 ||
+        st % 16 != 0 || sh >= ((int64_t)1 << 40) || sr >= ((int64_t)1 << 40) ||
+        a->num_heads > INT32_MAX || a->num_rows > INT32_MAX) {
+        return false;
+    }
+    const cuuint64_t gdim[4] = {(cuuint64_t)a->head_size, (cuuint64_t)a->num_heads,
+                                (cuuint64_t)a->uniform_query_len, (cuuint64_t)a->num_rows};
+    const cuuint64_t gstride[3] = {(cuuint64_t)sh, (cuuint64_t)st, (cuuint64_t)sr};
+    const cuuint32_t box[4] = {64, 1, box_rows, 1};
+    return h90_encode_tiled(encode, map, a, base, 4, gdim, gstride, box);
+}
+
+/* attention_internal.cuh's contract: the query's map (boxes of 128 rows) and the output's (64
+ * rows), kept for the last call of this host thread (a layer's steps pass the same buffers). */
+bool
+h90_persist_maps(const dk_attention_args *a, CUtensorMap *q, CUtensorMap *o)
+{
+    struct rows_key {
+        const void *query, *out;
+        int64_t q_token, q_head, q_dim, o_token, o_head, o_dim, rows, heads, head_size;
+        int32_t query_len, dtype;
     };
-    static thread_local q_key last;
-    static thread_local CUtensorMap last_map;
+    static thread_local rows_key last;
+    static thread_local CUtensorMap last_q, last_o;
     static thread_local bool last_ok;
-    q_key key;
+    rows_key key;
     memset(&key, 0, sizeof(key)); /* compared with memcmp: no stray padding bytes */
     key.query = a->query;
-    key.stride_token = a->q_stride_token;
-    key.stride_head = a->q_stride_head;
-    key.tokens = a->num_tokens;
+    key.out = a->out;
+    key.q_token = a->q_stride_token;
+    key.q_head = a->q_stride_head;
+    key.q_dim = a->q_stride_dim;
+    key.o_token = a->o_stride_token;
+    key.o_head = a->o_stride_head;
+    key.o_dim = a->o_stride_dim;
+    key.rows = a->num_rows;
     key.heads = a->num_heads;
     key.head_size = a->head_size;
+    key.query_len = a->uniform_query_len;
     key.dtype = (int32_t)a->dtype;
-    if (last_ok && memcmp(&key, &last, sizeof(key)) == 0) {
-        *map = last_map;
-        return true;
+    if (!(last_ok && memcmp(&key, &last, sizeof(key)) == 0)) {
+        const h90_encode_fn encode = h90_encoder();
+        last_ok = encode != NULL && a->uniform_query_len > 0 &&
+                  h90_rows_map(encode, &last_q, a, a->query, a->q_stride_token, a->q_stride_head,
+                               a->q_stride_dim, 128) &&
+                  h90_rows_map(encode, &last_o, a, a->out, a->o_stride_token, a->o_stride_head,
+                               a->o_stride_dim, 64);
+        last = key;
     }
-    const h90_encode_fn encode = h90_encoder();
-    const int64_t st = a->q_stride_token * 2, sh = a->q_stride_head * 2; /* bytes */
-    if (encode == NULL || a->q_stride_dim != 1 || (uintptr_t)a->query % 16 != 0 || st <= 0 ||
-        sh <= 0 || st % 16 != 0 || sh % 16 != 0 || st >= ((int64_t)1 << 40) ||
-        sh >= ((int64_t)1 << 40) || a->num_tokens <= 0 || a->num_tokens > INT32_MAX ||
-        a->num_heads > INT32_MAX) {
-        return false;
+    if (last_ok) {
+        *q = last_q;
+        *o = last_o;
     }
-    const cuuint64_t gdim[3] = {(cuuint64_t)a->head_size, (cuuint64_t)a->num_heads,
-                                (cuuint64_t)a->num_tokens};
-    const cuuint64_t gstride[2] = {(cuuint64_t)sh, (cuuint64_t)st};
-    const cuuint32_t box[3] = {64, 1, 128};
-    CUtensorMap m;
-    if (!h90_encode_tiled(encode, &m, a, a->query, 3, gdim, gstride, box)) {
-        return false;
-    }
-    last = key;
-    last_map = m;
-    last_ok = true;
-    *map = m;
-    return true;
+    return last_ok;
 }
 
 /* attention_internal.cuh's contract. */

@@ -70,19 +70,27 @@ def test_persistent_kernel_matches_the_reference(rows, query_len, seq_len, block
     _check(out2, q, qsl, dense, limits, 128**-0.5, lse)
 
 
-def test_a_strided_query():
-    """A query whose token stride is wider than its heads (a [T, H * D + 64] buffer, NaN in the
-    gap): the query's map takes the stride, and the outputs meet the reference."""
+def test_a_strided_query_and_output():
+    """A query and an output whose token stride is wider than their heads ([T, H * D + 64]
+    buffers, NaN in the gap): the TMA maps take the strides, the outputs meet the reference and
+    nothing is written in the output's gap."""
     if not _persist_built():
         pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
-    seq_lens, query_lens = [1536] * 2, [1536] * 2
+    seq_lens, query_lens = [1000] * 2, [1000] * 2
     q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 32, 8, 128, 16, torch.float16, 23)
-    wide = torch.full((q.shape[0], 32 * 128 + 64), float("nan"), device="cuda", dtype=q.dtype)
-    strided = wide[:, : 32 * 128].view(q.shape[0], 32, 128)
-    strided.copy_(q)
-    out = _call(strided, cache, table, qsl, seq, _C.MASK_NONE)
+
+    def wide():
+        return torch.full((q.shape[0], 32 * 128 + 64), float("nan"), device="cuda", dtype=q.dtype)
+
+    q_backing, out_backing = wide(), wide()
+    strided_q = q_backing[:, : 32 * 128].view(q.shape[0], 32, 128)
+    strided_q.copy_(q)
+    out = out_backing[:, : 32 * 128].view(q.shape[0], 32, 128)
+    args = (strided_q, cache, table.cuda(), qsl.cuda(), seq.cuda(), None, _C.MASK_NONE, 128**-0.5)
+    _C.paged_attention(*args, out, table, qsl, seq)
     assert _C.last_attention_kernel() == "sm90-persist"
     _check(out, q, qsl, dense, _limits(seq_lens, query_lens, "none"), 128**-0.5)
+    assert out_backing[:, 32 * 128 :].isnan().all()
 
 
 def test_the_one_cta_per_tile_kernel_gives_the_same_bits():

@@ -55,6 +55,13 @@ def flush_l2(device: torch.device | str) -> None:
     buf.fill_(7)
 
 
+# GPU cycles of torch.cuda._sleep queued after each flush, before a timed call's start event
+# (about 100 us on an H200): the host's time to launch the call -- tens of microseconds for a
+# torch SDPA call, more at its first calls or a garbage-collector pause -- then passes while
+# the GPU still works, instead of between the events.
+HOST_SLACK_CYCLES = 200_000
+
+
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence."""
     return float(statistics.median(values))
@@ -69,7 +76,8 @@ def time_interleaved(
     measured across the same stretch of time: an H200 held at its power cap moves its clock
     by 5-10 % over seconds, and back-to-back blocks of repetitions would hand that drift to
     the ratio.  Returns {name: {'median_us', 'min_us', 'samples_us': [reps]}}, names in the
-    order given."""
+    order given.  On CUDA each flush is followed by HOST_SLACK_CYCLES of GPU sleep, so that a
+    call's launch on the host is not timed as a gap between its events."""
     names = list(fns)
     if not names:
         raise ValueError("time_interleaved(): fns must name at least one call, got none")
@@ -87,6 +95,7 @@ def time_interleaved(
         for name in names[k:] + names[:k]:
             if cuda:
                 flush_l2(device)
+                torch.cuda._sleep(HOST_SLACK_CYCLES)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fns[name]()
