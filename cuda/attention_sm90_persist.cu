@@ -13,12 +13,14 @@
  *   - the producer warpgroup runs on into the next item's K/V tiles as soon as slots free up:
  *     the slots, their full / empty mbarriers and phases count tiles over the whole CTA (ring
  *     position base + kt), so the next item's first tiles land while the consumers finish;
- *   - two Q buffers, filled by the producer's TMA (two boxes of the query's map, h90_q_map, per
- *     item, a full / empty mbarrier pair per buffer): an item's Q lands while the item before
- *     it runs, and the consumers issue no copies (the next item's Q as 8 cp.async per
- *     consumer thread, at the start of an item, had held its first Q K^T back by about 1 us:
- *     per-item clock stamps, hopper-kernels.md, *The persistent form*); a buffer goes back to
- *     the producer once both warpgroups' epilogues, staged through it, are done;
+ *   - two Q buffers, filled by the producer's TMA (two boxes of the query's map per item,
+ *     h90_persist_maps; a full / empty mbarrier pair per buffer): an item's Q lands while the
+ *     item before it runs, and the consumers issue no copies (the next item's Q as 8 cp.async
+ *     per consumer thread, at the start of an item, had held its first Q K^T back by about
+ *     1 us: per-item clock stamps, hopper-kernels.md, *Q in and O out by TMA*);
+ *   - the epilogue by TMA store: each warpgroup stages its 64 rows of O in its rows of the
+ *     item's Q buffer and one thread stores them as two boxes of the output's map; the buffer
+ *     goes back to the producer at the next item's first Q K^T, once the stores have read it;
  *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
@@ -32,9 +34,9 @@
  * persistent form*).
  * Everything else is the ws kernel's head-128 form with the per-chunk TMA producer
  * (sm90-tma16): 128-query-row items, 128-key tiles in two K and three V slots, the late P V
- * wait, the staged epilogue.  Shared memory: two Q tiles and five K/V slots, 224 KB.  Query
- * rows past a row's end come in with the item (the next row's, or zeros past the tensor):
- * their limits are 0, so no key reaches them, and their outputs are not stored.
+ * wait.  Shared memory: two Q tiles and five K/V slots, 224 KB.  The query's and the output's
+ * maps are 4-d over the rows (a row's tokens, then the rows), so a tile's rows past its row's
+ * end come in as zeros and are not written (their limits are 0 as well).
  *
  * Entry point (attention_internal.cuh): attn_sm90_persist_launch.
  */
@@ -137,8 +139,8 @@ hp_store_o(const dk_attention_args &a, const CUtensorMap *tmo, uint32_t sq, int 
     }
 }
 
-/* Consumer warpgroup cw's release of Q buffer b (its item's epilogue done, the TMA stores'
- * reads of it too): one arrival per warp. */
+/* A consumer warpgroup's release of Q buffer b (its item's epilogue done, and the TMA stores'
+ * reads of it, which its thread wt 0 waits for): one arrival per warp. */
 static __device__ __forceinline__ void
 hp_release_q(uint32_t empty_q, uint32_t b, int wt)
 {
