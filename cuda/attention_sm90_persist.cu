@@ -96,37 +96,20 @@ hp_produce_q(const CUtensorMap *tmq, const hp_item &it, int n, uint32_t sq0, uin
     }
 }
 
-/* The epilogue of consumer warpgroup cw (thread wt) for item `it`: its accumulators, scaled by
- * 1 / row sum and converted, into its 64 rows of the item's Q buffer sq in the tiles' swizzle
- * (the 8 rows of a warp's 4-byte stores land in 8 different 16-byte chunks), the LSE as
- * attn_store_row, then the warpgroup's first thread stores the rows by two TMA boxes of the
- * output's map (rows past the row's end are not written) and commits them: it waits for their
- * reads of sq (tma_store_wait_read) before the buffer goes back to the producer. */
+/* The epilogue of consumer warpgroup cw (thread wt) for item `it`: its rows and LSE staged in
+ * its rows of the item's Q buffer sq (h90_stage_o), then the warpgroup's first thread stores
+ * the rows by two TMA boxes of the output's map (rows past the row's end are not written) and
+ * commits them: it waits for their reads of sq (tma_store_wait_read) before the buffer goes
+ * back to the producer. */
 template <typename T>
 static __device__ __forceinline__ void
 hp_store_o(const dk_attention_args &a, const CUtensorMap *tmo, uint32_t sq, int cw, int wt,
            const hp_item &it, int64_t query_len, const float (&l)[2], const float (&m)[2],
            float scale_log2, const float (&o)[HP_D / 2])
 {
-    const int lane = wt & 31, g = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        float sum = l[hf];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int r = cw * 64 + (wt >> 5) * 16 + hf * 8 + g; /* row of the item's tile */
-        if (a.lse != NULL && tq == 0 && it.q0 + r < query_len) {
-            a.lse[(it.q_start + it.q0 + r) * a.lse_stride_token + it.h * a.lse_stride_head] =
-                sum > 0.0f ? (__fmul_rn(m[hf], scale_log2) + log2f(sum)) / LOG2E : -INFINITY;
-        }
-#pragma unroll
-        for (int dt = 0; dt < HP_D / 8; dt++) {
-            st_shared_u32(
-                sq + sw128(HP_BM, (uint32_t)r, (uint32_t)dt) + 4u * (uint32_t)tq,
-                half_ops<T>::pack(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv));
-        }
-    }
+    const float sl2[2] = {scale_log2, scale_log2};
+    h90_stage_o<T, HP_D, HP_BM>(a, sq, cw, wt, it.h, it.q_start + it.q0, query_len - it.q0, l, m,
+                                sl2, o);
     fence_proxy_async(); /* the stores, before the TMA unit reads them */
     named_barrier(1u + (uint32_t)cw, 128u);
     if (wt == 0) {

@@ -40,24 +40,20 @@ h90_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t sv)
 }
 
 /*
- * The epilogue of a consumer warpgroup (rows 64 cw .. 64 cw + 63 of the CTA's BM) whose output
- * rows are 16-byte aligned: its accumulators, scaled by 1 / row sum and converted, go to its own
- * rows of the Q tile at sq (free once its last Q K^T is done; the other warpgroups' rows are
- * not touched) in the same 128-byte swizzle -- the 8 rows of a warp's 4-byte stores land in 8
- * different 16-byte chunks, no bank conflicts -- and the warpgroup then copies whole rows out
- * with 16-byte loads and stores, whole rows per warp instruction (two 256-byte rows at head
- * 128), where the accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte
- * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the LSE
- * as attn_store_row, with scale_log2 per row (hf); t0: the packed token of the CTA's first row,
- * tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.  DR: the
- * output's head dims (D: the tile's, DR rounded up to a wgmma panel; dims DR .. D - 1 are not
- * written), ON >= DR / 2 the accumulators O has (of the first ON * 2 dims).
+ * The first half of a consumer warpgroup's staged epilogue (rows 64 cw .. 64 cw + 63 of the
+ * CTA's BM): its accumulators, scaled by 1 / row sum and converted, go to its own rows of the Q
+ * tile at sq (free once its last Q K^T is done; the other warpgroups' rows are not touched) in
+ * the same 128-byte swizzle -- the 8 rows of a warp's 4-byte stores land in 8 different 16-byte
+ * chunks, no bank conflicts -- and the LSE of its rows under tile_rows goes out as
+ * attn_store_row writes it, with scale_log2 per row (hf); t0: the packed token of the CTA's
+ * first row.  DR, ON as h90_store_o_staged.  The rows are then for the caller to copy out
+ * (h90_store_o_staged; the persistent kernel's TMA store), after a barrier.
  */
 template <typename T, int D, int BM, int DR = D, int ON = D / 2>
 static __device__ __forceinline__ void
-h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
-                   int64_t tile_rows, const float (&l)[2], const float (&m)[2],
-                   const float (&scale_log2)[2], const float (&o)[ON])
+h90_stage_o(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
+            int64_t tile_rows, const float (&l)[2], const float (&m)[2],
+            const float (&scale_log2)[2], const float (&o)[ON])
 {
     const int lane = wt & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll
@@ -78,6 +74,26 @@ h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int6
                 half_ops<T>::pack(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv));
         }
     }
+}
+
+/*
+ * The epilogue of a consumer warpgroup (rows 64 cw .. 64 cw + 63 of the CTA's BM) whose output
+ * rows are 16-byte aligned: its rows staged in the Q tile at sq (h90_stage_o), then copied out
+ * with 16-byte loads and stores, whole rows per warp instruction (two 256-byte rows at head
+ * 128), where the accumulator layout gives 4 bytes per thread and row (8 scattered 16-byte
+ * pieces per instruction, 32 instructions per thread at head 128).  Row sums, zero rows and the
+ * LSE as attn_store_row, with scale_log2 per row (hf); t0: the packed token of the CTA's first
+ * row, tile_rows: its rows inside the batch row.  sq: BM * D * 2 bytes, 1024-byte aligned.  DR:
+ * the output's head dims (D: the tile's, DR rounded up to a wgmma panel; dims DR .. D - 1 are
+ * not written), ON >= DR / 2 the accumulators O has (of the first ON * 2 dims).
+ */
+template <typename T, int D, int BM, int DR = D, int ON = D / 2>
+static __device__ __forceinline__ void
+h90_store_o_staged(const dk_attention_args &a, uint32_t sq, int cw, int wt, int64_t h, int64_t t0,
+                   int64_t tile_rows, const float (&l)[2], const float (&m)[2],
+                   const float (&scale_log2)[2], const float (&o)[ON])
+{
+    h90_stage_o<T, D, BM, DR, ON>(a, sq, cw, wt, h, t0, tile_rows, l, m, scale_log2, o);
     named_barrier(1u + (uint32_t)cw, 128u);
     constexpr int CH = D / 8; /* 16-byte chunks per row: 128 % CH == 0 but at 192 dims */
 #pragma unroll
