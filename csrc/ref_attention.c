@@ -399,15 +399,13 @@ dk_attention_uniform_rows(dk_attention_args *a)
     if (a->query_start_loc[0] != 0 || q <= 0 || q > INT32_MAX) {
         return;
     }
-    int same_seq = 1;
     for (int64_t r = 0; r < a->num_rows; r++) {
-        if ((int64_t)a->query_start_loc[r + 1] != (r + 1) * q) {
+        if ((int64_t)a->query_start_loc[r + 1] != (r + 1) * q || a->seq_lens[r] != a->seq_lens[0]) {
             return;
         }
-        same_seq = same_seq && a->seq_lens[r] == a->seq_lens[0];
     }
     a->uniform_query_len = (int32_t)q;
-    a->uniform_seq_len = same_seq ? a->seq_lens[0] : 0;
+    a->uniform_seq_len = a->seq_lens[0];
 }
 
 int32_t

@@ -24,11 +24,10 @@
  *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
- *     batch's query length and seq_len (dk_attention_args.uniform_query_len / uniform_seq_len,
- *     checked on its copies of the metadata; a CFG pair of two seq_lens reads its row's, with
- *     the next item's placement), and under the one mask this form takes, none, every row sees
- *     all kv_end = seq_len keys: a thread's row limits are kv_end or 0 past the row's end (no
- *     shared limits, no CTA barrier per item).
+ *     batch's query and key lengths (dk_attention_args.uniform_query_len / uniform_seq_len,
+ *     checked on its copies of the metadata), and under the one mask this form takes, none,
+ *     every row sees all kv_end = seq_len keys: every item has the same tiles, and a thread's
+ *     row limits are kv_end or 0 past the row's end (no shared limits, no CTA barrier per item).
  * A consumer finishes an item (its last P V, the epilogue) before it starts the next one: a
  * form that issued the next item's first Q K^T beside the last P V and ran the epilogue under
  * the next softmax measured 2-9 % slower on 1-2k-token rows (hopper-kernels.md, *The
@@ -60,12 +59,10 @@
 #define HP_SV 3   /* V slots */
 
 #ifdef H90_DEVICE_CODE
-/* One work item: its head, batch row, first query row q0 (of the batch row), the batch row's
- * first packed token and its keys (kv_end: the uniform seq_len, or the row's own -- a CFG pair --
- * read here, bounded by the block table's reach). */
+/* One work item: its head, batch row, first query row q0 (of the batch row) and the batch row's
+ * first packed token. */
 struct hp_item {
     int64_t h, row, q0, q_start;
-    int32_t kv_end;
 };
 
 static __device__ __forceinline__ hp_item
@@ -76,8 +73,6 @@ hp_place(const dk_attention_args &a, int64_t item, int64_t tiles_per_row, int64_
     attn_cta_place(a, item, tiles_per_row, head_group, false, NULL, &it.h, &it.row, &tile_rev);
     it.q0 = (tiles_per_row - 1 - tile_rev) * HP_BM;
     it.q_start = it.row * a.uniform_query_len;
-    const int64_t seq = a.uniform_seq_len > 0 ? (int64_t)a.uniform_seq_len : a.seq_lens[it.row];
-    it.kv_end = (int32_t)min(seq, a.bt_cols * a.block_size);
     return it;
 }
 
@@ -177,6 +172,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t empty_q = full_q + 16u;
 
     const int64_t query_len = a.uniform_query_len;
+    /* every item sees the row's keys (mask none, one seq_len): the same tiles */
+    const int32_t kv_end = (int32_t)min((int64_t)a.uniform_seq_len, a.bt_cols * a.block_size);
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
     const int64_t step = gridDim.x;
     const int tid = (int)threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
@@ -213,9 +211,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (tid == 0 && n > 0) {
                     hp_produce_q(&tmq, p, n, sq0, full_q, empty_q);
                 }
-                const int32_t n_tiles = (p.kv_end + BN - 1) / BN;
                 h90_produce_tma_groups<D, BN, ST, SV, false, false>(
-                    a, p.h, p.row, p.kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
+                    a, p.h, p.row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
                     &tmk, &tmv, NULL, NULL, hnd, false, 0, base);
                 base += n_tiles;
             }
@@ -232,6 +229,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tq = lane & 3;
     const uint32_t sink = smem_addr(&s_sink[tid - 128]);
     constexpr uint32_t khalf = 1024u, ksbo = 1024u * (D / 64); /* K_GROUPS tiles (h90_qk) */
+    const int32_t valid = kv_end - (n_tiles - 1) * BN;         /* keys of the last tile */
 
     /* The turns: the last warpgroup opens the first one, for the whole CTA; every tile's
      * Q K^T is one turn. */
@@ -264,10 +262,6 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         h90_rows rows;
         rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
         const int64_t r0 = cur.q0 + cw * 64 + w4 * 16 + g; /* this thread's rows r0, r0 + 8 */
-        /* every item sees its row's keys (mask none) */
-        const int32_t kv_end = cur.kv_end;
-        const int32_t n_tiles = (kv_end + BN - 1) / BN;
-        const int32_t valid = kv_end - (n_tiles - 1) * BN; /* keys of the last tile */
         rows.lim0 = r0 < query_len ? kv_end : 0;
         rows.lim1 = r0 + 8 < query_len ? kv_end : 0;
         rows.g_min = cur.q0 + cw * 64 + 63 < query_len ? kv_end : 0; /* the warpgroup's least */
@@ -359,10 +353,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
 
         /* Epilogue: this warpgroup's rows, by TMA through its rows of this item's Q buffer. */
         hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
-        if (n_tiles == 0 && i + step < items) { /* no first Q K^T worked it out */
-            next = hp_place(a, i + step, tiles_per_row, head_group);
-        }
-        cur = next;
+        cur = n_tiles > 0 ? next : hp_place(a, i + step, tiles_per_row, head_group);
     }
     if (wt == 0) {
         tma_store_wait(); /* the last item's stores read their rows before the CTA ends */
