@@ -476,11 +476,14 @@ typedef struct dk_attention_args {
      * of a row are 16 consecutive rows of one source from a multiple of 8 (the per-chunk TMA
      * boxes). */
     int32_t keys_consecutive;
-    /* Every row's query length and seq_len when all rows share them and query_start_loc is
-     * r * uniform_query_len, as the host copies of the metadata say (dk_attention_uniform_rows);
-     * 0 when they differ or were not counted.  The persistent sm90 kernel takes its rows' spans
-     * from these instead of reading them (cuda/attention_sm90_persist.cu). */
+    /* Every row's query length when all rows share it and query_start_loc is
+     * r * uniform_query_len, as the host copies of the metadata say (dk_attention_uniform_rows),
+     * and their seq_len when they share that too; 0 when they differ or were not counted.
+     * pair_seq_lens: the two rows' seq_lens when there are two rows of one query length (a CFG
+     * pair), else 0s.  The persistent sm90 kernel takes
+     * its rows' spans from these instead of reading them (cuda/attention_sm90_persist.cu). */
     int32_t uniform_query_len, uniform_seq_len;
+    int32_t pair_seq_lens[2];
 } dk_attention_args;
 
 /* dk_attention_args.dense */
@@ -514,9 +517,10 @@ dk_status dk_attention_check(const dk_attention_args *a, dk_error *err);
  * (a multiple of block_size) over every row's seq_len whose blocks are consecutive ids
  * (block_table[r][b + 1] == block_table[r][b] + 1 within the tile); 0 for no tiles. */
 int32_t dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys);
-/* After dk_attention_check, on the same host arrays: sets a->uniform_query_len and
- * a->uniform_seq_len when every row has the same query length q > 0 (query_start_loc[r] == r q)
- * and the same seq_len, else clears them. */
+/* After dk_attention_check, on the same host arrays: sets a->uniform_query_len when every row
+ * has the same query length q > 0 (query_start_loc[r] == r q), then a->uniform_seq_len when the
+ * rows share one seq_len too and a->pair_seq_lens when there are two rows; clears what does not
+ * hold. */
 void dk_attention_uniform_rows(dk_attention_args *a);
 /* Whether the sm90 kernel's per-chunk TMA producer can read the cache as 16-key chunks (head
  * 128, 192 or 256, one source, blocks of 16 n keys or one block per row of 8 n, strides its 5-d

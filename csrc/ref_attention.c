@@ -392,6 +392,8 @@ dk_attention_uniform_rows(dk_attention_args *a)
 {
     a->uniform_query_len = 0;
     a->uniform_seq_len = 0;
+    a->pair_seq_lens[0] = 0;
+    a->pair_seq_lens[1] = 0;
     if (a->num_rows < 1) {
         return;
     }
@@ -399,13 +401,19 @@ dk_attention_uniform_rows(dk_attention_args *a)
     if (a->query_start_loc[0] != 0 || q <= 0 || q > INT32_MAX) {
         return;
     }
+    int same_seq = 1;
     for (int64_t r = 0; r < a->num_rows; r++) {
-        if ((int64_t)a->query_start_loc[r + 1] != (r + 1) * q || a->seq_lens[r] != a->seq_lens[0]) {
+        if ((int64_t)a->query_start_loc[r + 1] != (r + 1) * q) {
             return;
         }
+        same_seq = same_seq && a->seq_lens[r] == a->seq_lens[0];
+    }
+    if (a->num_rows == 2) {
+        a->pair_seq_lens[0] = a->seq_lens[0];
+        a->pair_seq_lens[1] = a->seq_lens[1];
     }
     a->uniform_query_len = (int32_t)q;
-    a->uniform_seq_len = a->seq_lens[0];
+    a->uniform_seq_len = same_seq ? a->seq_lens[0] : 0;
 }
 
 int32_t

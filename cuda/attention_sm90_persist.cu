@@ -24,10 +24,11 @@
  *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
- *     batch's query and key lengths (dk_attention_args.uniform_query_len / uniform_seq_len,
- *     checked on its copies of the metadata), and under the one mask this form takes, none,
- *     every row sees all kv_end = seq_len keys: every item has the same tiles, and a thread's
- *     row limits are kv_end or 0 past the row's end (no shared limits, no CTA barrier per item).
+ *     batch's query and key lengths (dk_attention_args.uniform_query_len / uniform_seq_len, or
+ *     a CFG pair's pair_seq_lens, checked on its copies of the metadata), and under the one mask
+ *     this form takes, none, every row sees all kv_end = seq_len keys: an item's tiles follow
+ *     from its index, and a thread's row limits are kv_end or 0 past the row's end (no shared
+ *     limits, no CTA barrier per item).
  * A consumer finishes an item (its last P V, the epilogue) before it starts the next one: a
  * form that issued the next item's first Q K^T beside the last P V and ran the epilogue under
  * the next softmax measured 2-9 % slower on 1-2k-token rows (hopper-kernels.md, *The
@@ -172,9 +173,15 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t empty_q = full_q + 16u;
 
     const int64_t query_len = a.uniform_query_len;
-    /* every item sees the row's keys (mask none, one seq_len): the same tiles */
-    const int32_t kv_end = (int32_t)min((int64_t)a.uniform_seq_len, a.bt_cols * a.block_size);
-    const int32_t n_tiles = (kv_end + BN - 1) / BN;
+    /* Every item sees its row's keys (mask none): one seq_len, or a CFG pair's two -- row 1's
+     * items are those from row_items on (attn_cta_place numbers the rows slowest), so an item's
+     * keys follow from its index and the kernel's parameters alone, and the ring's slots,
+     * phases and tile addresses stay in uniform registers (the same from a row's seq_len read
+     * per item ran 11 % slower: vector registers, an R2UR before every wgmma). */
+    const int32_t reach = (int32_t)min((int64_t)INT32_MAX, a.bt_cols * a.block_size);
+    const int32_t kv0 = min(a.uniform_seq_len > 0 ? a.uniform_seq_len : a.pair_seq_lens[0], reach);
+    const int32_t kv1 = min(a.uniform_seq_len > 0 ? a.uniform_seq_len : a.pair_seq_lens[1], reach);
+    const int64_t row_items = a.num_heads * tiles_per_row;
     const int64_t step = gridDim.x;
     const int tid = (int)threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
@@ -211,6 +218,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (tid == 0 && n > 0) {
                     hp_produce_q(&tmq, p, n, sq0, full_q, empty_q);
                 }
+                const int32_t kv_end = i < row_items ? kv0 : kv1;
+                const int32_t n_tiles = (kv_end + BN - 1) / BN;
                 h90_produce_tma_groups<D, BN, ST, SV, false, false>(
                     a, p.h, p.row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
                     &tmk, &tmv, NULL, NULL, hnd, false, 0, base);
@@ -229,7 +238,6 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tq = lane & 3;
     const uint32_t sink = smem_addr(&s_sink[tid - 128]);
     constexpr uint32_t khalf = 1024u, ksbo = 1024u * (D / 64); /* K_GROUPS tiles (h90_qk) */
-    const int32_t valid = kv_end - (n_tiles - 1) * BN;         /* keys of the last tile */
 
     /* The turns: the last warpgroup opens the first one, for the whole CTA; every tile's
      * Q K^T is one turn. */
@@ -261,6 +269,9 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         float s[NT * 4];
         h90_rows rows;
         rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
+        const int32_t kv_end = i < row_items ? kv0 : kv1;
+        const int32_t n_tiles = (kv_end + BN - 1) / BN;
+        const int32_t valid = kv_end - (n_tiles - 1) * BN; /* keys of the last tile */
         const int64_t r0 = cur.q0 + cw * 64 + w4 * 16 + g; /* this thread's rows r0, r0 + 8 */
         rows.lim0 = r0 < query_len ? kv_end : 0;
         rows.lim1 = r0 + 8 < query_len ? kv_end : 0;

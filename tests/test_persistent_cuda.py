@@ -1,5 +1,6 @@
 """The persistent form of the Hopper kernel ('sm90-persist', cuda/attention_sm90_persist.cu):
-head 128, unmasked calls whose rows share one query length and one seq_len, over caches the
+head 128, unmasked calls whose rows share one query length and one seq_len (or two rows of
+different seq_len: a CFG pair), over caches the
 per-chunk TMA producer reads, with at most HP_MAX_WAVES (16) query tiles per multiprocessor and
 a last query tile at least half full.
 Each CTA walks several query tiles with two Q buffers and one K/V ring, so these tests check
@@ -93,6 +94,27 @@ def test_a_strided_query_and_output():
     assert out_backing[:, 32 * 128 :].isnan().all()
 
 
+@pytest.mark.parametrize("query_len", [1024, 1000])
+def test_a_cfg_pair_runs_persistent(query_len):
+    """Two rows of one query length over different seq_lens (a CFG pair: a 500- and a
+    3,500-token prompt before the same image tokens): each item takes its own row's keys; the
+    outputs and the LSE meet the reference, NaN in every slot no row reads staying out."""
+    if not _persist_built():
+        pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
+    seq_lens, query_lens = [500 + query_len, 3500 + query_len], [query_len] * 2
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, 29)
+    limits = _limits(seq_lens, query_lens, "none")
+    lse = torch.full((q.shape[0], 32), float("nan"), device="cuda")
+    out = _call(q, cache, table, qsl, seq, _C.MASK_NONE, lse=lse)
+    assert _C.last_attention_kernel() == "sm90-persist"
+    _check(out, q, qsl, dense, limits, 128**-0.5, lse)
+    # the longer row first: the items' order, not the rows', decides which CTA takes what
+    swapped = _problem(seq_lens[::-1], query_lens, 32, 8, 128, 16, torch.bfloat16, 31)
+    out2 = _call(*swapped[:5], _C.MASK_NONE)
+    assert _C.last_attention_kernel() == "sm90-persist"
+    _check(out2, swapped[0], swapped[3], swapped[5], _limits(seq_lens[::-1], query_lens, "none"), 128**-0.5)
+
+
 def test_the_one_cta_per_tile_kernel_gives_the_same_bits():
     """The persistent kernel computes each tile as the kernel it stands in for: two uniform
     rows run persistent, the same two rows with a shorter third one 'sm90-tma16', and the two
@@ -158,6 +180,14 @@ def test_other_calls_keep_the_one_cta_per_tile_kernel():
         out = _call(q1, cache1, table1, qsl1, seq1, _C.MASK_NONE)
         assert _C.last_attention_kernel() == want
         assert not out.isnan().any()
+
+    # three rows of one query length over different seq_lens (unequal items beyond a CFG pair)
+    q3, cache3, table3, qsl3, seq3, dense3 = _problem(
+        [1200, 1800, 2400], [1024] * 3, 32, 8, 128, 16, torch.bfloat16, 12
+    )
+    out = _call(q3, cache3, table3, qsl3, seq3, _C.MASK_NONE)
+    assert _C.last_attention_kernel() == "sm90-tma16"
+    _check(out, q3, qsl3, dense3, _limits([1200, 1800, 2400], [1024] * 3, "none"), 128**-0.5)
 
     # a last query tile under half full (4097 queries: one row) stays on sm90-tma16
     q2, cache2, table2, qsl2, seq2, dense2 = _problem(
