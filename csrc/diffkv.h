@@ -415,6 +415,9 @@ typedef enum dk_mask {
  * block = block_table[r * bt_stride_row + j / block_size], offset j % block_size.
  * A token whose row sees no key gets zeros.  Accumulation in fp32 (fp64 never needed).
  */
+/* dk_attention_args.row_seq_lens: the most rows whose seq_lens the host passes by value */
+#define DK_ROW_SEQ_LENS 8
+
 typedef struct dk_attention_args {
     /* CUDA: a KV write to launch with the first attention kernel (it reads what the write
      * writes), consumed by that launch; NULL: none (cuda/launch.cu) */
@@ -479,11 +482,11 @@ typedef struct dk_attention_args {
     /* Every row's query length when all rows share it and query_start_loc is
      * r * uniform_query_len, as the host copies of the metadata say (dk_attention_uniform_rows),
      * and their seq_len when they share that too; 0 when they differ or were not counted.
-     * pair_seq_lens: the two rows' seq_lens when there are two rows of one query length (a CFG
-     * pair), else 0s.  The persistent sm90 kernel takes
+     * row_seq_lens: every row's seq_len when there are 2 to DK_ROW_SEQ_LENS rows of one query
+     * length (a CFG pair, a batch of prompts), else 0s.  The persistent sm90 kernel takes
      * its rows' spans from these instead of reading them (cuda/attention_sm90_persist.cu). */
     int32_t uniform_query_len, uniform_seq_len;
-    int32_t pair_seq_lens[2];
+    int32_t row_seq_lens[DK_ROW_SEQ_LENS];
 } dk_attention_args;
 
 /* dk_attention_args.dense */
@@ -519,8 +522,8 @@ dk_status dk_attention_check(const dk_attention_args *a, dk_error *err);
 int32_t dk_attention_table_runs(const dk_attention_args *a, int64_t tile_keys);
 /* After dk_attention_check, on the same host arrays: sets a->uniform_query_len when every row
  * has the same query length q > 0 (query_start_loc[r] == r q), then a->uniform_seq_len when the
- * rows share one seq_len too and a->pair_seq_lens when there are two rows; clears what does not
- * hold. */
+ * rows share one seq_len too and a->row_seq_lens when there are 2 to DK_ROW_SEQ_LENS rows; clears
+ * what does not hold. */
 void dk_attention_uniform_rows(dk_attention_args *a);
 /* Whether the sm90 kernel's per-chunk TMA producer can read the cache as 16-key chunks (head
  * 128, 192 or 256, one source, blocks of 16 n keys or one block per row of 8 n, strides its 5-d

@@ -392,8 +392,7 @@ dk_attention_uniform_rows(dk_attention_args *a)
 {
     a->uniform_query_len = 0;
     a->uniform_seq_len = 0;
-    a->pair_seq_lens[0] = 0;
-    a->pair_seq_lens[1] = 0;
+    memset(a->row_seq_lens, 0, sizeof(a->row_seq_lens));
     if (a->num_rows < 1) {
         return;
     }
@@ -408,9 +407,10 @@ dk_attention_uniform_rows(dk_attention_args *a)
         }
         same_seq = same_seq && a->seq_lens[r] == a->seq_lens[0];
     }
-    if (a->num_rows == 2) {
-        a->pair_seq_lens[0] = a->seq_lens[0];
-        a->pair_seq_lens[1] = a->seq_lens[1];
+    if (a->num_rows >= 2 && a->num_rows <= DK_ROW_SEQ_LENS) {
+        for (int64_t r = 0; r < a->num_rows; r++) {
+            a->row_seq_lens[r] = a->seq_lens[r];
+        }
     }
     a->uniform_query_len = (int32_t)q;
     a->uniform_seq_len = same_seq ? a->seq_lens[0] : 0;

@@ -177,10 +177,9 @@ attn_sm_count(void)
 
 /* Whether a head-128 call that the per-chunk TMA producer serves in 128-key tiles (maps m) runs
  * on the persistent kernel, over `sms` multiprocessors: rows that share one query length and one
- * seq_len, or two rows of one query length (a CFG pair: 1.09-1.10x cuDNN against 1.04-1.08x on
- * one CTA per tile at 1k-4k queries; more rows of unequal cost are left to the hardware's greedy
- * placement of sm90-tma16's CTAs, as causal rows are) -- the host copies say so: the kernel
- * takes them as parameters --, mask none (every row
+ * seq_len, or up to DK_ROW_SEQ_LENS rows of one query length (a CFG pair: 1.09-1.11x cuDNN
+ * against 1.05-1.08x on one CTA per tile at 1k-4k queries) -- the host copies say so: the
+ * kernel takes them as parameters --, mask none (every row
  * sees all its keys: no limits to read; causal rows, whose tiles differ in cost, ran 10-30 %
  * slower on its static round-robin of items), one source, at most HP_MAX_WAVES items per SM, a
  * last query tile at least half full, and the stream not being captured -- a graph replays its
@@ -191,9 +190,13 @@ attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cuda
 {
     if (a->head_size != 128 || m.tile != 128 || (m.dims.k_groups != 1 && m.dims.k_groups != 2) ||
         a->key_cache2 != NULL || a->uniform_query_len <= 0 || sms <= 0 || a->mask != DK_MASK_NONE ||
-        (a->uniform_seq_len <= 0 &&
-         (a->num_rows != 2 || a->pair_seq_lens[0] <= 0 || a->pair_seq_lens[1] <= 0))) {
+        (a->uniform_seq_len <= 0 && a->row_seq_lens[0] <= 0)) {
         return false;
+    }
+    for (int64_t r = 0; r < a->num_rows && a->uniform_seq_len <= 0; r++) {
+        if (a->row_seq_lens[r] <= 0) { /* a row without keys: nothing to pipeline */
+            return false;
+        }
     }
     const int64_t items = a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
     /* A last query tile under half full (4097 queries: one row) measured 4-5 % slower than one

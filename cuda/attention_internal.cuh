@@ -88,7 +88,7 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
 /* attention_sm90_persist.cu: the persistent form of the ws kernel over min(items, sms) CTAs:
  * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), the query's and
  * the output's maps q and o (h90_persist_maps), 128-key tiles, mask none, rows of
- * a->uniform_query_len queries over a->uniform_seq_len keys, or two over a->pair_seq_lens. */
+ * a->uniform_query_len queries over a->uniform_seq_len keys, or each over its a->row_seq_lens. */
 cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m,
                                      const CUtensorMap &q, const CUtensorMap &o, int64_t head_group,
                                      float scale_log2, bool neg_q, int64_t sms, cudaStream_t s);

@@ -25,7 +25,7 @@
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
  *     batch's query and key lengths (dk_attention_args.uniform_query_len / uniform_seq_len, or
- *     a CFG pair's pair_seq_lens, checked on its copies of the metadata), and under the one mask
+ *     up to 8 rows' row_seq_lens, checked on its copies of the metadata), and under the one mask
  *     this form takes, none, every row sees all kv_end = seq_len keys: an item's tiles follow
  *     from its index, and a thread's row limits are kv_end or 0 past the row's end (no shared
  *     limits, no CTA barrier per item).
@@ -75,6 +75,21 @@ hp_place(const dk_attention_args &a, int64_t item, int64_t tiles_per_row, int64_
     it.q0 = (tiles_per_row - 1 - tile_rev) * HP_BM;
     it.q_start = it.row * a.uniform_query_len;
     return it;
+}
+
+/* Item i's keys: the rows' seq_len, or its row's (i / row_items, by comparisons: uniform
+ * registers), bounded by the block table's reach. */
+static __device__ __forceinline__ int32_t
+hp_keys(const dk_attention_args &a, int64_t i, int64_t row_items, int32_t reach)
+{
+    int32_t seq = a.uniform_seq_len > 0 ? a.uniform_seq_len : a.row_seq_lens[0];
+#pragma unroll
+    for (int r = 1; r < DK_ROW_SEQ_LENS; r++) {
+        if (a.uniform_seq_len <= 0 && r < a.num_rows && i >= r * row_items) {
+            seq = a.row_seq_lens[r];
+        }
+    }
+    return min(seq, reach);
 }
 
 /* The producer's Q of the CTA's n-th item `it` into buffer n & 1 (two boxes of 64 dims x 128
@@ -173,14 +188,13 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t empty_q = full_q + 16u;
 
     const int64_t query_len = a.uniform_query_len;
-    /* Every item sees its row's keys (mask none): one seq_len, or a CFG pair's two -- row 1's
-     * items are those from row_items on (attn_cta_place numbers the rows slowest), so an item's
-     * keys follow from its index and the kernel's parameters alone, and the ring's slots,
-     * phases and tile addresses stay in uniform registers (the same from a row's seq_len read
-     * per item ran 11 % slower: vector registers, an R2UR before every wgmma). */
+    /* Every item sees its row's keys (mask none): one seq_len, or each row's own (up to
+     * DK_ROW_SEQ_LENS rows) -- row r's items are those from r row_items on (attn_cta_place
+     * numbers the rows slowest), so an item's keys follow from its index and the kernel's
+     * parameters alone (hp_keys), and the ring's slots, phases and tile addresses stay in
+     * uniform registers (the same from a row's seq_len read per item ran 11 % slower: vector
+     * registers, an R2UR before every wgmma). */
     const int32_t reach = (int32_t)min((int64_t)INT32_MAX, a.bt_cols * a.block_size);
-    const int32_t kv0 = min(a.uniform_seq_len > 0 ? a.uniform_seq_len : a.pair_seq_lens[0], reach);
-    const int32_t kv1 = min(a.uniform_seq_len > 0 ? a.uniform_seq_len : a.pair_seq_lens[1], reach);
     const int64_t row_items = a.num_heads * tiles_per_row;
     const int64_t step = gridDim.x;
     const int tid = (int)threadIdx.x;
@@ -218,7 +232,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                 if (tid == 0 && n > 0) {
                     hp_produce_q(&tmq, p, n, sq0, full_q, empty_q);
                 }
-                const int32_t kv_end = i < row_items ? kv0 : kv1;
+                const int32_t kv_end = hp_keys(a, i, row_items, reach);
                 const int32_t n_tiles = (kv_end + BN - 1) / BN;
                 h90_produce_tma_groups<D, BN, ST, SV, false, false>(
                     a, p.h, p.row, kv_end, n_tiles, sk0, sv0, full_k, full_v, empty_k, empty_v,
@@ -269,7 +283,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         float s[NT * 4];
         h90_rows rows;
         rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
-        const int32_t kv_end = i < row_items ? kv0 : kv1;
+        const int32_t kv_end = hp_keys(a, i, row_items, reach);
         const int32_t n_tiles = (kv_end + BN - 1) / BN;
         const int32_t valid = kv_end - (n_tiles - 1) * BN; /* keys of the last tile */
         const int64_t r0 = cur.q0 + cw * 64 + w4 * 16 + g; /* this thread's rows r0, r0 + 8 */

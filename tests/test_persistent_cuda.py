@@ -1,6 +1,6 @@
 """The persistent form of the Hopper kernel ('sm90-persist', cuda/attention_sm90_persist.cu):
-head 128, unmasked calls whose rows share one query length and one seq_len (or two rows of
-different seq_len: a CFG pair), over caches the
+head 128, unmasked calls whose rows share one query length and one seq_len (or up to 8 rows of
+different seq_lens: CFG pairs, a batch of prompts), over caches the
 per-chunk TMA producer reads, with at most HP_MAX_WAVES (16) query tiles per multiprocessor and
 a last query tile at least half full.
 Each CTA walks several query tiles with two Q buffers and one K/V ring, so these tests check
@@ -115,6 +115,29 @@ def test_a_cfg_pair_runs_persistent(query_len):
     _check(out2, swapped[0], swapped[3], swapped[5], _limits(seq_lens[::-1], query_lens, "none"), 128**-0.5)
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "query_len", "heads"),
+    [
+        ([1524, 2524, 3524, 4524], 1024, 32),  # two CFG pairs of different prompts
+        ([2100, 700, 1500, 1300, 2900, 900, 1700, 2500], 640, 8),  # 8 rows: every row's seq_len
+        ([1000, 200, 3000], 1000, 32),  # a row with fewer keys than queries; half-full tiles
+    ],
+)
+def test_rows_of_one_query_length_over_different_keys(seq_lens, query_len, heads):
+    """Up to 8 rows of one query length over different seq_lens run persistent, each item taking
+    its own row's keys (the rows' seq_lens passed by value, the row found from the item's
+    index): outputs and LSE meet the reference, NaN in every slot no row reads staying out."""
+    if not _persist_built():
+        pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
+    rows = len(seq_lens)
+    query_lens = [query_len] * rows
+    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, heads, 8, 128, 16, torch.bfloat16, rows)
+    lse = torch.full((q.shape[0], heads), float("nan"), device="cuda")
+    out = _call(q, cache, table, qsl, seq, _C.MASK_NONE, lse=lse)
+    assert _C.last_attention_kernel() == "sm90-persist"
+    _check(out, q, qsl, dense, _limits(seq_lens, query_lens, "none"), 128**-0.5, lse)
+
+
 def test_the_one_cta_per_tile_kernel_gives_the_same_bits():
     """The persistent kernel computes each tile as the kernel it stands in for: two uniform
     rows run persistent, the same two rows with a shorter third one 'sm90-tma16', and the two
@@ -181,13 +204,12 @@ def test_other_calls_keep_the_one_cta_per_tile_kernel():
         assert _C.last_attention_kernel() == want
         assert not out.isnan().any()
 
-    # three rows of one query length over different seq_lens (unequal items beyond a CFG pair)
-    q3, cache3, table3, qsl3, seq3, dense3 = _problem(
-        [1200, 1800, 2400], [1024] * 3, 32, 8, 128, 16, torch.bfloat16, 12
-    )
-    out = _call(q3, cache3, table3, qsl3, seq3, _C.MASK_NONE)
+    # more rows than the host passes seq_lens for (DK_ROW_SEQ_LENS, 8), of different seq_lens
+    seqs9 = [300 + 50 * r for r in range(9)]
+    q9, cache9, table9, qsl9, seq9, dense9 = _problem(seqs9, [256] * 9, 8, 2, 128, 16, torch.bfloat16, 12)
+    out = _call(q9, cache9, table9, qsl9, seq9, _C.MASK_NONE)
     assert _C.last_attention_kernel() == "sm90-tma16"
-    _check(out, q3, qsl3, dense3, _limits([1200, 1800, 2400], [1024] * 3, "none"), 128**-0.5)
+    _check(out, q9, qsl9, dense9, _limits(seqs9, [256] * 9, "none"), 128**-0.5)
 
     # a last query tile under half full (4097 queries: one row) stays on sm90-tma16
     q2, cache2, table2, qsl2, seq2, dense2 = _problem(
