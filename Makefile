@@ -32,6 +32,11 @@ deps:
 		|| $(PIP) install --quiet "torch>=2.10"
 	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel, hypothesis, matplotlib" 2>/dev/null \
 		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel hypothesis matplotlib
+ifeq ($(shell uname -sm),Linux x86_64)
+	@# cuobjdump + nvdisasm (~5 MB) for tests/test_sass.py's check of the Hopper kernels' SASS
+	@$(PIP) show nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm >/dev/null 2>&1 \
+		|| $(PIP) install --quiet nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+endif
 
 install: deps
 	DIFFKV_WERROR=1 $(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall .

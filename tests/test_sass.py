@@ -1,0 +1,108 @@
+"""The Hopper kernels' tensor-core operands stay in uniform registers: read from the built
+extension's sm_90a SASS (cuobjdump), no wgmma (HGMMA / QGMMA) of the warp-specialized, persistent
+or e4m3 kernels follows a register move into a uniform register (R2UR) within six instructions.
+
+A wgmma takes its shared-memory descriptors in uniform registers; when ptxas computes them in
+vector registers (a tile count or ring position it cannot prove warp-uniform, e.g. one loaded
+from memory), every wgmma waits on an R2UR first.  That made the persistent kernel 11 % slower on
+every call in one commit, with every correctness test passing (docs/hopper-kernels.md, *The
+persistent form*).  This is the static check for it; no GPU needed, the CUDA build's objects."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from diffkv import _C
+
+KERNELS = ("attention_sm90_ws_kernel", "attention_sm90_persist_kernel", "attention_sm90_fp8_kernel")
+WINDOW = 6  # instructions before a wgmma in which an R2UR means it waits on one
+
+
+def _tools() -> tuple[str, dict[str, str]] | None:
+    """cuobjdump and the environment it finds nvdisasm in: the CUDA toolkit's, else the
+    nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels' (make deps installs them)."""
+    env = dict(os.environ)
+    exe = shutil.which("cuobjdump")
+    if exe and shutil.which("nvdisasm"):
+        return exe, env
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for path in sorted(pathlib.Path(root).glob("cu*/bin/cuobjdump")):
+            if (path.parent / "nvdisasm").exists():
+                env["PATH"] = f"{path.parent}{os.pathsep}{env.get('PATH', '')}"
+                return str(path), env
+    return None
+
+
+def _functions(sass: str) -> dict[str, list[str]]:
+    """Function name -> its instructions (opcode and operands), in order."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line)
+        if m and current is not None:
+            current.append(m.group(1))
+    return out
+
+
+def _waiting_wgmmas(instructions: list[str]) -> int:
+    return sum(
+        1
+        for i, ins in enumerate(instructions)
+        if "GMMA" in ins and any(p.startswith("R2UR") for p in instructions[max(0, i - WINDOW) : i])
+    )
+
+
+def test_the_checker_sees_a_wait():
+    """The parser and the count on a hand-written listing: one wgmma right after an R2UR, one
+    after uniform arithmetic only."""
+    listing = """
+        Function : k
+        /*0010*/                   R2UR UR8, R24 ;
+        /*0020*/                   IMAD.MOV.U32 R9, RZ, RZ, 0x40000040 ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0040*/                   UIADD3 UR8, UR49, 0x10020, URZ ;
+        /*0050*/                   NOP ;
+        /*0060*/                   NOP ;
+        /*0070*/                   NOP ;
+        /*0080*/                   NOP ;
+        /*0090*/                   NOP ;
+        /*00a0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+    """
+    functions = _functions(listing)
+    assert list(functions) == ["k"] and len(functions["k"]) == 10
+    assert _waiting_wgmmas(functions["k"]) == 1
+
+
+def test_no_wgmma_waits_on_a_register_move():
+    if not _C.build_info()["cuda_compiled"] or "90a" not in _C.build_info()["archs"].split(";"):
+        pytest.skip("needs a CUDA build with sm_90a code")
+    tools = _tools()
+    if tools is None:
+        pytest.skip("no cuobjdump + nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    exe, env = tools
+    run = subprocess.run(
+        [exe, "-sass", "-arch", "sm_90a", _C.__file__], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    sass = run.stdout
+    functions = _functions(sass)
+    checked = {name: ins for name, ins in functions.items() if any(k in name for k in KERNELS)}
+    for k in KERNELS:  # every kernel family found: the check cannot pass on an empty listing
+        assert any(k in name for name in checked), f"{k} not in the extension's sm_90a SASS"
+    waiting = {name: _waiting_wgmmas(ins) for name, ins in checked.items()}
+    assert sum("GMMA" in i for ins in checked.values() for i in ins) > 0
+    assert not {name: n for name, n in waiting.items() if n}, "wgmma waiting on R2UR"
