@@ -1,0 +1,39 @@
+"""benchmarks/bench_prompts.py on the CPU: rows of different prompts in one call against torch's
+SDPA per row -- every case runs, the outputs agree, and the JSON record holds each case."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_prompts_runs_every_case_and_writes_json(tmp_path):
+    out = tmp_path / "prompts.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_prompts.py"), "--device", "cpu",
+         "--prompts", "16,48", "--prompts", "8,24,40", "--image", "32,40", "--heads", "4", "--kv-heads", "2",
+         "--head-size", "64", "--reps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "16/48" in proc.stdout and "8/24/40" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "prompts"
+    cases = [(r["prompts"], r["image"]) for r in record["results"]]
+    assert cases == [([16, 48], 32), ([16, 48], 40), ([8, 24, 40], 32), ([8, 24, 40], 40)]
+    for r in record["results"]:
+        assert r["seq_lens"] == [p + r["image"] for p in r["prompts"]]
+        assert r["max_abs_diff"] < 3e-2, r
+        assert r["diffkv_us"] > 0 and r["baseline_us"] > 0
+
+
+def test_bench_prompts_refuses_a_bad_count():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_prompts.py"), "--device", "cpu",
+         "--prompts", "16,0"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "token counts must be positive" in proc.stderr
