@@ -24,15 +24,12 @@ torch's math SDPA, no timing claims there).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-
-from diffkv import _C, _bench  # noqa: E402
+from diffkv import _C, _bench
 
 DEFAULT_PROMPTS = ("500,3500", "500,1500,2500,3500", "100,300,500,700,900,1100,1300,1500")
 
