@@ -17,7 +17,7 @@ before each call, the order rotated per round, medians).  TFLOP/s = 4 H D sum(im
 / time.  Each diffkv output is checked against the baseline's (max |diff|; on the CPU against
 torch's math SDPA, no timing claims there).
 
-    python benchmarks/bench_prompts.py                       # the cases of docs/hopper-kernels.md
+    python benchmarks/bench_prompts.py                       # the table in docs/performance.md
     python benchmarks/bench_prompts.py --prompts 500,3500 --image 1k,2k,4k --json out/prompts.json
 """
 
