@@ -150,7 +150,7 @@ def main(argv=None) -> int:
             "benchmark": "prompts",
             "baseline": baseline,
             "config": vars(args),
-            "environment": _bench.environment(device),
+            "environment": _bench.environment(device, checkout=__file__),
             "results": results,
         }
         _bench.write_json(args.json, record)
