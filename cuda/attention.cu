@@ -189,12 +189,13 @@ static bool
 attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cudaStream_t s)
 {
     if (a->head_size != 128 || m.tile != 128 || (m.dims.k_groups != 1 && m.dims.k_groups != 2) ||
-        a->key_cache2 != NULL || a->uniform_query_len <= 0 || sms <= 0 || a->mask != DK_MASK_NONE ||
-        (a->uniform_seq_len <= 0 && a->row_seq_lens[0] <= 0)) {
+        a->key_cache2 != NULL || a->uniform_query_len <= 0 || sms <= 0 || a->mask != DK_MASK_NONE) {
         return false;
     }
+    /* rows of different seq_lens: each passed by value (0s past DK_ROW_SEQ_LENS rows) and with
+     * keys (a row without any: nothing to pipeline) */
     for (int64_t r = 0; r < a->num_rows && a->uniform_seq_len <= 0; r++) {
-        if (a->row_seq_lens[r] <= 0) { /* a row without keys: nothing to pipeline */
+        if (a->row_seq_lens[r] <= 0) {
             return false;
         }
     }
