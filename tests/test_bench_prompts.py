@@ -36,4 +36,4 @@ def test_bench_prompts_refuses_a_bad_count():
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "token counts must be positive" in proc.stderr
+    assert proc.stderr.strip() == "bench_prompts: token counts must be positive, got '0'"
