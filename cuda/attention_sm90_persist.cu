@@ -170,7 +170,7 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int DT = D / 8;
     constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
-    using regs = h90_ws_regs<56, 224>;
+    using regs = h90_ws_regs<56, 224, HP_NC>;
 
     extern __shared__ uint4 hp_smem[];
     /* full K[ST], full V[SV], empty K[ST], empty V[SV], full Q[2], empty Q[2] */

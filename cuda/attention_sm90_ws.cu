@@ -127,7 +127,7 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr bool TMA_ONLY = BN == 176 || (VG != 0 && D >= 192);
     constexpr int PRODUCER_REGS = NC == 3 ? 32 : (TMA_ONLY ? 24 : 56);
     constexpr int CONSUMER_REGS = NC == 3 ? 160 : (TMA_ONLY ? 240 : 224);
-    using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS>;
+    using regs = h90_ws_regs<PRODUCER_REGS, CONSUMER_REGS, NC>;
     constexpr int NT = BN / 8;
     /* A padded head size's products skip what they can of the zero dims: S = Q K^T sums over
      * its dims rounded up to the 16-dim k-step (KD), P V computes its NP = DR dims of O

@@ -384,9 +384,14 @@ template <> struct h90_mma<__half> {
  * consumer asking for more than is free waits in setmaxnreg forever (multiples of 8 each):
  * 56 / 224 with two consumers and 128-key tiles, 24 / 240 with 176-key tiles (S, P and O of a
  * warpgroup: 88 + 44 + 64 registers per thread; only the TMA producer, one warp, runs with 24),
- * 32 / 160 with three (128 per thread at 512 threads). */
-template <int PRODUCER, int CONSUMER> struct h90_ws_regs {
+ * 32 / 160 with three (128 per thread at 512 threads).  NC: the consumer warpgroups; the pool
+ * is the launch's count per thread (65,536 over the CTA's threads, down to a multiple of 8)
+ * times NC + 1 warpgroups -- 504 at 384 threads, not 512: 32 / 240 there hangs. */
+template <int PRODUCER, int CONSUMER, int NC> struct h90_ws_regs {
     static_assert(PRODUCER % 8 == 0 && CONSUMER % 8 == 0, "setmaxnreg takes multiples of 8");
+    static_assert(
+        PRODUCER + NC * CONSUMER <= 65536 / (128 * (NC + 1)) / 8 * 8 * (NC + 1),
+        "setmaxnreg: the warpgroups ask for more registers than the CTA was launched with");
     static __device__ __forceinline__ void producer()
     {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER) : "memory");
