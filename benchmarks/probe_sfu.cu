@@ -26,8 +26,8 @@
 
 enum op { EX2_F32, EX2_F16X2, EX2_BF16X2, CVT_E4M3X2_F32, CVT_F16X2_F32, CVT_E4M3X2_F16X2, MIX };
 
-/* One round: four instructions of `op`, each on its own chain; `results`: lane results of the
- * four (two per instruction for the x2 forms). */
+/* One round: four instructions of OP, each on its own chain (MIX: two ex2, two e4m3
+ * conversions); run() counts results_per_instr lane results for each (two for the x2 forms). */
 template <int OP>
 static __global__ void
 probe(uint32_t *out, float seed)
