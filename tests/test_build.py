@@ -20,19 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from toolchain import find_nvcc
+
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = "90a"  # one target keeps the CUDA build short
 PROBE_CU = "cuda/build_probe.cu"
 PROBE_CUH = "cuda/build_probe.cuh"
-
-
-def find_nvcc():
-    """nvcc where setup.py looks for it."""
-    candidates = [Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
-    if shutil.which("nvcc"):
-        candidates.append(Path(shutil.which("nvcc")))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    return next((p.resolve() for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
 
 
 NVCC = find_nvcc()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 
 import pytest
+
+from toolchain import find_nvcc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESSAGE = "setmaxnreg: the warpgroups ask for more registers than the CTA was launched with"
@@ -24,19 +25,8 @@ FITS = ((56, 224, 2), (24, 240, 2), (72, 216, 2), (32, 160, 3))
 TOO_MANY = ((32, 240, 2), (48, 232, 2), (40, 160, 3))
 
 
-def _nvcc() -> str | None:
-    """nvcc where setup.py looks for it: $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin."""
-    candidates = [
-        pathlib.Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)
-    ]
-    if shutil.which("nvcc"):
-        candidates.append(pathlib.Path(shutil.which("nvcc")))
-    candidates.append(pathlib.Path("/usr/local/cuda/bin/nvcc"))
-    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
-
-
 def _compile(tmp_path: pathlib.Path, splits) -> subprocess.CompletedProcess:
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found ($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin)")
     uses = "\n".join(
@@ -48,8 +38,9 @@ def _compile(tmp_path: pathlib.Path, splits) -> subprocess.CompletedProcess:
         '#include "sm90_wgmma.cuh"\n'
         "__global__ void probe()\n{\n#ifdef H90_DEVICE_CODE\n" + uses + "\n#endif\n}\n"
     )
-    cmd = [nvcc, "-std=c++17", "-DDIFFKV_WITH_CUDA=1", "-I", str(ROOT / "cuda"), "-I", str(ROOT / "csrc")]
-    cmd += ["-arch=sm_90a", "-ptx", str(src), "-o", str(tmp_path / "regs.ptx")]
+    includes = ["-I", str(ROOT / "cuda"), "-I", str(ROOT / "csrc")]
+    cmd = [str(nvcc), "-std=c++17", "-DDIFFKV_WITH_CUDA=1", *includes, "-arch=sm_90a", "-ptx", str(src)]
+    cmd += ["-o", str(tmp_path / "regs.ptx")]
     # not the sanitizers' preload of `make asan`: nvcc's own binaries crash under it
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
