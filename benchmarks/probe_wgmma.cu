@@ -1,0 +1,360 @@
+/*
+ * probe_wgmma.cu -- how fast the e4m3 warpgroup MMAs of the fp8 kernel run on the current GPU,
+ * alone and in the attention kernel's step without its softmax, free of TMA, barriers and
+ * transposes: what a 128 x 128 tile step at head 128 can cost at best.  Standalone (not part of
+ * the package):
+ *
+ *     nvcc -std=c++17 -O3 --use_fast_math -I cuda -I csrc -gencode arch=compute_90a,code=sm_90a \
+ *         -o /tmp/probe_wgmma benchmarks/probe_wgmma.cu && /tmp/probe_wgmma
+ *
+ * One CTA per SM, 1 or 2 warpgroups, each running ROUNDS rounds on operands resident in shared
+ * memory (e4m3 bytes that are never NaN).  A round of a warpgroup is one key tile's two
+ * products for its 64 query rows, each D / 32 = 4 k-steps of m64n128k32 (2 x 2.1 MFLOP):
+ *
+ *   thru-ss / thru-rs  the two products back to back, one group kept in flight (the pipe's
+ *                      rate; A from shared memory or from registers)
+ *   lat-rs             one product, then wait for it (a group's latency)
+ *   step               the kernel's order: Q K^T(t) and P V(t - 1) issued, wait for S, pack S
+ *                      to e4m3 P (32 conversions), wait for P V -- no softmax
+ *   step+ex2           the same with an exponential of every S element before the pack (64
+ *                      MUFU.EX2 a thread, the softmax's share of the special-function unit)
+ *   step+ex2 pingpong  the same, the warpgroups taking turns to issue (named barriers)
+ *   step+softmax       the fp8 kernel's online softmax (h90_softmax_rows: the row maxima, the
+ *                      scaled exponentials, the sums; O rescaled where a maximum rose) in place
+ *                      of the bare exponentials, P V's wait after it as the kernel keeps it
+ *   step+softmax pp    the same with the warpgroups' turns
+ *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
+ *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
+ *                      exponentials, their scaling and sums alone), both rows' maxima before
+ *                      either row's exponentials, O rescaled on every tile (no vote)
+ *
+ * Prints TFLOP/s over the whole grid (cudaEvent time; the clock the GPU runs under that load)
+ * and cycles per round of warpgroup 0 of CTA 0 (clock64; with two warpgroups a round is a
+ * 128 x 128 tile step of the kernel; where the TFLOP/s say less, the warpgroups ran
+ * unbalanced).  H200, 2026-12-04, two warpgroups, TFLOP/s (cycles a round): thru-ss
+ * 1,916-1,931 (1,024), thru-rs 1,895-1,926 (1,024), step 1,794 (1,024), step+ex2 1,411-1,427
+ * (1,346), step+softmax 829-832 (1,904), with turns 1,025-1,031 (1,916); softmax forms: chains
+ * 2 / 8 832-838 / 1,015-1,021, no maxima 1,273-1,275 (1,545), maxima first 1,051-1,058
+ * (1,874), no vote 985-988 (docs/fp8.md, *What is left*).
+ */
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "sm90_tiles.cuh" /* h90_softmax_rows, h90_rescale_o: the kernel's own */
+#include "sm90_wgmma.cuh"
+
+#include <limits.h>
+
+#define ROUNDS 2048
+#define ROW 128u /* bytes per row of every tile (128-byte swizzle) */
+
+enum mode { THRU_SS, THRU_RS, LAT_RS, STEP, STEP_EX2, STEP_EX2_PP, STEP_SOFT, STEP_SOFT_PP };
+
+#ifdef H90_DEVICE_CODE
+/* The softmax forms of the probe (VAR 1: no maxima; 2: both rows' maxima first; 3: no vote);
+ * h90_softmax_rows's arguments, no masking, CHAINS 4, P as 2^8 p. */
+template <int VAR>
+static __device__ __forceinline__ bool
+var_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2], const float (&sl2)[2])
+{
+    float base[2];
+    bool raised = false;
+    if constexpr (VAR == 1) {
+        base[0] = 20.0f * sl2[0];
+        base[1] = 20.0f * sl2[1];
+        alpha[0] = alpha[1] = 1.0f;
+    }
+    else {
+        float part[2][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                part[hf][c] = fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]);
+            }
+#pragma unroll
+            for (int nt = 4; nt < 16; nt++) {
+                part[hf][nt % 4] =
+                    fmaxf(part[hf][nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = fmaxf(fmaxf(part[hf][0], part[hf][1]), fmaxf(part[hf][2], part[hf][3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[hf], mx);
+            raised = raised || mn > m[hf];
+            base[hf] = mn == -INFINITY ? 0.0f : __fmul_rn(mn, sl2[hf]);
+            alpha[hf] = fast_exp2(__fmul_rn(m[hf], sl2[hf]) - base[hf]);
+            m[hf] = mn;
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const float shifted = base[hf] - 8.0f;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            const float p0 = fast_exp2(fmaf(s[4 * nt + 2 * hf], sl2[hf], -shifted));
+            const float p1 = fast_exp2(fmaf(s[4 * nt + 2 * hf + 1], sl2[hf], -shifted));
+            s[4 * nt + 2 * hf] = p0;
+            s[4 * nt + 2 * hf + 1] = p1;
+            sum[nt % 4] += p0 + p1;
+        }
+        l[hf] = l[hf] * alpha[hf] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
+    }
+    if constexpr (VAR == 1) {
+        return false;
+    }
+    else if constexpr (VAR == 3) {
+        return true;
+    }
+    else {
+        return __any_sync(0xffffffffu, raised) != 0;
+    }
+}
+
+static __device__ __forceinline__ void
+fence_acc(float (&d)[64])
+{
+#pragma unroll
+    for (int i = 0; i < 64; i++) {
+        asm volatile("" : "+f"(d[i])::"memory");
+    }
+}
+
+/* d (m64 x 128) = A B over 4 k-steps: A from registers (qa) or from the descriptor da */
+template <bool RS>
+static __device__ __forceinline__ void
+product(float (&d)[64], const uint32_t (&qa)[4][4], uint64_t da, uint64_t db, bool acc)
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        if constexpr (RS) {
+            wgmma_rs_m64n128_e4m3(d, qa[kk], db + 2u * (uint32_t)kk, acc || kk > 0);
+        }
+        else {
+            wgmma_ss_m64n128_e4m3(d, da + 2u * (uint32_t)kk, db + 2u * (uint32_t)kk, acc || kk > 0);
+        }
+    }
+}
+#endif
+
+template <int MODE, int NWG, int VAR = 0>
+static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long long *cycles)
+{
+#ifdef H90_DEVICE_CODE
+    extern __shared__ __align__(1024) uint8_t smem[];
+    const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
+    const int wg = threadIdx.x / 128, wt = threadIdx.x % 128;
+    /* A: 64 rows per warpgroup; B (K): 128 rows; V^T: 128 rows */
+    const uint32_t sa = base, sb = base + NWG * 64u * ROW, sv = sb + 128u * ROW;
+    for (uint32_t i = threadIdx.x; i < (NWG * 64u + 256u) * ROW / 4u; i += blockDim.x) {
+        const uint32_t w = (i * 2654435761u) & 0x37373737u; /* e4m3 in [-0, 0.9], no NaN */
+        st_shared_u32(base + 4u * i, w);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const uint64_t da = wgmma_desc(sa + (uint32_t)wg * 64u * ROW, 16u, 1024u);
+    const uint64_t db = wgmma_desc(sb, 16u, 1024u), dv = wgmma_desc(sv, 16u, 1024u);
+    uint32_t qa[4][4], pa[4][4];
+    for (int k = 0; k < 4; k++) {
+        for (int j = 0; j < 4; j++) {
+            /* through a volatile move, so that ptxas cannot recompute Q's fragments inside the
+             * loop (it then injects a warpgroup.arrive before each of Q K^T's k-steps) */
+            const uint32_t x = (0x30303030u + (uint32_t)(wt + 7 * k + 13 * j)) & 0x37373737u;
+            asm volatile("mov.b32 %0, %1;" : "=r"(qa[k][j]) : "r"(x));
+            pa[k][j] = x ^ 0x01010101u;
+        }
+    }
+    float s[64], o[64];
+    for (int i = 0; i < 64; i++) {
+        s[i] = 0.0f;
+        o[i] = 0.0f;
+    }
+    constexpr bool PP = MODE == STEP_EX2_PP || MODE == STEP_SOFT_PP;
+    constexpr bool SOFT = MODE == STEP_SOFT || MODE == STEP_SOFT_PP;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const float sl2[2] = {0.0883883f * 1.442695f, 0.0883883f * 1.442695f};
+    if (PP && wg == NWG - 1) {
+        named_arrive(8u, 128u * NWG);
+    }
+    const long long t0 = clock64();
+    for (int r = 0; r < ROUNDS; r++) {
+        if constexpr (MODE == THRU_SS || MODE == THRU_RS) {
+            fence_acc(s);
+            wgmma_fence();
+            product<MODE == THRU_RS>(s, qa, da, db, true);
+            wgmma_commit();
+            wgmma_wait_1();
+            fence_acc(o);
+            wgmma_fence();
+            product<MODE == THRU_RS>(o, pa, da, dv, true);
+            wgmma_commit();
+            wgmma_wait_1();
+        }
+        else if constexpr (MODE == LAT_RS) {
+            fence_acc(s);
+            wgmma_fence();
+            product<true>(s, qa, da, db, true);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_acc(s);
+        }
+        else {
+            if (PP) {
+                named_barrier(8u + (uint32_t)wg, 128u * NWG);
+            }
+            fence_acc(s);
+            fence_acc(o);
+            wgmma_fence();
+            product<true>(s, qa, da, db, false); /* S = Q K^T */
+            wgmma_commit();
+            product<true>(o, pa, da, dv, true); /* O += P V of the tile before */
+            wgmma_commit();
+            if (PP) {
+                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
+            }
+            wgmma_wait_1();
+            fence_acc(s);
+            bool rescale = false;
+            float alpha[2];
+            if constexpr (SOFT) {
+                if constexpr (VAR == 0) {
+                    rescale = h90_softmax_rows<16, true, 8, 4>(s, m, l, alpha, 128 * r, INT_MAX,
+                                                               INT_MAX, INT_MAX, wt & 3, sl2);
+                }
+                else if constexpr (VAR == 4 || VAR == 5) {
+                    rescale = h90_softmax_rows < 16, true, 8,
+                    VAR == 4
+                        ? 2
+                        : 8 > (s, m, l, alpha, 128 * r, INT_MAX, INT_MAX, INT_MAX, wt & 3, sl2);
+                }
+                else {
+                    rescale = var_softmax<VAR>(s, m, l, alpha, sl2);
+                }
+                st_shared_f32(base + 4u * (uint32_t)threadIdx.x, l[0] + l[1]);
+            }
+            else if (MODE != STEP) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 64; i++) {
+                    asm volatile("ex2.approx.ftz.f32 %0, %0;" : "+f"(s[i]));
+                    sum += s[i];
+                }
+                st_shared_f32(base + 4u * (uint32_t)threadIdx.x, sum);
+            }
+            wgmma_wait_all();
+            if (rescale) {
+                h90_rescale_o<16>(o, alpha);
+            }
+            fence_acc(o);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    uint16_t lo, hi;
+                    const float *x = &s[16 * k + 4 * j];
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                                 : "=h"(lo)
+                                 : "f"(x[1]), "f"(x[0]));
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                                 : "=h"(hi)
+                                 : "f"(x[3]), "f"(x[2]));
+                    pa[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
+                }
+            }
+        }
+    }
+    wgmma_wait_all();
+    const long long t1 = clock64();
+    if (PP && wg == 0) {
+        named_barrier(8u, 128u * NWG);
+    }
+    float acc = l[0] + l[1];
+    for (int i = 0; i < 64; i++) {
+        acc += s[i] + o[i];
+    }
+    if (acc == 1234.5f) {
+        out[0] = acc; /* keeps the products live */
+    }
+    if (wt == 0 && blockIdx.x == 0) {
+        cycles[wg] = t1 - t0;
+    }
+#endif
+}
+
+template <int MODE, int NWG, int VAR = 0>
+static void
+run(const char *name, int products_per_round)
+{
+    float *out;
+    long long *cycles;
+    int sms;
+    cudaMalloc(&out, 4);
+    cudaMalloc(&cycles, 8 * 4);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    const size_t smem = (NWG * 64 + 256) * ROW + 1024;
+    cudaFuncSetAttribute(probe<MODE, NWG, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         (int)smem);
+    probe<MODE, NWG, VAR><<<sms, 128 * NWG, smem>>>(out, cycles); /* warm-up */
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0);
+    const int reps = 20;
+    for (int i = 0; i < reps; i++) {
+        probe<MODE, NWG, VAR><<<sms, 128 * NWG, smem>>>(out, cycles);
+    }
+    cudaEventRecord(e1);
+    cudaError_t e = cudaEventSynchronize(e1);
+    if (e != cudaSuccess) {
+        printf("%s: %s\n", name, cudaGetErrorString(e));
+        return;
+    }
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, e0, e1);
+    long long cyc[4] = {0, 0, 0, 0};
+    cudaMemcpy(cyc, cycles, 8 * NWG, cudaMemcpyDeviceToHost);
+    /* a product: 4 k-steps of m64n128k32, 2 x 64 x 128 x 128 FLOP */
+    const double flop =
+        (double)reps * sms * NWG * ROUNDS * products_per_round * 2.0 * 64 * 128 * 128;
+    printf("%-22s %d WG  %7.1f TFLOP/s  %6.0f cycles / round (warpgroup 0)\n", name, NWG,
+           flop / (ms * 1e-3) / 1e12, (double)cyc[0] / ROUNDS);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(out);
+    cudaFree(cycles);
+}
+
+int
+main(void)
+{
+    cudaError_t e = cudaFree(0);
+    if (e != cudaSuccess) {
+        printf("no GPU: %s\n", cudaGetErrorString(e));
+        return 1;
+    }
+    run<THRU_SS, 1>("thru-ss", 2);
+    run<THRU_SS, 2>("thru-ss", 2);
+    run<THRU_RS, 1>("thru-rs", 2);
+    run<THRU_RS, 2>("thru-rs", 2);
+    run<LAT_RS, 1>("lat-rs", 1);
+    run<STEP, 1>("step", 2);
+    run<STEP, 2>("step", 2);
+    run<STEP_EX2, 1>("step+ex2", 2);
+    run<STEP_EX2, 2>("step+ex2", 2);
+    run<STEP_EX2_PP, 2>("step+ex2 pingpong", 2);
+    run<STEP_SOFT, 1>("step+softmax", 2);
+    run<STEP_SOFT, 2>("step+softmax", 2);
+    run<STEP_SOFT_PP, 2>("step+softmax pp", 2);
+    run<STEP_SOFT, 2, 4>("softmax chains 2", 2);
+    run<STEP_SOFT, 2, 5>("softmax chains 8", 2);
+    run<STEP_SOFT, 2, 1>("softmax no maxima", 2);
+    run<STEP_SOFT, 2, 2>("softmax maxima first", 2);
+    run<STEP_SOFT, 2, 3>("softmax no vote", 2);
+    return 0;
+}
