@@ -23,6 +23,10 @@
  *                      scaled exponentials, the sums; O rescaled where a maximum rose) in place
  *                      of the bare exponentials, P V's wait after it as the kernel keeps it
  *   step+softmax pp    the same with the warpgroups' turns
+ *   step+loads K       step, or step+softmax with turns, while thread 0 also brings K KB a
+ *                      round from global memory (a 32 MB buffer: L2) into a shared-memory
+ *                      region nothing reads, by bulk copies in flight four rounds deep -- the
+ *                      kernel's K and V tiles' bytes (32 KB a step), without its ring
  *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
  *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
  *                      exponentials, their scaling and sums alone), both rows' maxima before
@@ -31,17 +35,20 @@
  * Prints TFLOP/s over the whole grid (cudaEvent time; the clock the GPU runs under that load)
  * and cycles per round of warpgroup 0 of CTA 0 (clock64; with two warpgroups a round is a
  * 128 x 128 tile step of the kernel; where the TFLOP/s say less, the warpgroups ran
- * unbalanced).  H200, 2026-12-04, two warpgroups, TFLOP/s (cycles a round): thru-ss
- * 1,916-1,931 (1,024), thru-rs 1,895-1,926 (1,024), step 1,794 (1,024), step+ex2 1,411-1,427
- * (1,346), step+softmax 829-832 (1,904), with turns 1,025-1,031 (1,916); softmax forms: chains
- * 2 / 8 832-838 / 1,015-1,021, no maxima 1,273-1,275 (1,545), maxima first 1,051-1,058
- * (1,874), no vote 985-988 (docs/fp8.md, *What is left*).
+ * unbalanced).  H200, 2026-12-04, two warpgroups, TFLOP/s over three runs (cycles a round):
+ * thru-ss 1,931-1,941 (1,024), thru-rs 1,711-1,895 (1,024), step 1,746-1,835 (1,024), step+ex2
+ * 1,402-1,435 (1,346-1,355), step+softmax 829-1,015 (1,904-1,923), with turns 1,025-1,032
+ * (1,916-1,921); softmax forms: chains 2 / 8 832-1,026 / 1,015-1,033, no maxima 1,273-1,279
+ * (1,545), maxima first 1,048-1,058 (1,874-1,888), no vote 985-1,104; step+loads 32
+ * 1,554-1,566 (1,261), step+loads 64 1,154-1,157
+ * (1,670-1,679), softmax pp+loads 32 890-892 (2,200) (docs/fp8.md, *What is left*).
  */
 #include <cuda_runtime.h>
 
 #include <stdint.h>
 #include <stdio.h>
 
+#include "sm90_async.cuh" /* mbarriers */
 #include "sm90_tiles.cuh" /* h90_softmax_rows, h90_rescale_o: the kernel's own */
 #include "sm90_wgmma.cuh"
 
@@ -143,8 +150,11 @@ product(float (&d)[64], const uint32_t (&qa)[4][4], uint64_t da, uint64_t db, bo
 }
 #endif
 
-template <int MODE, int NWG, int VAR = 0>
-static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long long *cycles)
+#define LOAD_SRC (32u << 20) /* bytes of the global buffer the loads read */
+
+template <int MODE, int NWG, int VAR = 0, int LOADKB = 0>
+static __global__ void __launch_bounds__(128 * NWG, 1)
+    probe(float *out, long long *cycles, const uint8_t *src)
 {
 #ifdef H90_DEVICE_CODE
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -155,6 +165,16 @@ static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long lo
     for (uint32_t i = threadIdx.x; i < (NWG * 64u + 256u) * ROW / 4u; i += blockDim.x) {
         const uint32_t w = (i * 2654435761u) & 0x37373737u; /* e4m3 in [-0, 0.9], no NaN */
         st_shared_u32(base + 4u * i, w);
+    }
+    /* the loads: four barriers, one destination region after the operands */
+    __shared__ __align__(8) uint64_t s_bar[4];
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(s_bar);
+    const uint32_t dst = sv + 128u * ROW;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 4; i++) {
+            mbar_init(bar0 + 8u * (uint32_t)i, 1u);
+        }
+        mbar_init_fence();
     }
     fence_proxy_async();
     __syncthreads();
@@ -205,6 +225,24 @@ static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long lo
             fence_acc(s);
         }
         else {
+            if (LOADKB > 0 && threadIdx.x == 0) {
+                const uint32_t bar = bar0 + 8u * (uint32_t)(r % 4);
+                if (r >= 4) {
+                    mbar_wait(bar, (uint32_t)((r / 4 - 1) & 1));
+                }
+                constexpr uint32_t BYTES = LOADKB * 1024u;
+                mbar_arrive_expect_tx(bar, BYTES);
+                const uint8_t *g =
+                    src +
+                    (size_t)((blockIdx.x * 131u + (uint32_t)r * 7u) % (LOAD_SRC / BYTES)) * BYTES;
+                for (uint32_t c = 0; c < BYTES; c += 16384u) {
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                        "[%0], [%1], 16384, [%2];\n" ::"r"(dst + c),
+                        "l"(g + c), "r"(bar)
+                        : "memory");
+                }
+            }
             if (PP) {
                 named_barrier(8u + (uint32_t)wg, 128u * NWG);
             }
@@ -270,6 +308,11 @@ static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long lo
         }
     }
     wgmma_wait_all();
+    if (LOADKB > 0 && threadIdx.x == 0) { /* the last four rounds' copies */
+        for (int r = ROUNDS - 4; r < ROUNDS; r++) {
+            mbar_wait(bar0 + 8u * (uint32_t)(r % 4), (uint32_t)((r / 4) & 1));
+        }
+    }
     const long long t1 = clock64();
     if (PP && wg == 0) {
         named_barrier(8u, 128u * NWG);
@@ -287,7 +330,9 @@ static __global__ void __launch_bounds__(128 * NWG, 1) probe(float *out, long lo
 #endif
 }
 
-template <int MODE, int NWG, int VAR = 0>
+static uint8_t *g_src = nullptr;
+
+template <int MODE, int NWG, int VAR = 0, int LOADKB = 0>
 static void
 run(const char *name, int products_per_round)
 {
@@ -297,17 +342,21 @@ run(const char *name, int products_per_round)
     cudaMalloc(&out, 4);
     cudaMalloc(&cycles, 8 * 4);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-    const size_t smem = (NWG * 64 + 256) * ROW + 1024;
-    cudaFuncSetAttribute(probe<MODE, NWG, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const size_t smem = (NWG * 64 + 256) * ROW + LOADKB * 1024 + 1024;
+    if (g_src == nullptr) { /* the loads' global buffer, once */
+        cudaMalloc(&g_src, LOAD_SRC);
+        cudaMemset(g_src, 0x31, LOAD_SRC);
+    }
+    cudaFuncSetAttribute(probe<MODE, NWG, VAR, LOADKB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          (int)smem);
-    probe<MODE, NWG, VAR><<<sms, 128 * NWG, smem>>>(out, cycles); /* warm-up */
+    probe<MODE, NWG, VAR, LOADKB><<<sms, 128 * NWG, smem>>>(out, cycles, g_src); /* warm-up */
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     cudaEventRecord(e0);
     const int reps = 20;
     for (int i = 0; i < reps; i++) {
-        probe<MODE, NWG, VAR><<<sms, 128 * NWG, smem>>>(out, cycles);
+        probe<MODE, NWG, VAR, LOADKB><<<sms, 128 * NWG, smem>>>(out, cycles, g_src);
     }
     cudaEventRecord(e1);
     cudaError_t e = cudaEventSynchronize(e1);
@@ -351,6 +400,9 @@ main(void)
     run<STEP_SOFT, 1>("step+softmax", 2);
     run<STEP_SOFT, 2>("step+softmax", 2);
     run<STEP_SOFT_PP, 2>("step+softmax pp", 2);
+    run<STEP, 2, 0, 32>("step+loads 32", 2);
+    run<STEP, 2, 0, 64>("step+loads 64", 2);
+    run<STEP_SOFT_PP, 2, 0, 32>("softmax pp+loads 32", 2);
     run<STEP_SOFT, 2, 4>("softmax chains 2", 2);
     run<STEP_SOFT, 2, 5>("softmax chains 8", 2);
     run<STEP_SOFT, 2, 1>("softmax no maxima", 2);
