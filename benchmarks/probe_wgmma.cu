@@ -30,7 +30,8 @@
  *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
  *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
  *                      exponentials, their scaling and sums alone), both rows' maxima before
- *                      either row's exponentials, O rescaled on every tile (no vote)
+ *                      either row's exponentials, O rescaled on every tile (no vote), the
+ *                      exponentials against the stale maxima (stale_softmax); some with turns
  *
  * Prints TFLOP/s over the whole grid (cudaEvent time; the clock the GPU runs under that load)
  * and cycles per round of warpgroup 0 of CTA 0 (clock64; with two warpgroups a round is a
@@ -39,7 +40,9 @@
  * thru-ss 1,931-1,941 (1,024), thru-rs 1,711-1,895 (1,024), step 1,746-1,835 (1,024), step+ex2
  * 1,402-1,435 (1,346-1,355), step+softmax 829-1,015 (1,904-1,923), with turns 1,025-1,032
  * (1,916-1,921); softmax forms: chains 2 / 8 832-1,026 / 1,015-1,033, no maxima 1,273-1,279
- * (1,545), maxima first 1,048-1,058 (1,874-1,888), no vote 985-1,104; step+loads 32
+ * (1,545), maxima first 1,048-1,058 (1,874-1,888), no vote 985-1,107, stale maxima 984-986
+ * (2,016); with turns: stale maxima 974-975, chains 8 977-979, maxima first 1,036-1,039, no
+ * maxima 1,310-1,312 (1,521); step+loads 32
  * 1,554-1,566 (1,261), step+loads 64 1,154-1,157
  * (1,670-1,679), softmax pp+loads 32 890-892 (2,200) (docs/fp8.md, *What is left*).
  */
@@ -122,6 +125,67 @@ var_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2], con
     else {
         return __any_sync(0xffffffffu, raised) != 0;
     }
+}
+
+/* VAR 6: the exponentials against the running maxima as they are, the tile's maxima beside
+ * them (off the exponentials' path); P as 2^6 p, so that a maximum raised by up to 2 log2 units
+ * still packs into e4m3.  A warp whose tile raised a row's maximum further redoes the tile the
+ * usual way (S recovered from P by a logarithm: the probe's data never takes that path after
+ * its first round, so it only has to be correct there). */
+static __device__ __forceinline__ bool
+stale_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+              const float (&sl2)[2], int tq)
+{
+    float base[2], part[2][4], sum[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        base[hf] = m[hf] == -INFINITY ? 0.0f : __fmul_rn(m[hf], sl2[hf]);
+        const float shifted = base[hf] - 6.0f;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            part[hf][c] = -INFINITY;
+            sum[hf][c] = 0.0f;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            const float s0 = s[4 * nt + 2 * hf], s1 = s[4 * nt + 2 * hf + 1];
+            part[hf][nt % 4] = fmaxf(part[hf][nt % 4], fmaxf(s0, s1));
+            const float p0 = fast_exp2(fmaf(s0, sl2[hf], -shifted));
+            const float p1 = fast_exp2(fmaf(s1, sl2[hf], -shifted));
+            s[4 * nt + 2 * hf] = p0;
+            s[4 * nt + 2 * hf + 1] = p1;
+            sum[hf][nt % 4] += p0 + p1;
+        }
+    }
+    bool far = false;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = fmaxf(fmaxf(part[hf][0], part[hf][1]), fmaxf(part[hf][2], part[hf][3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        far = far || m[hf] == -INFINITY || __fmul_rn(mx, sl2[hf]) > base[hf] + 2.0f;
+    }
+    if (__any_sync(0xffffffffu, far)) { /* redo against the new maxima */
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+            for (int nt = 0; nt < 16; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float &x = s[4 * nt + 2 * hf + e];
+                    x = (__log2f(x) + (base[hf] - 6.0f)) / sl2[hf];
+                }
+            }
+        }
+        return h90_softmax_rows<16, true, 8, 4>(s, m, l, alpha, 0, INT_MAX, INT_MAX, INT_MAX, tq,
+                                                sl2);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        l[hf] += (sum[hf][0] + sum[hf][1]) + (sum[hf][2] + sum[hf][3]);
+        alpha[hf] = 1.0f;
+    }
+    return false;
 }
 
 static __device__ __forceinline__ void
@@ -266,10 +330,12 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
                                                                INT_MAX, INT_MAX, wt & 3, sl2);
                 }
                 else if constexpr (VAR == 4 || VAR == 5) {
-                    rescale = h90_softmax_rows < 16, true, 8,
-                    VAR == 4
-                        ? 2
-                        : 8 > (s, m, l, alpha, 128 * r, INT_MAX, INT_MAX, INT_MAX, wt & 3, sl2);
+                    constexpr int CHAINS = VAR == 4 ? 2 : 8;
+                    rescale = h90_softmax_rows<16, true, 8, CHAINS>(
+                        s, m, l, alpha, 128 * r, INT_MAX, INT_MAX, INT_MAX, wt & 3, sl2);
+                }
+                else if constexpr (VAR == 6) {
+                    rescale = stale_softmax(s, m, l, alpha, sl2, wt & 3);
                 }
                 else {
                     rescale = var_softmax<VAR>(s, m, l, alpha, sl2);
@@ -408,5 +474,10 @@ main(void)
     run<STEP_SOFT, 2, 1>("softmax no maxima", 2);
     run<STEP_SOFT, 2, 2>("softmax maxima first", 2);
     run<STEP_SOFT, 2, 3>("softmax no vote", 2);
+    run<STEP_SOFT, 2, 6>("softmax stale maxima", 2);
+    run<STEP_SOFT_PP, 2, 6>("stale maxima pp", 2);
+    run<STEP_SOFT_PP, 2, 5>("chains 8 pp", 2);
+    run<STEP_SOFT_PP, 2, 2>("maxima first pp", 2);
+    run<STEP_SOFT_PP, 2, 1>("no maxima pp", 2);
     return 0;
 }
