@@ -27,6 +27,10 @@
  *                      round from global memory (a 32 MB buffer: L2) into a shared-memory
  *                      region nothing reads, by bulk copies in flight four rounds deep -- the
  *                      kernel's K and V tiles' bytes (32 KB a step), without its ring
+ *   step+softmax16     S accumulated in f16 (wgmma .f16.e4m3.e4m3) and the softmax on f16x2
+ *                      pairs: maxima by HMNMX2, the scaling by HFMA2, ex2.approx.f16x2, the
+ *                      tile's sums by HADD2 (into fp32 once a tile), P packed from f16x2 --
+ *                      half the softmax's instructions; pp: with turns
  *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
  *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
  *                      exponentials, their scaling and sums alone), both rows' maxima before
@@ -44,7 +48,8 @@
  * (2,016); with turns: stale maxima 974-975, chains 8 977-979, maxima first 1,036-1,039, no
  * maxima 1,310-1,312 (1,521); step+loads 32
  * 1,554-1,566 (1,261), step+loads 64 1,154-1,157
- * (1,670-1,679), softmax pp+loads 32 890-892 (2,200) (docs/fp8.md, *What is left*).
+ * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 not run yet (the
+ * session's device time was spent) (docs/fp8.md, *What is left*).
  */
 #include <cuda_runtime.h>
 
@@ -60,7 +65,18 @@
 #define ROUNDS 2048
 #define ROW 128u /* bytes per row of every tile (128-byte swizzle) */
 
-enum mode { THRU_SS, THRU_RS, LAT_RS, STEP, STEP_EX2, STEP_EX2_PP, STEP_SOFT, STEP_SOFT_PP };
+enum mode {
+    THRU_SS,
+    THRU_RS,
+    LAT_RS,
+    STEP,
+    STEP_EX2,
+    STEP_EX2_PP,
+    STEP_SOFT,
+    STEP_SOFT_PP,
+    STEP_SOFT16,
+    STEP_SOFT16_PP
+};
 
 #ifdef H90_DEVICE_CODE
 /* The softmax forms of the probe (VAR 1: no maxima; 2: both rows' maxima first; 3: no vote);
@@ -188,6 +204,84 @@ stale_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
     return false;
 }
 
+/* S (m64 x 128) in f16 pairs: register 2 nt + hf holds row g + 8 hf, keys 8 nt + 2 tq, + 1 */
+#define P16_D8(i)                                                                                  \
+    "+r"(d[(i)]), "+r"(d[(i) + 1]), "+r"(d[(i) + 2]), "+r"(d[(i) + 3]), "+r"(d[(i) + 4]),          \
+        "+r"(d[(i) + 5]), "+r"(d[(i) + 6]), "+r"(d[(i) + 7])
+static __device__ __forceinline__ void
+wgmma_rs_m64n128_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : P16_D8(0), P16_D8(8), P16_D8(16), P16_D8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+static __device__ __forceinline__ __half2
+as_h2(uint32_t x)
+{
+    return *reinterpret_cast<__half2 *>(&x);
+}
+static __device__ __forceinline__ uint32_t
+as_u32(__half2 x)
+{
+    return *reinterpret_cast<uint32_t *>(&x);
+}
+
+/* The online softmax on S's f16 pairs in place (P as 2^8 p, f16 exponentials); returns whether
+ * O needs the rescale by alpha (P is packed after P V's wait, as the kernel does). */
+static __device__ __forceinline__ bool
+softmax16(uint32_t (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], const float (&sl2)[2])
+{
+    __half2 part[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            part[hf][c] = as_h2(s[2 * c + hf]);
+        }
+#pragma unroll
+        for (int nt = 4; nt < 16; nt++) {
+            part[hf][nt % 4] = __hmax2(part[hf][nt % 4], as_h2(s[2 * nt + hf]));
+        }
+    }
+    /* both rows' maxima in one pair: (row g, row g + 8) */
+    const __half2 m0 = __hmax2(__hmax2(part[0][0], part[0][1]), __hmax2(part[0][2], part[0][3]));
+    const __half2 m1 = __hmax2(__hmax2(part[1][0], part[1][1]), __hmax2(part[1][2], part[1][3]));
+    __half2 mm = __hmax2(__lows2half2(m0, m1), __highs2half2(m0, m1));
+    mm = __hmax2(mm, as_h2(__shfl_xor_sync(0xffffffffu, as_u32(mm), 1)));
+    mm = __hmax2(mm, as_h2(__shfl_xor_sync(0xffffffffu, as_u32(mm), 2)));
+    const float mx[2] = {__low2float(mm), __high2float(mm)};
+    bool raised = false;
+    __half2 sc[2], sh[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const float mn = fmaxf(m[hf], mx[hf]);
+        raised = raised || mn > m[hf];
+        const float base = mn == -INFINITY ? 0.0f : __fmul_rn(mn, sl2[hf]);
+        alpha[hf] = fast_exp2(__fmul_rn(m[hf], sl2[hf]) - base);
+        m[hf] = mn;
+        sc[hf] = __float2half2_rn(sl2[hf]);
+        sh[hf] = __float2half2_rn(8.0f - base);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        __half2 sum[4];
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            const __half2 p = h2exp2(__hfma2(as_h2(s[2 * nt + hf]), sc[hf], sh[hf]));
+            s[2 * nt + hf] = as_u32(p);
+            sum[nt % 4] = nt < 4 ? p : __hadd2(sum[nt % 4], p);
+        }
+        const __half2 t = __hadd2(__hadd2(sum[0], sum[1]), __hadd2(sum[2], sum[3]));
+        l[hf] = l[hf] * alpha[hf] + (__low2float(t) + __high2float(t));
+    }
+    return __any_sync(0xffffffffu, raised) != 0;
+}
+
 static __device__ __forceinline__ void
 fence_acc(float (&d)[64])
 {
@@ -259,7 +353,12 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
         s[i] = 0.0f;
         o[i] = 0.0f;
     }
-    constexpr bool PP = MODE == STEP_EX2_PP || MODE == STEP_SOFT_PP;
+    constexpr bool PP = MODE == STEP_EX2_PP || MODE == STEP_SOFT_PP || MODE == STEP_SOFT16_PP;
+    constexpr bool S16 = MODE == STEP_SOFT16 || MODE == STEP_SOFT16_PP;
+    uint32_t s16[32];
+    for (int i = 0; i < 32; i++) {
+        s16[i] = 0u;
+    }
     constexpr bool SOFT = MODE == STEP_SOFT || MODE == STEP_SOFT_PP;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     const float sl2[2] = {0.0883883f * 1.442695f, 0.0883883f * 1.442695f};
@@ -287,6 +386,55 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_commit();
             wgmma_wait_all();
             fence_acc(s);
+        }
+        else if constexpr (S16) {
+            if (PP) {
+                named_barrier(8u + (uint32_t)wg, 128u * NWG);
+            }
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                asm volatile("" : "+r"(s16[i])::"memory");
+            }
+            fence_acc(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                wgmma_rs_m64n128_e4m3_f16(s16, qa[kk], db + 2u * (uint32_t)kk, kk > 0);
+            }
+            wgmma_commit();
+            product<true>(o, pa, da, dv, true); /* O += P V of the tile before */
+            wgmma_commit();
+            if (PP) {
+                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
+            }
+            wgmma_wait_1();
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                asm volatile("" : "+r"(s16[i])::"memory");
+            }
+            float alpha[2];
+            const bool rescale = softmax16(s16, m, l, alpha, sl2);
+            st_shared_f32(base + 4u * (uint32_t)threadIdx.x, l[0] + l[1]);
+            wgmma_wait_all();
+            fence_acc(o);
+            if (rescale) {
+                h90_rescale_o<16>(o, alpha);
+            }
+            /* P: register k, j of the A fragments = the e4m3 of two f16 pairs */
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    uint16_t lo, hi;
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;"
+                                 : "=h"(lo)
+                                 : "r"(s16[8 * k + 2 * j]));
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;"
+                                 : "=h"(hi)
+                                 : "r"(s16[8 * k + 2 * j + 1]));
+                    pa[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
+                }
+            }
         }
         else {
             if (LOADKB > 0 && threadIdx.x == 0) {
@@ -383,7 +531,7 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
     if (PP && wg == 0) {
         named_barrier(8u, 128u * NWG);
     }
-    float acc = l[0] + l[1];
+    float acc = l[0] + l[1] + (float)(s16[0] & 1u);
     for (int i = 0; i < 64; i++) {
         acc += s[i] + o[i];
     }
@@ -479,5 +627,7 @@ main(void)
     run<STEP_SOFT_PP, 2, 5>("chains 8 pp", 2);
     run<STEP_SOFT_PP, 2, 2>("maxima first pp", 2);
     run<STEP_SOFT_PP, 2, 1>("no maxima pp", 2);
+    run<STEP_SOFT16, 2>("step+softmax16", 2);
+    run<STEP_SOFT16_PP, 2>("step+softmax16 pp", 2);
     return 0;
 }
