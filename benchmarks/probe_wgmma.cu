@@ -272,7 +272,12 @@ softmax16(uint32_t (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], co
         __half2 sum[4];
 #pragma unroll
         for (int nt = 0; nt < 16; nt++) {
-            const __half2 p = h2exp2(__hfma2(as_h2(s[2 * nt + hf]), sc[hf], sh[hf]));
+            /* ex2.approx.f16x2 itself: cuda_fp16's h2exp2 goes through fp32 (HADD2.F32, MUFU.EX2,
+             * a fix-up FFMA, F2FP) */
+            const __half2 t = __hfma2(as_h2(s[2 * nt + hf]), sc[hf], sh[hf]);
+            uint32_t pu;
+            asm("ex2.approx.f16x2 %0, %1;" : "=r"(pu) : "r"(as_u32(t)));
+            const __half2 p = as_h2(pu);
             s[2 * nt + hf] = as_u32(p);
             sum[nt % 4] = nt < 4 ? p : __hadd2(sum[nt % 4], p);
         }
