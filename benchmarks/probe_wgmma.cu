@@ -34,7 +34,7 @@
  *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
  *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
  *                      exponentials, their scaling and sums alone), both rows' maxima before
- *                      either row's exponentials, O rescaled on every tile (no vote), the
+ *                      either row's exponentials, that and O rescaled on every tile (no vote), the
  *                      exponentials against the stale maxima (stale_softmax); some with turns
  *
  * Prints TFLOP/s over the whole grid (cudaEvent time; the clock the GPU runs under that load)
@@ -79,8 +79,9 @@ enum mode {
 };
 
 #ifdef H90_DEVICE_CODE
-/* The softmax forms of the probe (VAR 1: no maxima; 2: both rows' maxima first; 3: no vote);
- * h90_softmax_rows's arguments, no masking, CHAINS 4, P as 2^8 p. */
+/* The softmax forms of the probe (VAR 1: no maxima; 2: both rows' maxima first; 3: the same,
+ * O rescaled on every tile, no vote); h90_softmax_rows's arguments, no masking, CHAINS 4, P as
+ * 2^8 p. */
 template <int VAR>
 static __device__ __forceinline__ bool
 var_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2], const float (&sl2)[2])
@@ -632,6 +633,7 @@ main(void)
     run<STEP_SOFT_PP, 2, 5>("chains 8 pp", 2);
     run<STEP_SOFT_PP, 2, 2>("maxima first pp", 2);
     run<STEP_SOFT_PP, 2, 1>("no maxima pp", 2);
+    run<STEP_SOFT_PP, 2, 3>("no vote pp", 2);
     run<STEP_SOFT16, 2>("step+softmax16", 2);
     run<STEP_SOFT16_PP, 2>("step+softmax16 pp", 2);
     return 0;
