@@ -31,6 +31,9 @@
  *                      pairs: maxima by HMNMX2, the scaling by HFMA2, ex2.approx.f16x2, the
  *                      tile's sums by HADD2 (into fp32 once a tile), P packed from f16x2 --
  *                      half the softmax's instructions; pp: with turns
+ *   step+softmax192    step+softmax over 192-key tiles (Q K^T as m64n192k32, P V as six k-steps,
+ *                      the softmax of 24 column tiles): the per-tile costs (shuffles, vote,
+ *                      rescale check, waits) over 1.5x the keys; pp: with turns
  *   softmax forms      step+softmax with the softmax changed: chains 2 / 8 (the maxima's and
  *                      sums' independent chains, the kernel's 4), no maxima (a fixed one: the
  *                      exponentials, their scaling and sums alone), both rows' maxima before
@@ -48,8 +51,8 @@
  * (2,016); with turns: stale maxima 974-975, chains 8 977-979, maxima first 1,036-1,039, no
  * maxima 1,310-1,312 (1,521); step+loads 32
  * 1,554-1,566 (1,261), step+loads 64 1,154-1,157
- * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 not run yet (the
- * session's device time was spent) (docs/fp8.md, *What is left*).
+ * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 and step+softmax192 not
+ * run yet (the session's device time was spent) (docs/fp8.md, *What is left*).
  */
 #include <cuda_runtime.h>
 
@@ -75,7 +78,9 @@ enum mode {
     STEP_SOFT,
     STEP_SOFT_PP,
     STEP_SOFT16,
-    STEP_SOFT16_PP
+    STEP_SOFT16_PP,
+    STEP_SOFT192,
+    STEP_SOFT192_PP
 };
 
 #ifdef H90_DEVICE_CODE
@@ -221,6 +226,27 @@ wgmma_rs_m64n128_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t de
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+/* S (m64 x 192) += Q K^T k-step in e4m3, A from registers */
+#define P192_D8(i)                                                                                 \
+    "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),          \
+        "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+static __device__ __forceinline__ void
+wgmma_rs_m64n192_e4m3(float (&d)[96], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+                 "}, {%96, %97, %98, %99}, %100, p, 1, 1;\n}\n"
+                 : P192_D8(0), P192_D8(8), P192_D8(16), P192_D8(24), P192_D8(32), P192_D8(40),
+                   P192_D8(48), P192_D8(56), P192_D8(64), P192_D8(72), P192_D8(80), P192_D8(88)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 static __device__ __forceinline__ __half2
 as_h2(uint32_t x)
 {
@@ -359,7 +385,9 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
         s[i] = 0.0f;
         o[i] = 0.0f;
     }
-    constexpr bool PP = MODE == STEP_EX2_PP || MODE == STEP_SOFT_PP || MODE == STEP_SOFT16_PP;
+    constexpr bool PP = MODE == STEP_EX2_PP || MODE == STEP_SOFT_PP || MODE == STEP_SOFT16_PP ||
+                        MODE == STEP_SOFT192_PP;
+    constexpr bool S192 = MODE == STEP_SOFT192 || MODE == STEP_SOFT192_PP;
     constexpr bool S16 = MODE == STEP_SOFT16 || MODE == STEP_SOFT16_PP;
     uint32_t s16[32];
     for (int i = 0; i < 32; i++) {
@@ -370,6 +398,16 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
     const float sl2[2] = {0.0883883f * 1.442695f, 0.0883883f * 1.442695f};
     if (PP && wg == NWG - 1) {
         named_arrive(8u, 128u * NWG);
+    }
+    float s2[96]; /* step+softmax192's S and P */
+    uint32_t p2[6][4];
+    for (int i = 0; i < 96; i++) {
+        s2[i] = 0.0f;
+    }
+    for (int k = 0; k < 6; k++) {
+        for (int j = 0; j < 4; j++) {
+            p2[k][j] = pa[k % 4][j];
+        }
     }
     const long long t0 = clock64();
     for (int r = 0; r < ROUNDS; r++) {
@@ -392,6 +430,61 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_commit();
             wgmma_wait_all();
             fence_acc(s);
+        }
+        else if constexpr (S192) {
+            /* 192 keys: K's 192 rows from sb on (into the V^T tile: timing only), P V's last two
+             * k-steps over a second V^T panel at sb */
+            if (PP) {
+                named_barrier(8u + (uint32_t)wg, 128u * NWG);
+            }
+#pragma unroll
+            for (int i = 0; i < 96; i++) {
+                asm volatile("" : "+f"(s2[i])::"memory");
+            }
+            fence_acc(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                wgmma_rs_m64n192_e4m3(s2, qa[kk], db + 2u * (uint32_t)kk, kk > 0);
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < 6; kk++) {
+                wgmma_rs_m64n128_e4m3(o, p2[kk], (kk < 4 ? dv : db) + 2u * (uint32_t)(kk % 4), 1);
+            }
+            wgmma_commit();
+            if (PP) {
+                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
+            }
+            wgmma_wait_1();
+#pragma unroll
+            for (int i = 0; i < 96; i++) {
+                asm volatile("" : "+f"(s2[i])::"memory");
+            }
+            float alpha[2];
+            const bool rescale = h90_softmax_rows<24, true, 8, 4>(s2, m, l, alpha, 192 * r, INT_MAX,
+                                                                  INT_MAX, INT_MAX, wt & 3, sl2);
+            st_shared_f32(base + 4u * (uint32_t)threadIdx.x, l[0] + l[1]);
+            wgmma_wait_all();
+            fence_acc(o);
+            if (rescale) {
+                h90_rescale_o<16>(o, alpha);
+            }
+#pragma unroll
+            for (int k = 0; k < 6; k++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    uint16_t lo, hi;
+                    const float *x = &s2[16 * k + 4 * j];
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                                 : "=h"(lo)
+                                 : "f"(x[1]), "f"(x[0]));
+                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                                 : "=h"(hi)
+                                 : "f"(x[3]), "f"(x[2]));
+                    p2[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
+                }
+            }
         }
         else if constexpr (S16) {
             if (PP) {
@@ -537,7 +630,7 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
     if (PP && wg == 0) {
         named_barrier(8u, 128u * NWG);
     }
-    float acc = l[0] + l[1] + (float)(s16[0] & 1u);
+    float acc = l[0] + l[1] + (float)(s16[0] & 1u) + s2[0] + (float)(p2[5][3] & 1u);
     for (int i = 0; i < 64; i++) {
         acc += s[i] + o[i];
     }
@@ -636,5 +729,7 @@ main(void)
     run<STEP_SOFT_PP, 2, 3>("no vote pp", 2);
     run<STEP_SOFT16, 2>("step+softmax16", 2);
     run<STEP_SOFT16_PP, 2>("step+softmax16 pp", 2);
+    run<STEP_SOFT192, 2>("step+softmax192", 3);
+    run<STEP_SOFT192_PP, 2>("step+softmax192 pp", 3);
     return 0;
 }
