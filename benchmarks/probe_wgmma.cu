@@ -1,8 +1,8 @@
 /*
  * probe_wgmma.cu -- how fast the e4m3 warpgroup MMAs of the fp8 kernel run on the current GPU,
- * alone and in the attention kernel's step without its softmax, free of TMA, barriers and
- * transposes: what a 128 x 128 tile step at head 128 can cost at best.  Standalone (not part of
- * the package):
+ * alone, in the attention kernel's order and with its softmax (or forms of it), free of the
+ * loads (or with their bytes alone), barriers and transposes: what a 128 x 128 tile step at head
+ * 128 can cost at best.  Standalone (not part of the package):
  *
  *     nvcc -std=c++17 -O3 --use_fast_math -I cuda -I csrc -gencode arch=compute_90a,code=sm_90a \
  *         -o /tmp/probe_wgmma benchmarks/probe_wgmma.cu && /tmp/probe_wgmma
@@ -30,7 +30,8 @@
  *   step+softmax16     S accumulated in f16 (wgmma .f16.e4m3.e4m3) and the softmax on f16x2
  *                      pairs: maxima by HMNMX2, the scaling by HFMA2, ex2.approx.f16x2, the
  *                      tile's sums by HADD2 (into fp32 once a tile), P packed from f16x2 --
- *                      half the softmax's instructions; pp: with turns
+ *                      ~15 % fewer softmax instructions (ex2.approx.f16x2 is two
+ *                      MUFU.EX2.F16 and the pairs' PRMTs); pp: with turns
  *   step+softmax192    step+softmax over 192-key tiles (Q K^T as m64n192k32, P V as six k-steps,
  *                      the softmax of 24 column tiles): the per-tile costs (shuffles, vote,
  *                      rescale check, waits) over 1.5x the keys; pp: with turns
@@ -41,18 +42,17 @@
  *                      exponentials against the stale maxima (stale_softmax); some with turns
  *
  * Prints TFLOP/s over the whole grid (cudaEvent time; the clock the GPU runs under that load)
- * and cycles per round of warpgroup 0 of CTA 0 (clock64; with two warpgroups a round is a
- * 128 x 128 tile step of the kernel; where the TFLOP/s say less, the warpgroups ran
- * unbalanced).  H200, 2026-12-04, two warpgroups, TFLOP/s over three runs (cycles a round):
- * thru-ss 1,931-1,941 (1,024), thru-rs 1,711-1,895 (1,024), step 1,746-1,835 (1,024), step+ex2
+ * and cycles per round of warpgroup 0 of CTA 0 (clock64; with two warpgroups a round is a 128 x
+ * 128 tile step of the kernel; where the TFLOP/s say less, the warpgroups ran unbalanced).
+ * H200, 2026-12-04, two warpgroups, TFLOP/s over three runs (cycles a round): thru-ss
+ * 1,931-1,941 (1,024), thru-rs 1,711-1,895 (1,024), step 1,746-1,835 (1,024), step+ex2
  * 1,402-1,435 (1,346-1,355), step+softmax 829-1,015 (1,904-1,923), with turns 1,025-1,032
  * (1,916-1,921); softmax forms: chains 2 / 8 832-1,026 / 1,015-1,033, no maxima 1,273-1,279
  * (1,545), maxima first 1,048-1,058 (1,874-1,888), no vote 985-1,107, stale maxima 984-986
  * (2,016); with turns: stale maxima 974-975, chains 8 977-979, maxima first 1,036-1,039, no
- * maxima 1,310-1,312 (1,521); step+loads 32
- * 1,554-1,566 (1,261), step+loads 64 1,154-1,157
- * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 and step+softmax192 not
- * run yet (the session's device time was spent) (docs/fp8.md, *What is left*).
+ * maxima 1,310-1,312 (1,521); step+loads 32 1,554-1,566 (1,261), step+loads 64 1,154-1,157
+ * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 and step+softmax192 not run
+ * yet (the session's device time was spent) (docs/fp8.md, *What is left*).
  */
 #include <cuda_runtime.h>
 
