@@ -314,12 +314,64 @@ softmax16(uint32_t (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], co
     return __any_sync(0xffffffffu, raised) != 0;
 }
 
+/* Keeps the compiler from moving an accumulator's accesses (fp32, or f16 pairs) across here. */
+template <int N>
 static __device__ __forceinline__ void
-fence_acc(float (&d)[64])
+fence_acc(float (&d)[N])
 {
 #pragma unroll
-    for (int i = 0; i < 64; i++) {
+    for (int i = 0; i < N; i++) {
         asm volatile("" : "+f"(d[i])::"memory");
+    }
+}
+template <int N>
+static __device__ __forceinline__ void
+fence_acc(uint32_t (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+r"(d[i])::"memory");
+    }
+}
+
+/* P (fp32, 16 K values a thread) as K k-steps of e4m3 A fragments, masked to bytes that are
+ * never NaN, as the probe's operands are */
+template <int K>
+static __device__ __forceinline__ void
+pack_p(const float (&s)[16 * K], uint32_t (&p)[K][4])
+{
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint16_t lo, hi;
+            const float *x = &s[16 * k + 4 * j];
+            asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                         : "=h"(lo)
+                         : "f"(x[1]), "f"(x[0]));
+            asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                         : "=h"(hi)
+                         : "f"(x[3]), "f"(x[2]));
+            p[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
+        }
+    }
+}
+
+/* The warpgroups' turns (PP): wait for this warpgroup's; hand the next to the next one. */
+template <bool PP, int NWG>
+static __device__ __forceinline__ void
+take_turn(int wg)
+{
+    if (PP) {
+        named_barrier(8u + (uint32_t)wg, 128u * NWG);
+    }
+}
+template <bool PP, int NWG>
+static __device__ __forceinline__ void
+pass_turn(int wg)
+{
+    if (PP) {
+        named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
     }
 }
 
@@ -434,13 +486,8 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
         else if constexpr (S192) {
             /* 192 keys: K's 192 rows from sb on (into the V^T tile: timing only), P V's last two
              * k-steps over a second V^T panel at sb */
-            if (PP) {
-                named_barrier(8u + (uint32_t)wg, 128u * NWG);
-            }
-#pragma unroll
-            for (int i = 0; i < 96; i++) {
-                asm volatile("" : "+f"(s2[i])::"memory");
-            }
+            take_turn<PP, NWG>(wg);
+            fence_acc(s2);
             fence_acc(o);
             wgmma_fence();
 #pragma unroll
@@ -453,14 +500,9 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
                 wgmma_rs_m64n128_e4m3(o, p2[kk], (kk < 4 ? dv : db) + 2u * (uint32_t)(kk % 4), 1);
             }
             wgmma_commit();
-            if (PP) {
-                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
-            }
+            pass_turn<PP, NWG>(wg);
             wgmma_wait_1();
-#pragma unroll
-            for (int i = 0; i < 96; i++) {
-                asm volatile("" : "+f"(s2[i])::"memory");
-            }
+            fence_acc(s2);
             float alpha[2];
             const bool rescale = h90_softmax_rows<24, true, 8, 4>(s2, m, l, alpha, 192 * r, INT_MAX,
                                                                   INT_MAX, INT_MAX, wt & 3, sl2);
@@ -470,30 +512,11 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
             if (rescale) {
                 h90_rescale_o<16>(o, alpha);
             }
-#pragma unroll
-            for (int k = 0; k < 6; k++) {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    uint16_t lo, hi;
-                    const float *x = &s2[16 * k + 4 * j];
-                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                                 : "=h"(lo)
-                                 : "f"(x[1]), "f"(x[0]));
-                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                                 : "=h"(hi)
-                                 : "f"(x[3]), "f"(x[2]));
-                    p2[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
-                }
-            }
+            pack_p(s2, p2);
         }
         else if constexpr (S16) {
-            if (PP) {
-                named_barrier(8u + (uint32_t)wg, 128u * NWG);
-            }
-#pragma unroll
-            for (int i = 0; i < 32; i++) {
-                asm volatile("" : "+r"(s16[i])::"memory");
-            }
+            take_turn<PP, NWG>(wg);
+            fence_acc(s16);
             fence_acc(o);
             wgmma_fence();
 #pragma unroll
@@ -503,14 +526,9 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_commit();
             product<true>(o, pa, da, dv, true); /* O += P V of the tile before */
             wgmma_commit();
-            if (PP) {
-                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
-            }
+            pass_turn<PP, NWG>(wg);
             wgmma_wait_1();
-#pragma unroll
-            for (int i = 0; i < 32; i++) {
-                asm volatile("" : "+r"(s16[i])::"memory");
-            }
+            fence_acc(s16);
             float alpha[2];
             const bool rescale = softmax16(s16, m, l, alpha, sl2);
             st_shared_f32(base + 4u * (uint32_t)threadIdx.x, l[0] + l[1]);
@@ -555,9 +573,7 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
                         : "memory");
                 }
             }
-            if (PP) {
-                named_barrier(8u + (uint32_t)wg, 128u * NWG);
-            }
+            take_turn<PP, NWG>(wg);
             fence_acc(s);
             fence_acc(o);
             wgmma_fence();
@@ -565,9 +581,7 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_commit();
             product<true>(o, pa, da, dv, true); /* O += P V of the tile before */
             wgmma_commit();
-            if (PP) {
-                named_arrive(8u + (uint32_t)((wg + 1) % NWG), 128u * NWG);
-            }
+            pass_turn<PP, NWG>(wg);
             wgmma_wait_1();
             fence_acc(s);
             bool rescale = false;
@@ -604,21 +618,7 @@ static __global__ void __launch_bounds__(128 * NWG, 1)
                 h90_rescale_o<16>(o, alpha);
             }
             fence_acc(o);
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    uint16_t lo, hi;
-                    const float *x = &s[16 * k + 4 * j];
-                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                                 : "=h"(lo)
-                                 : "f"(x[1]), "f"(x[0]));
-                    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                                 : "=h"(hi)
-                                 : "f"(x[3]), "f"(x[2]));
-                    pa[k][j] = ((uint32_t)hi << 16 | lo) & 0x37373737u;
-                }
-            }
+            pack_p(s, pa);
         }
     }
     wgmma_wait_all();
