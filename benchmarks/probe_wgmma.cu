@@ -210,22 +210,6 @@ stale_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
     return false;
 }
 
-/* S (m64 x 128) in f16 pairs: register 2 nt + hf holds row g + 8 hf, keys 8 nt + 2 tq, + 1 */
-#define P16_D8(i)                                                                                  \
-    "+r"(d[(i)]), "+r"(d[(i) + 1]), "+r"(d[(i) + 2]), "+r"(d[(i) + 3]), "+r"(d[(i) + 4]),          \
-        "+r"(d[(i) + 5]), "+r"(d[(i) + 6]), "+r"(d[(i) + 7])
-static __device__ __forceinline__ void
-wgmma_rs_m64n128_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-                 "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-                 : P16_D8(0), P16_D8(8), P16_D8(16), P16_D8(24)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
 /* S (m64 x 192) += Q K^T k-step in e4m3, A from registers */
 #define P192_D8(i)                                                                                 \
     "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),          \

@@ -60,6 +60,9 @@
 #define H8_SVT 2    /* V^T slots */
 #define H8_P_LOG2 8 /* P is rounded to e4m3 as 2^8 p */
 #define H8_ROW 128u /* bytes per row of the Q, K and staging tiles */
+#define H8_Q_L1 64.0f /* Q rows are scaled to this L1 norm before rounding to e4m3 */
+/* The f16-S path's bound on |S sl2| (the scores in log2 units, over every key a row might see) */
+#define H8_F16_LOGITS 4096.0f
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
@@ -108,14 +111,19 @@ h8_elem(const uint4 &v, int e)
 /*
  * Quantizes this consumer warpgroup's 64 Q rows (zeros past the row's end) into the e4m3 tile
  * at sq (128-byte swizzled rows) and their scales into s_qs: thread wt (0 .. 127) takes half
- * wt % 2 of row 64 cw + wt / 2.  The row's scale is its largest magnitude / 448 (a row whose
- * largest magnitude is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  The caller
- * fences and syncs the warpgroup after.
+ * wt % 2 of row 64 cw + wt / 2.  The row's scale is its L1 norm / 64, so that the rounded row's
+ * L1 norm is at most 64 (1 + 2^-4) + D 2^-10 < 68.2 and every score |S| = |q8 . k8| of it stays
+ * under 68.2 * 448 < 32,752 whatever the keys hold: S fits f16 with room to spare (a row whose L1
+ * norm is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  bound_mul (68.2 / 64 *
+ * 448 * k_scale * |scale_log2|) times the L1 norm bounds the row's scores in log2 units; each
+ * warp's lane 0 sets s_f16ok[its warp] when all its rows' bounds are at most H8_F16_LOGITS
+ * (h8_consume's f16 path).  The caller fences and syncs the warpgroup after.
  */
 template <typename T, int D>
 static __device__ __forceinline__ void
-h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, int64_t q0,
-          int64_t q_start, int64_t query_len, int64_t h, bool q_vec, bool neg_q)
+h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int32_t *s_f16ok, int cw, int wt,
+          int64_t q0, int64_t q_start, int64_t query_len, int64_t h, bool q_vec, bool neg_q,
+          float bound_mul)
 {
     constexpr int CH = D / 16; /* 8-element source chunks per half row */
     const uint32_t r = (uint32_t)(cw * 64 + wt / 2);
@@ -136,22 +144,27 @@ h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, 
             x[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    float amax = 0.0f;
+    float l1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < CH; i++) {
 #pragma unroll
         for (int e = 0; e < 8; e++) {
-            amax = fmaxf(amax, fabsf(h8_elem<T>(x[i], e)));
+            l1 += fabsf(h8_elem<T>(x[i], e));
         }
     }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     /* A row under 1e-30 is a row of zeros (its scores are below fp32's resolution of the
-     * others'): 448 / amax would overflow there, and 0 * inf is nan. */
-    const bool live = amax > 1e-30f;
-    const float qs = live ? amax / 448.0f : 1.0f;
-    const float inv = live ? (neg_q ? -448.0f : 448.0f) / amax : 0.0f;
+     * others'): 64 / l1 would overflow there, and 0 * inf is nan. */
+    const bool live = l1 > 1e-30f;
+    const float qs = live ? __fmul_rn(l1, 1.0f / H8_Q_L1) : 1.0f;
+    const float inv = live ? (neg_q ? -__frcp_rn(qs) : __frcp_rn(qs)) : 0.0f;
     if (half == 0) {
         s_qs[r] = qs;
+    }
+    /* nan (a nan in Q) is not small: such rows take the fp32 path, as they always did */
+    const bool f16ok = __all_sync(0xffffffffu, l1 * bound_mul <= H8_F16_LOGITS);
+    if ((wt & 31) == 0) {
+        s_f16ok[wt / 32] = f16ok ? 1 : 0;
     }
 #pragma unroll
     for (int i = 0; i < CH; i += 2) { /* two source chunks: one 16-byte e4m3 chunk */
@@ -384,22 +397,6 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     }
 }
 
-/* S (m64 x 128 keys) = Q K^T in e4m3 for one key tile (no commit), after a wgmma fence: D / 32
- * k-steps of 32 dims, Q from registers (qa: the warpgroup's rows as A fragments, h90_q_frags)
- * and K from its slot's descriptor dk; a step adds 32 bytes (2 in the descriptor's address
- * field, which no tile here carries out of: shared addresses are under 2^18). */
-template <int D>
-static __device__ __forceinline__ void
-h8_qk(float (&s)[H8_BN / 2], const uint32_t (&qa)[D / 32][4], uint64_t dk)
-{
-    fence_regs(s);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 32; kk++) {
-        wgmma_rs_m64n128_e4m3(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
-    }
-}
-
 /* O += P V in e4m3 for one key tile (no commit): four 32-key steps of P (registers) times the
  * V^T slot of descriptor dv (32 bytes a step within its 128-byte rows). */
 template <int D>
@@ -428,6 +425,247 @@ h8_pack_p(uint32_t (&pa)[H8_BN / 32][4], const float (&s)[H8_BN / 2])
     }
 }
 
+static __device__ __forceinline__ __half2
+h8_h2(uint32_t x)
+{
+    return *reinterpret_cast<__half2 *>(&x);
+}
+static __device__ __forceinline__ uint32_t
+h8_u32(__half2 x)
+{
+    return *reinterpret_cast<uint32_t *>(&x);
+}
+
+/*
+ * The f16-S path's online softmax of one key tile, on S's f16 pairs in place (s[2 nt + hf]: row
+ * g + 8 hf, keys j0 + 8 nt + 2 tq in the low half and + 1 in the high): keys at or past the
+ * row's limit become -inf, then p = 2^(S sc + sh) by one f16 fused multiply-add and
+ * ex2.approx.f16x2 per pair, where sc is the row's multiplier in f16 (h8_consume) and sh the
+ * shift, 8 - m sc rounded down to f16 (m: the running max of S, an f16 value; m sc is exact in
+ * fp32), so that p <= 2^8 (P_LOG2) at the max.  The shifts are what O and l carry: alpha =
+ * 2^(sh' - sh) between two tiles is exact whatever sh's rounding was.  The tile's row sums
+ * add the f16 p in four chains and a tree (at most 16 x 257 per thread), into l in fp32.
+ * Returns whether some row's max rose (warp-uniform): O needs the rescale by alpha.
+ */
+static __device__ __forceinline__ bool
+h8_softmax16(uint32_t (&s)[H8_BN / 4], float (&m)[2], float (&sh)[2], float (&l)[2],
+             float (&alpha)[2], int32_t j0, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
+             const float (&sc)[2])
+{
+    constexpr int NT = H8_BN / 8;
+    if (j0 + H8_BN > g_min) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int32_t k = j0 + nt * 8 + 2 * tq, lim = hf ? lim1 : lim0;
+                const uint32_t x = s[2 * nt + hf];
+                s[2 * nt + hf] = k >= lim       ? 0xFC00FC00u
+                                 : k + 1 >= lim ? (x & 0xFFFFu) | 0xFC000000u
+                                                : x;
+            }
+        }
+    }
+    __half2 part[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            part[hf][c] = h8_h2(s[2 * c + hf]);
+        }
+#pragma unroll
+        for (int nt = 4; nt < NT; nt++) {
+            part[hf][nt % 4] = __hmax2(part[hf][nt % 4], h8_h2(s[2 * nt + hf]));
+        }
+    }
+    /* both rows' maxima in one pair (row g, row g + 8) for the quad's two shuffles */
+    const __half2 m0 = __hmax2(__hmax2(part[0][0], part[0][1]), __hmax2(part[0][2], part[0][3]));
+    const __half2 m1 = __hmax2(__hmax2(part[1][0], part[1][1]), __hmax2(part[1][2], part[1][3]));
+    __half2 mm = __hmax2(__lows2half2(m0, m1), __highs2half2(m0, m1));
+    mm = __hmax2(mm, h8_h2(__shfl_xor_sync(0xffffffffu, h8_u32(mm), 1)));
+    mm = __hmax2(mm, h8_h2(__shfl_xor_sync(0xffffffffu, h8_u32(mm), 2)));
+    const float mx[2] = {__low2float(mm), __high2float(mm)};
+    bool raised = false;
+    __half2 sc2[2], sh2[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const float mn = fmaxf(m[hf], mx[hf]);
+        raised = raised || mn > m[hf];
+        const float shn =
+            mn == -INFINITY
+                ? (float)H8_P_LOG2
+                : __half2float(__float2half_rd(__fsub_rn((float)H8_P_LOG2, __fmul_rn(mn, sc[hf]))));
+        alpha[hf] = m[hf] == -INFINITY ? 0.0f : fast_exp2(__fsub_rn(shn, sh[hf]));
+        m[hf] = mn;
+        sh[hf] = shn;
+        sc2[hf] = __float2half2_rn(sc[hf]);
+        sh2[hf] = __float2half2_rn(shn);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        __half2 sum[4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const __half2 t = __hfma2(h8_h2(s[2 * nt + hf]), sc2[hf], sh2[hf]);
+            uint32_t p; /* cuda_fp16's h2exp2 goes through fp32; this is two MUFU.EX2.F16 */
+            asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
+            s[2 * nt + hf] = p;
+            sum[nt % 4] = nt < 4 ? h8_h2(p) : __hadd2(sum[nt % 4], h8_h2(p));
+        }
+        const __half2 t = __hadd2(__hadd2(sum[0], sum[1]), __hadd2(sum[2], sum[3]));
+        l[hf] = l[hf] * alpha[hf] + (__low2float(t) + __high2float(t));
+    }
+    return __any_sync(0xffffffffu, raised) != 0;
+}
+
+/* h8_pack_p for the f16-S path: the e4m3 of S's f16 pairs (P, 2^8 p) in the kernel's key order
+ * (register 0: row g, the pairs of n-tiles 4 kk and 4 kk + 1; 1: row g + 8; 2, 3: n-tiles
+ * 4 kk + 2 and 4 kk + 3). */
+static __device__ __forceinline__ void
+h8_pack_p16(uint32_t (&pa)[H8_BN / 32][4], const uint32_t (&s)[H8_BN / 4])
+{
+#pragma unroll
+    for (int kk = 0; kk < H8_BN / 32; kk++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = 8 * kk + 4 * (j / 2) + j % 2;
+            uint16_t lo, hi;
+            asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(lo) : "r"(s[i]));
+            asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(hi) : "r"(s[i + 2]));
+            pa[kk][j] = (uint32_t)hi << 16 | lo;
+        }
+    }
+}
+
+/* The consumer's key-tile barriers and slots (h8_consume). */
+struct h8_ring {
+    uint32_t full_k, full_vt, empty_k, empty_vt; /* mbarrier arrays */
+    uint64_t dk0, dv0;                           /* wgmma descriptors of K and V^T slot 0 */
+    uint32_t sink;                               /* this thread's s_sink word */
+};
+
+/*
+ * One consumer warpgroup's pass over the key tiles: O (fp32), the rows' sums l and their LSE
+ * base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).  F16: S is
+ * accumulated in f16 and the softmax runs on f16 pairs (h8_softmax16, sc the rows' multipliers
+ * sl2 in f16, at least 2^-24 so that -inf * sc stays -inf) -- the f16 path, taken when
+ * h8_load_q found every row's scores bounded by H8_F16_LOGITS; else S in fp32 and
+ * h90_softmax_rows (sl2).  Each warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
+ * waits for the P V only after kt's softmax (the store to the sink word keeps ptxas from
+ * hoisting that wait).
+ */
+template <int D, bool TMA, bool F16>
+static __device__ __forceinline__ void
+h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
+           const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
+           int lane, const float (&sl2)[2])
+{
+    constexpr int ST = h8_stages<TMA>::ST;
+    constexpr uint32_t TILE = H8_BN * H8_ROW;
+    constexpr uint32_t VTB = D * H8_ROW;
+    using S = std::conditional_t<F16, uint32_t, float>;
+    S s[F16 ? H8_BN / 4 : H8_BN / 2];
+    uint32_t pa[H8_BN / 32][4];
+    float m[2] = {-INFINITY, -INFINITY};
+    float sh[2] = {INFINITY, INFINITY}; /* the f16 path's shifts */
+    float sc[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        sc[hf] = fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
+    }
+    /* S = Q K^T for the tile in K slot `slot` (no commit): D / 32 k-steps of 32 bytes */
+    const auto qk = [&](uint32_t slot) {
+        const uint64_t dk = ring.dk0 + slot * (TILE >> 4);
+        fence_regs(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 32; kk++) {
+            if constexpr (F16) {
+                wgmma_rs_m64n128_e4m3_f16(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
+            }
+            else {
+                wgmma_rs_m64n128_e4m3(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
+            }
+        }
+    };
+    const auto softmax = [&](int32_t j0, float (&alpha)[2]) {
+        if constexpr (F16) {
+            return h8_softmax16(s, m, sh, l, alpha, j0, lim0, lim1, g_min, tq, sc);
+        }
+        else {
+            return h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(s, m, l, alpha, j0, lim0, lim1,
+                                                                   g_min, tq, sl2);
+        }
+    };
+    for (int32_t kt = 0; kt < n_tiles; kt++) {
+        const int32_t j0 = kt * H8_BN;
+        const uint32_t slot = (uint32_t)(kt % ST);
+        mbar_wait(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+        if (!TMA) {
+            fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+        }
+        float alpha[2];
+        if (kt == 0) {
+            qk(slot);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_regs(s);
+            if (lane == 0) {
+                mbar_arrive(ring.empty_k + 8u * slot);
+            }
+            softmax(j0, alpha);
+        }
+        else {
+            const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
+            mbar_wait(ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
+            qk(slot);
+            wgmma_commit();
+            h8_pv<D>(o, pa, ring.dv0 + pslot * (VTB >> 4)); /* O += P V of the tile before */
+            wgmma_commit();
+            wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
+            fence_regs(s);
+            if (lane == 0) {
+                mbar_arrive(ring.empty_k + 8u * slot);
+            }
+            const bool rescale = softmax(j0, alpha);
+            /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
+             * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
+             * results, to a word nothing reads. */
+            st_shared_f32(ring.sink, l[0] + l[1]);
+            wgmma_wait_all();
+            fence_regs(o);
+            if (lane == 0) {
+                mbar_arrive(ring.empty_vt + 8u * pslot);
+            }
+            if (rescale) {
+                h90_rescale_o<D / 8>(o, alpha);
+            }
+        }
+        if constexpr (F16) {
+            h8_pack_p16(pa, s);
+        }
+        else {
+            h8_pack_p(pa, s);
+        }
+    }
+    if (n_tiles > 0) {
+        const uint32_t lslot = (uint32_t)((n_tiles - 1) % H8_SVT);
+        mbar_wait(ring.full_vt + 8u * lslot, (uint32_t)(((n_tiles - 1) / H8_SVT) & 1));
+        fence_regs(o);
+        wgmma_fence();
+        h8_pv<D>(o, pa, ring.dv0 + lslot * (VTB >> 4));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(o);
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        lm[hf] = m[hf] == -INFINITY ? -INFINITY
+                 : F16              ? (float)H8_P_LOG2 - sh[hf]
+                                    : __fmul_rn(m[hf], sl2[hf]);
+    }
+}
+
 #endif /* H90_DEVICE_CODE */
 
 template <typename T, int D, bool TMA>
@@ -445,13 +683,13 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int DT = D / 8;
     constexpr int ST = h8_stages<TMA>::ST, SR = h8_stages<TMA>::SR;
     constexpr uint32_t TILE = H8_BN * H8_ROW; /* a K or staging slot; the Q tile */
-    constexpr uint32_t VTB = D * H8_ROW;      /* a V^T slot */
     using regs = h90_ws_regs<H8_PRODUCER_REGS, H8_CONSUMER_REGS, NC>;
 
     extern __shared__ uint4 h8_smem[];
     __shared__ int32_t s_lim[BM];
     __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
     __shared__ float s_qs[BM];
+    __shared__ int32_t s_f16ok[BM / 32]; /* per consumer warp: its rows may take the f16 path */
     __shared__ float s_sink[128 * NC]; /* the consumers' late P V wait (see there) */
     __shared__ int32_t s_row;
     /* full K[ST], full V^T[SVT], empty K[ST], empty V^T[SVT]; with TMA full and empty
@@ -527,12 +765,12 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const int w4 = wt / 32;
     const int g = lane >> 2;
     const int tq = lane & 3;
-    const uint32_t sink = smem_addr(&s_sink[tid - 128]);
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
     const float k_scale = a.k_scale[kvh * a.scale_stride_head];
     const float v_scale = a.v_scale[kvh * a.scale_stride_head];
 
-    h8_load_q<T, D>(a, sq, s_qs, cw, wt, q0, q_start, query_len, h, q_vec, neg_q);
+    h8_load_q<T, D>(a, sq, s_qs, &s_f16ok[4 * cw], cw, wt, q0, q_start, query_len, h, q_vec,
+                    neg_q, (68.2f / H8_Q_L1 * 448.0f) * k_scale * fabsf(scale_log2));
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
 
@@ -541,10 +779,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int i = 0; i < D / 2; i++) {
         o[i] = 0.0f;
     }
-    float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.0f, 0.0f};
-    uint32_t pa[H8_BN / 32][4];
-    float s[H8_BN / 2];
+    float lm[2]; /* the LSE's base (h8_consume) */
     const int r0 = cw * 64 + w4 * 16 + g; /* this thread's rows r0 and r0 + 8 */
     const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
     const int32_t g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
@@ -553,70 +789,23 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
      * i: + i times the slot's size in 16-byte units) */
     uint32_t qa[D / 32][4];
     h90_q_frags<D / 32, 128>(qa, sq, r0, tq); /* rows of D <= 128 bytes: one panel */
-    const uint64_t dk0 = wgmma_desc(sk0, 16u, 1024u);
-    const uint64_t dv0 = wgmma_desc(svt0, 16u, 1024u);
-
-    if (n_tiles > 0) {
-        for (int32_t kt = 0; kt < n_tiles; kt++) {
-            const int32_t j0 = kt * H8_BN;
-            const uint32_t slot = (uint32_t)(kt % ST);
-            mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
-            if (!TMA) {
-                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
-            }
-            float alpha[2];
-            if (kt == 0) {
-                h8_qk<D>(s, qa, dk0);
-                wgmma_commit();
-                wgmma_wait_all();
-                fence_regs(s);
-                if (lane == 0) {
-                    mbar_arrive(empty_k + 8u * slot);
-                }
-                h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(s, m, l, alpha, j0, lim0, lim1,
-                                                                g_min, tq, sl2);
-            }
-            else {
-                const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
-                mbar_wait(full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
-                h8_qk<D>(s, qa, dk0 + slot * (TILE >> 4));
-                wgmma_commit();
-                h8_pv<D>(o, pa, dv0 + pslot * (VTB >> 4));
-                wgmma_commit();
-                wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
-                fence_regs(s);
-                if (lane == 0) {
-                    mbar_arrive(empty_k + 8u * slot);
-                }
-                const bool rescale = h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(
-                    s, m, l, alpha, j0, lim0, lim1, g_min, tq, sl2);
-                /* P V of the tile before runs under this softmax: ptxas would hoist the wait
-                 * above it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the
-                 * softmax's results, to a word nothing reads. */
-                st_shared_f32(sink, l[0] + l[1]);
-                wgmma_wait_all();
-                fence_regs(o);
-                if (lane == 0) {
-                    mbar_arrive(empty_vt + 8u * pslot);
-                }
-                if (rescale) {
-                    h90_rescale_o<DT>(o, alpha);
-                }
-            }
-            h8_pack_p(pa, s);
-        }
-        const uint32_t lslot = (uint32_t)((n_tiles - 1) % H8_SVT);
-        mbar_wait(full_vt + 8u * lslot, (uint32_t)(((n_tiles - 1) / H8_SVT) & 1));
-        fence_regs(o);
-        wgmma_fence();
-        h8_pv<D>(o, pa, dv0 + lslot * (VTB >> 4));
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(o);
+    const h8_ring ring = {full_k,
+                          full_vt,
+                          empty_k,
+                          empty_vt,
+                          wgmma_desc(sk0, 16u, 1024u),
+                          wgmma_desc(svt0, 16u, 1024u),
+                          smem_addr(&s_sink[tid - 128])};
+    const int32_t *ok = &s_f16ok[4 * cw];
+    if (ok[0] && ok[1] && ok[2] && ok[3]) { /* warpgroup-uniform */
+        h8_consume<D, TMA, true>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
+    }
+    else {
+        h8_consume<D, TMA, false>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
     }
 
     /* Epilogue: O v_scale / l; O and l both carry 2^P_LOG2, taken out of l here so that the
-     * LSE (m sl2 + log2 l) comes out right. */
+     * LSE (lm + log2 l: the row stores' m sl2 with m = lm, sl2 = 1) comes out right. */
     const float out_scale = v_scale * (1.0f / (float)(1 << H8_P_LOG2));
 #pragma unroll
     for (int i = 0; i < D / 2; i++) {
@@ -625,17 +814,18 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     l[0] *= 1.0f / (float)(1 << H8_P_LOG2);
     l[1] *= 1.0f / (float)(1 << H8_P_LOG2);
     const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
+    const float one[2] = {1.0f, 1.0f};
     if (o16) {
         /* the staging slots (BM * D * 2 bytes), free: the producer's last read of them came
          * before the last V^T's arrival, which this warpgroup waited for */
-        h90_store_o_staged<T, D, BM>(a, sr0, cw, wt, h, t0, tile_rows, l, m, sl2, o);
+        h90_store_o_staged<T, D, BM>(a, sr0, cw, wt, h, t0, tile_rows, l, lm, one, o);
     }
     else {
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int r = r0 + 8 * hf;
-            attn_store_row<T, DT>(a, h, t0 + r, r < tile_rows, l[hf], m[hf], sl2[hf], &o[2 * hf],
-                                  tq, o_vec);
+            attn_store_row<T, DT>(a, h, t0 + r, r < tile_rows, l[hf], lm[hf], 1.0f, &o[2 * hf], tq,
+                                  o_vec);
         }
     }
 #else

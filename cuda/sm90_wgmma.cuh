@@ -100,6 +100,16 @@ fence_regs(float (&r)[N])
     }
 }
 
+template <int N>
+static __device__ __forceinline__ void
+fence_regs(uint32_t (&r)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+r"(r[i])::"memory");
+    }
+}
+
 /* 16 bytes from shared address `addr`. */
 static __device__ __forceinline__ uint4
 ld_shared16(uint32_t addr)
@@ -285,6 +295,21 @@ H90_WGMMA_SS8(wgmma_ss_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66")
 H90_WGMMA_RS8(wgmma_rs_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
               "%69")
 H90_WGMMA_RS8(wgmma_rs_m64n64_e4m3, 64, H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36", "%37")
+
+/* S (m64 x 128) += A B in e4m3 with f16 accumulators, A from registers: register 2 nt + hf holds
+ * row g + 8 hf, columns 8 nt + 2 tq (low half) and + 1 (high half) -- the fp32 form's pairs. */
+#define H90_U8(i)                                                                                  \
+    "+r"(d[(i)]), "+r"(d[(i) + 1]), "+r"(d[(i) + 2]), "+r"(d[(i) + 3]), "+r"(d[(i) + 4]),          \
+        "+r"(d[(i) + 5]), "+r"(d[(i) + 6]), "+r"(d[(i) + 7])
+static __device__ __forceinline__ void
+wgmma_rs_m64n128_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 " H90_R32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : H90_U8(0), H90_U8(8), H90_U8(16), H90_U8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
 
 /* O (m64 x D) += P V in e4m3, D 64 or 128. */
 static __device__ __forceinline__ void

@@ -135,16 +135,14 @@ def ref_attention(
 
 def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
     """Q ``[..., D]`` as the Hopper e4m3 kernel rounds it, float64: per row of D (a token's
-    head), ``x * (448 / amax)`` in fp32 rounded to float8_e4m3fn, times ``amax / 448``; a row
-    whose amax is under 1e-30 becomes zeros."""
+    head), the scale ``qs = l1 / 64`` (the row's L1 norm, fp32), ``x * (1 / qs)`` in fp32 rounded
+    to float8_e4m3fn, times ``qs``; a row whose L1 norm is under 1e-30 becomes zeros."""
     x = q.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    live = amax > 1e-30  # smaller rows become zeros
-    safe = torch.where(live, amax, torch.full_like(amax, 448.0))
-    codes = (
-        (x * torch.where(live, 448.0 / safe, torch.zeros_like(safe))).clamp(-448, 448).to(torch.float8_e4m3fn)
-    )
-    return codes.double() * torch.where(live, amax / 448.0, torch.ones_like(amax)).double()
+    l1 = x.abs().sum(dim=-1, keepdim=True)
+    live = l1 > 1e-30  # smaller rows become zeros
+    qs = torch.where(live, l1 / 64.0, torch.ones_like(l1))
+    codes = (x * torch.where(live, 1.0 / qs, torch.zeros_like(qs))).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.double() * qs.double()
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
