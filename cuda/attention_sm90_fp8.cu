@@ -54,24 +54,22 @@
 
 #include <type_traits>
 
-#define H8_BN 128   /* keys per tile */
-#define H8_NC 2     /* consumer warpgroups */
-#define H8_BM 128   /* query rows per CTA: 64 per consumer warpgroup */
-#define H8_SVT 2    /* V^T slots */
-#define H8_P_LOG2 8 /* P is rounded to e4m3 as 2^8 p */
-#define H8_ROW 128u /* bytes per row of the Q, K and staging tiles */
+#define H8_NC 2       /* consumer warpgroups */
+#define H8_BM 128     /* query rows per CTA: 64 per consumer warpgroup */
+#define H8_SVT 2      /* V^T slots */
+#define H8_P_LOG2 8   /* P is rounded to e4m3 as 2^8 p */
+#define H8_ROW 128u   /* bytes per row of the Q, K and staging tiles */
 #define H8_Q_L1 64.0f /* Q rows are scaled to this L1 norm before rounding to e4m3 */
-/* The f16-S path's bound on |S sl2| (the scores in log2 units, over every key a row might see) */
-#define H8_F16_LOGITS 4096.0f
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
-/* K and staging slots per producer: the TMA producer's issuing warp runs ahead of the copies'
- * latency by the slots it has (three of each fit beside Q and two V^T slots: 144 KB); the
- * cp.async producer waits for a tile's copies one tile later, two of each. */
+/* Keys per tile and K and staging slots per producer: the TMA producer's tiles are 256 keys, two
+ * of each slot beside Q and two V^T slots (208 KB); the cp.async producer's 128 keys, two of
+ * each (it waits for a tile's copies one tile later). */
 template <bool TMA> struct h8_stages {
-    static constexpr int ST = TMA ? 3 : 2; /* K slots */
-    static constexpr int SR = TMA ? 3 : 2; /* staging slots (V rows as they lie) */
+    static constexpr int BN = TMA ? 256 : 128; /* keys per tile */
+    static constexpr int ST = 2;               /* K slots */
+    static constexpr int SR = 2;               /* staging slots (V rows as they lie) */
     /* producer threads that transpose V: warps 1..3 with TMA (warp 0 issues), else all four */
     static constexpr int TRANSPOSERS = TMA ? 96 : 128;
 };
@@ -114,16 +112,13 @@ h8_elem(const uint4 &v, int e)
  * wt % 2 of row 64 cw + wt / 2.  The row's scale is its L1 norm / 64, so that the rounded row's
  * L1 norm is at most 64 (1 + 2^-4) + D 2^-10 < 68.2 and every score |S| = |q8 . k8| of it stays
  * under 68.2 * 448 < 32,752 whatever the keys hold: S fits f16 with room to spare (a row whose L1
- * norm is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  bound_mul (68.2 / 64 *
- * 448 * k_scale * |scale_log2|) times the L1 norm bounds the row's scores in log2 units; each
- * warp's lane 0 sets s_f16ok[its warp] when all its rows' bounds are at most H8_F16_LOGITS
- * (h8_consume's f16 path).  The caller fences and syncs the warpgroup after.
+ * norm is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  The caller fences and
+ * syncs the warpgroup after.
  */
 template <typename T, int D>
 static __device__ __forceinline__ void
-h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int32_t *s_f16ok, int cw, int wt,
-          int64_t q0, int64_t q_start, int64_t query_len, int64_t h, bool q_vec, bool neg_q,
-          float bound_mul)
+h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, int64_t q0,
+          int64_t q_start, int64_t query_len, int64_t h, bool q_vec, bool neg_q)
 {
     constexpr int CH = D / 16; /* 8-element source chunks per half row */
     const uint32_t r = (uint32_t)(cw * 64 + wt / 2);
@@ -160,11 +155,6 @@ h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int32_t *s_f16ok
     const float inv = live ? (neg_q ? -__frcp_rn(qs) : __frcp_rn(qs)) : 0.0f;
     if (half == 0) {
         s_qs[r] = qs;
-    }
-    /* nan (a nan in Q) is not small: such rows take the fp32 path, as they always did */
-    const bool f16ok = __all_sync(0xffffffffu, l1 * bound_mul <= H8_F16_LOGITS);
-    if ((wt & 31) == 0) {
-        s_f16ok[wt / 32] = f16ok ? 1 : 0;
     }
 #pragma unroll
     for (int i = 0; i < CH; i += 2) { /* two source chunks: one 16-byte e4m3 chunk */
@@ -206,13 +196,13 @@ stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
  * 16-key chunks, whose rows past the row's last key are stale (0 * nan is nan in P V); cp.async
  * zero-filled them already.  The caller made the staging slot's contents visible.
  */
-template <int D, int NW, int SR>
+template <int D, int NW, int SR, int BN>
 static __device__ __forceinline__ void
 h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint32_t full_vt,
              uint32_t empty_vt)
 {
-    constexpr uint32_t VTB = D * H8_ROW;
-    constexpr int STEPS = (H8_BN / 16) * (D / 32); /* (16 keys, 32 dims) steps per tile */
+    constexpr uint32_t VTB = D * BN;            /* a V^T slot: BN / 128 panels of D 128-byte rows */
+    constexpr int STEPS = (BN / 16) * (D / 32); /* (16 keys, 32 dims) steps per tile */
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t m = lane >> 3, r = lane & 7u; /* the matrix and row this lane addresses */
     const uint32_t p = lane >> 2, q = lane & 3u; /* the row and column pair it holds */
@@ -221,8 +211,7 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
         mbar_wait(empty_vt + 8u * slot, (uint32_t)((kt / H8_SVT - 1) & 1));
     }
     /* ldmatrix: key 8 (m & 1) + r of the step's 16, 16-byte chunk 2 dgp + m / 2 */
-    const uint32_t src =
-        sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW) + (8u * (m & 1u) + r) * H8_ROW;
+    const uint32_t src = sr0 + (uint32_t)(kt % SR) * (BN * H8_ROW) + (8u * (m & 1u) + r) * H8_ROW;
     /* stmatrix: dim 2r or 2r + 1 (+ 16 for matrices 2, 3) of the step's 32 */
     const uint32_t dim = ((m & 2u) << 3) + 2u * r + ((r >= 4u ? 1u : 0u) ^ (m & 1u));
     const uint32_t dst = svt0 + slot * VTB + dim * H8_ROW;
@@ -232,12 +221,13 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
     for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
         const uint32_t step = (uint32_t)(w + NW * i);
         if (step < (uint32_t)STEPS) { /* warp-uniform */
-            const uint32_t half = step % 8u, dgp = step / 8u;
+            const uint32_t half = step % (BN / 16u), dgp = step / (BN / 16u);
+            const uint32_t panel = BN == 128 ? 0u : half / 8u, chunk = BN == 128 ? half : half % 8u;
             uint32_t x[4];
             ldsm_x4_trans(x, src + half * (16u * H8_ROW) + (((2u * dgp + (m >> 1)) ^ r) << 4));
             uint32_t y0 = __byte_perm(x[0], x[1], sel0), y1 = __byte_perm(x[0], x[1], sel1);
             uint32_t y2 = __byte_perm(x[2], x[3], sel0), y3 = __byte_perm(x[2], x[3], sel1);
-            if (valid < H8_BN) { /* the row's last tile: keys past valid become zeros */
+            if (valid < BN) { /* the row's last tile: keys past valid become zeros */
                 const int32_t k0 = (int32_t)(16u * half + 2u * q);
                 const uint32_t keep = (k0 < valid ? 0xFFu : 0u) | (k0 + 1 < valid ? 0xFF00u : 0u) |
                                       (k0 + 8 < valid ? 0xFF0000u : 0u) |
@@ -247,7 +237,9 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
                 y2 &= keep;
                 y3 &= keep;
             }
-            stsm_x4(dst + dgp * (32u * H8_ROW) + ((half ^ (dim & 7u)) << 4), y0, y1, y2, y3);
+            /* panel half / 8 (keys 128 (half / 8) ..), 16-byte chunk half % 8 of its rows */
+            stsm_x4(dst + panel * (D * H8_ROW) + dgp * (32u * H8_ROW) + ((chunk ^ (dim & 7u)) << 4),
+                    y0, y1, y2, y3);
         }
     }
     fence_proxy_async(); /* the generic-proxy stores, for wgmma */
@@ -271,7 +263,9 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 {
     constexpr int CH = D / 16;   /* 16-byte chunks per key row */
     constexpr int RP = 128 / CH; /* rows per pass of the 128 threads */
-    __shared__ int64_t s_off[2][H8_BN];
+    constexpr int BN = h8_stages<false>::BN;
+    static_assert(BN == 128, "one key a thread");
+    __shared__ int64_t s_off[2][BN];
     const int tid = (int)threadIdx.x;
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
     const int32_t *const bt = a.block_table + row * a.bt_stride_row;
@@ -282,11 +276,11 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
     int32_t blk = tid < kv_end ? bt[(uint32_t)tid / bs] : 0; /* loaded a tile ahead */
     constexpr int ST = h8_stages<false>::ST, SR = h8_stages<false>::SR;
     for (int32_t kt = 0; kt < n_tiles; kt++) {
-        const int32_t j0 = kt * H8_BN;
+        const int32_t j0 = kt * BN;
         const int32_t j = j0 + tid;
         s_off[kt & 1][tid] =
             j < kv_end ? kv_block_offset<1>(a, dk_safe_block(a, blk), (uint32_t)j % bs, kvh) : 0;
-        const int32_t jn = j + H8_BN;
+        const int32_t jn = j + BN;
         blk = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
         named_barrier(15u, 128u);
         const int64_t *const offs = s_off[kt & 1];
@@ -294,32 +288,32 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
         if (kt >= ST) {
             mbar_wait(empty_k + 8u * slot_k, (uint32_t)((kt / ST - 1) & 1));
         }
-        const uint32_t dk = sk0 + slot_k * (H8_BN * H8_ROW);
-        const uint32_t dv = sr0 + (uint32_t)(kt % SR) * (H8_BN * H8_ROW);
+        const uint32_t dk = sk0 + slot_k * (BN * H8_ROW);
+        const uint32_t dv = sr0 + (uint32_t)(kt % SR) * (BN * H8_ROW);
 #pragma unroll
-        for (int i = 0; i < H8_BN / RP; i++) {
+        for (int i = 0; i < BN / RP; i++) {
             const uint32_t r = rr + (uint32_t)(RP * i);
-            cp_async16(dk + sw128(H8_BN, r, c), kv_row(kc, kc2, offs[r]) + c * 16u,
+            cp_async16(dk + sw128(BN, r, c), kv_row(kc, kc2, offs[r]) + c * 16u,
                        j0 + (int32_t)r < kv_end ? 16u : 0u);
         }
         cp_async_arrive_noinc(full_k + 8u * slot_k);
 #pragma unroll
-        for (int i = 0; i < H8_BN / RP; i++) {
+        for (int i = 0; i < BN / RP; i++) {
             const uint32_t r = rr + (uint32_t)(RP * i);
-            cp_async16(dv + sw128(H8_BN, r, c), kv_row(vc, vc2, offs[r]) + c * 16u,
+            cp_async16(dv + sw128(BN, r, c), kv_row(vc, vc2, offs[r]) + c * 16u,
                        j0 + (int32_t)r < kv_end ? 16u : 0u);
         }
         cp_async_commit();
         if (kt > 0) {
             asm volatile("cp.async.wait_group 1;\n" ::: "memory"); /* tile kt - 1's copies */
             named_barrier(14u, 128u);
-            h8_transpose<D, 4, SR>(kt - 1, tid / 32, H8_BN, sr0, svt0, full_vt, empty_vt);
+            h8_transpose<D, 4, SR, BN>(kt - 1, tid / 32, BN, sr0, svt0, full_vt, empty_vt);
         }
     }
     cp_async_wait_all();
     if (n_tiles > 0) {
         named_barrier(14u, 128u);
-        h8_transpose<D, 4, SR>(n_tiles - 1, tid / 32, H8_BN, sr0, svt0, full_vt, empty_vt);
+        h8_transpose<D, 4, SR, BN>(n_tiles - 1, tid / 32, BN, sr0, svt0, full_vt, empty_vt);
     }
 }
 
@@ -340,7 +334,7 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
                uint32_t full_vt, uint32_t empty_k, uint32_t empty_s, uint32_t empty_vt,
                const CUtensorMap *tmk, const CUtensorMap *tmv)
 {
-    constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR;
+    constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR, BN = h8_stages<true>::BN;
     constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
     static_assert(D == 128, "one 128-byte row per key");
     const int warp = (int)(threadIdx.x >> 5);
@@ -349,7 +343,8 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const uint32_t ss = (uint32_t)(kt % SR);
             mbar_wait(full_s + 8u * ss, (uint32_t)((kt / SR) & 1));
-            h8_transpose<D, 3, SR>(kt, warp - 1, kv_end - kt * H8_BN, sr0, svt0, full_vt, empty_vt);
+            h8_transpose<D, 3, SR, BN>(kt, warp - 1, kv_end - kt * BN, sr0, svt0, full_vt,
+                                       empty_vt);
             __syncwarp();
             if (lane == 0) {
                 mbar_arrive(empty_s + 8u * ss);
@@ -363,8 +358,8 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     const uint32_t bs = (uint32_t)a.block_size;
     /* this lane's chunk of tile kt: its block (dk_safe_block's clamp), -1 past kv_end */
     const auto block_of = [&](int32_t kt) -> int32_t {
-        const int32_t key = kt * H8_BN + 16 * lane;
-        if (lane >= H8_BN / 16 || key >= kv_end) {
+        const int32_t key = kt * BN + 16 * lane;
+        if (lane >= BN / 16 || key >= kv_end) {
             return -1;
         }
         const int32_t b = bt[(uint32_t)key / bs];
@@ -373,8 +368,8 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     int32_t blk = block_of(0);
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t next = kt + 1 < n_tiles ? block_of(kt + 1) : -1;
-        const int32_t tok = (int32_t)((uint32_t)(kt * H8_BN + 16 * lane) % bs);
-        const uint32_t bytes = (uint32_t)min(H8_BN / 16, (kv_end - kt * H8_BN + 15) / 16) * CHUNK;
+        const int32_t tok = (int32_t)((uint32_t)(kt * BN + 16 * lane) % bs);
+        const uint32_t bytes = (uint32_t)min(BN / 16, (kv_end - kt * BN + 15) / 16) * CHUNK;
         /* K into slot kt % ST, then V into staging slot kt % SR, each once its slot is free */
         const auto issue = [&](int stages, uint32_t dst0, uint32_t full, uint32_t empty,
                                const CUtensorMap *map) {
@@ -387,7 +382,7 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
             }
             __syncwarp();
             if (blk >= 0) {
-                tma_load_4d(dst0 + slot * (H8_BN * H8_ROW) + (uint32_t)lane * CHUNK, map,
+                tma_load_4d(dst0 + slot * (BN * H8_ROW) + (uint32_t)lane * CHUNK, map,
                             full + 8u * slot, 0, tok, kvh, blk);
             }
         };
@@ -397,31 +392,17 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     }
 }
 
-/* O += P V in e4m3 for one key tile (no commit): four 32-key steps of P (registers) times the
- * V^T slot of descriptor dv (32 bytes a step within its 128-byte rows). */
-template <int D>
+/* O += P V in e4m3 for one key tile of BN keys (no commit): BN / 32 steps of P (registers) times
+ * the V^T slot of descriptor dv -- panel kk / 4 (keys 128 (kk / 4) .., D rows of 128 bytes each),
+ * 32 bytes a step within its rows. */
+template <int D, int BN>
 static __device__ __forceinline__ void
-h8_pv(float (&o)[D / 2], const uint32_t (&pa)[H8_BN / 32][4], uint64_t dv)
+h8_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 32][4], uint64_t dv)
 {
 #pragma unroll
-    for (int kk = 0; kk < H8_BN / 32; kk++) {
-        h90_pv_e4m3(o, pa[kk], dv + 2u * (uint32_t)kk);
-    }
-}
-
-/* P (fp32 2^8 p, the S accumulator layout) as the e4m3 A fragments of P V in the kernel's key
- * order: register 0 row g, keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the step; 1 the same of row
- * g + 8; 2 and 3 the keys 16 later. */
-static __device__ __forceinline__ void
-h8_pack_p(uint32_t (&pa)[H8_BN / 32][4], const float (&s)[H8_BN / 2])
-{
-#pragma unroll
-    for (int kk = 0; kk < H8_BN / 32; kk++) {
-        const float *x = &s[16 * kk]; /* n-tiles 4 kk .. 4 kk + 3 */
-        pa[kk][0] = h8_pack4(x[0], x[1], x[4], x[5]);
-        pa[kk][1] = h8_pack4(x[2], x[3], x[6], x[7]);
-        pa[kk][2] = h8_pack4(x[8], x[9], x[12], x[13]);
-        pa[kk][3] = h8_pack4(x[10], x[11], x[14], x[15]);
+    for (int kk = 0; kk < BN / 32; kk++) {
+        h90_pv_e4m3(o, pa[kk],
+                    dv + (uint32_t)(kk / 4) * (D * H8_ROW >> 4) + 2u * (uint32_t)(kk % 4));
     }
 }
 
@@ -437,23 +418,23 @@ h8_u32(__half2 x)
 }
 
 /*
- * The f16-S path's online softmax of one key tile, on S's f16 pairs in place (s[2 nt + hf]: row
- * g + 8 hf, keys j0 + 8 nt + 2 tq in the low half and + 1 in the high): keys at or past the
- * row's limit become -inf, then p = 2^(S sc + sh) by one f16 fused multiply-add and
- * ex2.approx.f16x2 per pair, where sc is the row's multiplier in f16 (h8_consume) and sh the
- * shift, 8 - m sc rounded down to f16 (m: the running max of S, an f16 value; m sc is exact in
- * fp32), so that p <= 2^8 (P_LOG2) at the max.  The shifts are what O and l carry: alpha =
- * 2^(sh' - sh) between two tiles is exact whatever sh's rounding was.  The tile's row sums
- * add the f16 p in four chains and a tree (at most 16 x 257 per thread), into l in fp32.
- * Returns whether some row's max rose (warp-uniform): O needs the rescale by alpha.
+ * The online softmax of one key tile on S's f16 pairs in place (s[2 nt + hf]: row g + 8 hf, keys
+ * j0 + 8 nt + 2 tq in the low half and + 1 in the high): keys at or past the row's limit become
+ * -inf; the row maxima m (f16 values, -inf before any visible key) by HMNMX2, both rows' in one
+ * shuffled pair; then p = 2^((S - m) sc + 8) by an HSUB2, an HFMA2 and ex2.approx.f16x2 per pair
+ * (sc: the row's multiplier in f16, h8_consume).  S - m is within f16 (|S| < 30,600, Q's L1
+ * scaling) and exact near the max, where p matters; p <= 2^8 = 2^P_LOG2 at the max.  alpha =
+ * 2^((m - m') sc) in fp32 for O and l; the tile's row sums add the f16 p in four chains and a
+ * tree (at most 2 BN / 8 x 256 a thread), into l in fp32.  Returns whether some row's max rose
+ * (warp-uniform): O needs the rescale by alpha.
  */
+template <int BN>
 static __device__ __forceinline__ bool
-h8_softmax16(uint32_t (&s)[H8_BN / 4], float (&m)[2], float (&sh)[2], float (&l)[2],
-             float (&alpha)[2], int32_t j0, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
-             const float (&sc)[2])
+h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
+             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2])
 {
-    constexpr int NT = H8_BN / 8;
-    if (j0 + H8_BN > g_min) {
+    constexpr int NT = BN / 8;
+    if (j0 + BN > g_min) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
@@ -478,7 +459,6 @@ h8_softmax16(uint32_t (&s)[H8_BN / 4], float (&m)[2], float (&sh)[2], float (&l)
             part[hf][nt % 4] = __hmax2(part[hf][nt % 4], h8_h2(s[2 * nt + hf]));
         }
     }
-    /* both rows' maxima in one pair (row g, row g + 8) for the quad's two shuffles */
     const __half2 m0 = __hmax2(__hmax2(part[0][0], part[0][1]), __hmax2(part[0][2], part[0][3]));
     const __half2 m1 = __hmax2(__hmax2(part[1][0], part[1][1]), __hmax2(part[1][2], part[1][3]));
     __half2 mm = __hmax2(__lows2half2(m0, m1), __highs2half2(m0, m1));
@@ -486,27 +466,24 @@ h8_softmax16(uint32_t (&s)[H8_BN / 4], float (&m)[2], float (&sh)[2], float (&l)
     mm = __hmax2(mm, h8_h2(__shfl_xor_sync(0xffffffffu, h8_u32(mm), 2)));
     const float mx[2] = {__low2float(mm), __high2float(mm)};
     bool raised = false;
-    __half2 sc2[2], sh2[2];
+    __half2 sc2[2], mu2[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const float mn = fmaxf(m[hf], mx[hf]);
         raised = raised || mn > m[hf];
-        const float shn =
-            mn == -INFINITY
-                ? (float)H8_P_LOG2
-                : __half2float(__float2half_rd(__fsub_rn((float)H8_P_LOG2, __fmul_rn(mn, sc[hf]))));
-        alpha[hf] = m[hf] == -INFINITY ? 0.0f : fast_exp2(__fsub_rn(shn, sh[hf]));
+        /* m - mn of two f16 values is exact in fp32 */
+        alpha[hf] = m[hf] == -INFINITY ? 0.0f : fast_exp2(__fmul_rn(m[hf] - mn, sc[hf]));
         m[hf] = mn;
-        sh[hf] = shn;
         sc2[hf] = __float2half2_rn(sc[hf]);
-        sh2[hf] = __float2half2_rn(shn);
+        mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : mn); /* -inf - -inf is nan */
     }
+    const __half2 shift = __float2half2_rn((float)H8_P_LOG2);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         __half2 sum[4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const __half2 t = __hfma2(h8_h2(s[2 * nt + hf]), sc2[hf], sh2[hf]);
+            const __half2 t = __hfma2(__hsub2(h8_h2(s[2 * nt + hf]), mu2[hf]), sc2[hf], shift);
             uint32_t p; /* cuda_fp16's h2exp2 goes through fp32; this is two MUFU.EX2.F16 */
             asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
             s[2 * nt + hf] = p;
@@ -518,14 +495,15 @@ h8_softmax16(uint32_t (&s)[H8_BN / 4], float (&m)[2], float (&sh)[2], float (&l)
     return __any_sync(0xffffffffu, raised) != 0;
 }
 
-/* h8_pack_p for the f16-S path: the e4m3 of S's f16 pairs (P, 2^8 p) in the kernel's key order
- * (register 0: row g, the pairs of n-tiles 4 kk and 4 kk + 1; 1: row g + 8; 2, 3: n-tiles
- * 4 kk + 2 and 4 kk + 3). */
+/* P (2^8 p, S's f16 pairs) as the e4m3 A fragments of P V in the kernel's key order (register
+ * 0 of step kk: row g, the pairs of n-tiles 4 kk and 4 kk + 1 -- keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+ * of the step; 1: the same of row g + 8; 2, 3: n-tiles 4 kk + 2 and 4 kk + 3). */
+template <int BN>
 static __device__ __forceinline__ void
-h8_pack_p16(uint32_t (&pa)[H8_BN / 32][4], const uint32_t (&s)[H8_BN / 4])
+h8_pack_p16(uint32_t (&pa)[BN / 32][4], const uint32_t (&s)[BN / 4])
 {
 #pragma unroll
-    for (int kk = 0; kk < H8_BN / 32; kk++) {
+    for (int kk = 0; kk < BN / 32; kk++) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int i = 8 * kk + 4 * (j / 2) + j % 2;
@@ -545,33 +523,31 @@ struct h8_ring {
 };
 
 /*
- * One consumer warpgroup's pass over the key tiles: O (fp32), the rows' sums l and their LSE
- * base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).  F16: S is
- * accumulated in f16 and the softmax runs on f16 pairs (h8_softmax16, sc the rows' multipliers
- * sl2 in f16, at least 2^-24 so that -inf * sc stays -inf) -- the f16 path, taken when
- * h8_load_q found every row's scores bounded by H8_F16_LOGITS; else S in fp32 and
- * h90_softmax_rows (sl2).  Each warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
- * waits for the P V only after kt's softmax (the store to the sink word keeps ptxas from
+ * One consumer warpgroup's pass over the key tiles (BN keys each): O (fp32), the rows' sums l
+ * and their LSE base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
+ * S = Q K^T is accumulated in f16 by the e4m3 wgmma (BN / 4 registers), the softmax runs on its
+ * pairs (h8_softmax16) with sc = sl2 in f16, clamped to [2^-24, 65,504] (so that -inf * sc stays
+ * -inf; a multiplier past 65,504 means scores beyond 2^30 in log2 units, where fp32 itself
+ * resolves no difference under 64).  Each warpgroup issues tile kt's Q K^T with tile kt - 1's
+ * P V and waits for the P V only after kt's softmax (the store to the sink word keeps ptxas from
  * hoisting that wait).
  */
-template <int D, bool TMA, bool F16>
+template <int D, bool TMA>
 static __device__ __forceinline__ void
 h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
            const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
            int lane, const float (&sl2)[2])
 {
-    constexpr int ST = h8_stages<TMA>::ST;
-    constexpr uint32_t TILE = H8_BN * H8_ROW;
-    constexpr uint32_t VTB = D * H8_ROW;
-    using S = std::conditional_t<F16, uint32_t, float>;
-    S s[F16 ? H8_BN / 4 : H8_BN / 2];
-    uint32_t pa[H8_BN / 32][4];
+    constexpr int ST = h8_stages<TMA>::ST, BN = h8_stages<TMA>::BN;
+    constexpr uint32_t TILE = BN * H8_ROW;
+    constexpr uint32_t VTB = D * BN;
+    uint32_t s[BN / 4];
+    uint32_t pa[BN / 32][4];
     float m[2] = {-INFINITY, -INFINITY};
-    float sh[2] = {INFINITY, INFINITY}; /* the f16 path's shifts */
     float sc[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        sc[hf] = fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
+        sc[hf] = fminf(fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f), 65504.0f);
     }
     /* S = Q K^T for the tile in K slot `slot` (no commit): D / 32 k-steps of 32 bytes */
     const auto qk = [&](uint32_t slot) {
@@ -580,25 +556,11 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 32; kk++) {
-            if constexpr (F16) {
-                wgmma_rs_m64n128_e4m3_f16(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
-            }
-            else {
-                wgmma_rs_m64n128_e4m3(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
-            }
-        }
-    };
-    const auto softmax = [&](int32_t j0, float (&alpha)[2]) {
-        if constexpr (F16) {
-            return h8_softmax16(s, m, sh, l, alpha, j0, lim0, lim1, g_min, tq, sc);
-        }
-        else {
-            return h90_softmax_rows<H8_BN / 8, true, H8_P_LOG2, 4>(s, m, l, alpha, j0, lim0, lim1,
-                                                                   g_min, tq, sl2);
+            wgmma_rs_e4m3_f16(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
         }
     };
     for (int32_t kt = 0; kt < n_tiles; kt++) {
-        const int32_t j0 = kt * H8_BN;
+        const int32_t j0 = kt * BN;
         const uint32_t slot = (uint32_t)(kt % ST);
         mbar_wait(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
         if (!TMA) {
@@ -613,21 +575,21 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            softmax(j0, alpha);
+            h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
             mbar_wait(ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
             qk(slot);
             wgmma_commit();
-            h8_pv<D>(o, pa, ring.dv0 + pslot * (VTB >> 4)); /* O += P V of the tile before */
+            h8_pv<D, BN>(o, pa, ring.dv0 + pslot * (VTB >> 4)); /* O += P V of the tile before */
             wgmma_commit();
             wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */
             fence_regs(s);
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            const bool rescale = softmax(j0, alpha);
+            const bool rescale = h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
             /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
              * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
              * results, to a word nothing reads. */
@@ -641,28 +603,21 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
                 h90_rescale_o<D / 8>(o, alpha);
             }
         }
-        if constexpr (F16) {
-            h8_pack_p16(pa, s);
-        }
-        else {
-            h8_pack_p(pa, s);
-        }
+        h8_pack_p16<BN>(pa, s);
     }
     if (n_tiles > 0) {
         const uint32_t lslot = (uint32_t)((n_tiles - 1) % H8_SVT);
         mbar_wait(ring.full_vt + 8u * lslot, (uint32_t)(((n_tiles - 1) / H8_SVT) & 1));
         fence_regs(o);
         wgmma_fence();
-        h8_pv<D>(o, pa, ring.dv0 + lslot * (VTB >> 4));
+        h8_pv<D, BN>(o, pa, ring.dv0 + lslot * (VTB >> 4));
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
     }
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        lm[hf] = m[hf] == -INFINITY ? -INFINITY
-                 : F16              ? (float)H8_P_LOG2 - sh[hf]
-                                    : __fmul_rn(m[hf], sl2[hf]);
+        lm[hf] = m[hf] == -INFINITY ? -INFINITY : __fmul_rn(m[hf], sc[hf]);
     }
 }
 
@@ -682,14 +637,14 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     constexpr int BM = H8_BM;
     constexpr int DT = D / 8;
     constexpr int ST = h8_stages<TMA>::ST, SR = h8_stages<TMA>::SR;
-    constexpr uint32_t TILE = H8_BN * H8_ROW; /* a K or staging slot; the Q tile */
+    constexpr int BN = h8_stages<TMA>::BN;
+    constexpr uint32_t TILE = BN * H8_ROW; /* a K or staging slot */
     using regs = h90_ws_regs<H8_PRODUCER_REGS, H8_CONSUMER_REGS, NC>;
 
     extern __shared__ uint4 h8_smem[];
     __shared__ int32_t s_lim[BM];
     __shared__ int32_t s_wmax[BM / 32], s_wmin[BM / 32];
     __shared__ float s_qs[BM];
-    __shared__ int32_t s_f16ok[BM / 32]; /* per consumer warp: its rows may take the f16 path */
     __shared__ float s_sink[128 * NC]; /* the consumers' late P V wait (see there) */
     __shared__ int32_t s_row;
     /* full K[ST], full V^T[SVT], empty K[ST], empty V^T[SVT]; with TMA full and empty
@@ -697,7 +652,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     __shared__ __align__(8) uint64_t s_bar[2 * (ST + H8_SVT + SR)];
     const uint32_t raw = smem_addr(h8_smem);
     const uint32_t sq = raw + ((1024u - (raw & 1023u)) & 1023u); /* Q tile */
-    const uint32_t sk0 = sq + TILE;                              /* K slots */
+    const uint32_t sk0 = sq + BM * H8_ROW;                       /* K slots */
     const uint32_t sr0 = sk0 + ST * TILE;                        /* staging slots */
     const uint32_t svt0 = sr0 + SR * TILE;                       /* V^T slots */
     const uint32_t full_k = smem_addr(s_bar);
@@ -743,7 +698,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     __syncthreads();
     const int32_t kv_end = attn_kv_end<BM>(s_wmax);
-    const int32_t n_tiles = (kv_end + H8_BN - 1) / H8_BN;
+    const int32_t n_tiles = (kv_end + BN - 1) / BN;
 
     if (wg == 0) {
         regs::producer();
@@ -769,8 +724,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const float k_scale = a.k_scale[kvh * a.scale_stride_head];
     const float v_scale = a.v_scale[kvh * a.scale_stride_head];
 
-    h8_load_q<T, D>(a, sq, s_qs, &s_f16ok[4 * cw], cw, wt, q0, q_start, query_len, h, q_vec,
-                    neg_q, (68.2f / H8_Q_L1 * 448.0f) * k_scale * fabsf(scale_log2));
+    h8_load_q<T, D>(a, sq, s_qs, cw, wt, q0, q_start, query_len, h, q_vec, neg_q);
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
 
@@ -780,7 +734,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
         o[i] = 0.0f;
     }
     float l[2] = {0.0f, 0.0f};
-    float lm[2]; /* the LSE's base (h8_consume) */
+    float lm[2];                          /* the LSE's base (h8_consume) */
     const int r0 = cw * 64 + w4 * 16 + g; /* this thread's rows r0 and r0 + 8 */
     const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
     const int32_t g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
@@ -796,13 +750,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                           wgmma_desc(sk0, 16u, 1024u),
                           wgmma_desc(svt0, 16u, 1024u),
                           smem_addr(&s_sink[tid - 128])};
-    const int32_t *ok = &s_f16ok[4 * cw];
-    if (ok[0] && ok[1] && ok[2] && ok[3]) { /* warpgroup-uniform */
-        h8_consume<D, TMA, true>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
-    else {
-        h8_consume<D, TMA, false>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
+    h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
 
     /* Epilogue: O v_scale / l; O and l both carry 2^P_LOG2, taken out of l here so that the
      * LSE (lm + log2 l: the row stores' m sl2 with m = lm, sl2 = 1) comes out right. */
@@ -854,10 +802,12 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
 {
     static volatile bool attr_set[ATTN_MAX_DEVICES];
     constexpr int ST = h8_stages<TMA>::ST, SR = h8_stages<TMA>::SR;
-    static_assert((size_t)SR * H8_BN * H8_ROW >= (size_t)H8_BM * D * 2,
+    constexpr int BN = h8_stages<TMA>::BN;
+    static_assert((size_t)SR * BN * H8_ROW >= (size_t)H8_BM * D * 2,
                   "the staged epilogue fits in the staging slots");
     /* Q, K, staging and V^T slots, alignment slack */
-    const size_t smem = (size_t)(1 + ST + SR) * H8_BN * H8_ROW + (size_t)H8_SVT * D * H8_ROW + 1024;
+    const size_t smem =
+        (size_t)H8_BM * H8_ROW + (size_t)(ST + SR) * BN * H8_ROW + (size_t)H8_SVT * D * BN + 1024;
     const void *kernel = (const void *)attention_sm90_fp8_kernel<T, D, TMA>;
     const cudaError_t e = attn_allow_smem(kernel, smem, attr_set);
     if (e != cudaSuccess) {

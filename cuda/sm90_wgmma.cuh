@@ -311,6 +311,28 @@ wgmma_rs_m64n128_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t de
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+static __device__ __forceinline__ void
+wgmma_rs_m64n256_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 " H90_R64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : H90_U8(0), H90_U8(8), H90_U8(16), H90_U8(24), H90_U8(32), H90_U8(40), H90_U8(48),
+                   H90_U8(56)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+/* S (m64 x N) += Q K^T k-step, f16 accumulators: N = 2 x the registers. */
+static __device__ __forceinline__ void
+wgmma_rs_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    wgmma_rs_m64n128_e4m3_f16(d, a, desc_b, scale_d);
+}
+static __device__ __forceinline__ void
+wgmma_rs_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
+{
+    wgmma_rs_m64n256_e4m3_f16(d, a, desc_b, scale_d);
+}
+
 /* O (m64 x D) += P V in e4m3, D 64 or 128. */
 static __device__ __forceinline__ void
 h90_pv_e4m3(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
