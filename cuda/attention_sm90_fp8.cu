@@ -217,7 +217,7 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
     const uint32_t dst = svt0 + slot * VTB + dim * H8_ROW;
     const uint32_t sel0 = p < 4u ? 0x6420u : 0x7531u; /* dim 2p's bytes, or 2p + 1's */
     const uint32_t sel1 = p < 4u ? 0x7531u : 0x6420u;
-#pragma unroll
+#pragma unroll(BN == 256 ? 4 : 32)
     for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
         const uint32_t step = (uint32_t)(w + NW * i);
         if (step < (uint32_t)STEPS) { /* warp-uniform */
