@@ -63,13 +63,12 @@
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
-/* Keys per tile and K and staging slots per producer: the TMA producer's tiles are 256 keys, two
- * of each slot beside Q and two V^T slots (208 KB); the cp.async producer's 128 keys, two of
- * each (it waits for a tile's copies one tile later). */
+/* Keys per tile and K and staging slots per producer: 256-key tiles, two of each slot beside Q and
+ * two V^T slots (208 KB at head 128). */
 template <bool TMA> struct h8_stages {
-    static constexpr int BN = TMA ? 256 : 128; /* keys per tile */
-    static constexpr int ST = 2;               /* K slots */
-    static constexpr int SR = 2;               /* staging slots (V rows as they lie) */
+    static constexpr int BN = 256; /* keys per tile */
+    static constexpr int ST = 2;   /* K slots */
+    static constexpr int SR = 2;   /* staging slots (V rows as they lie) */
     /* producer threads that transpose V: warps 1..3 with TMA (warp 0 issues), else all four */
     static constexpr int TRANSPOSERS = TMA ? 96 : 128;
 };
@@ -217,7 +216,7 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
     const uint32_t dst = svt0 + slot * VTB + dim * H8_ROW;
     const uint32_t sel0 = p < 4u ? 0x6420u : 0x7531u; /* dim 2p's bytes, or 2p + 1's */
     const uint32_t sel1 = p < 4u ? 0x7531u : 0x6420u;
-#pragma unroll(BN == 256 ? 4 : 32)
+#pragma unroll(BN == 256 ? 2 : 32)
     for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
         const uint32_t step = (uint32_t)(w + NW * i);
         if (step < (uint32_t)STEPS) { /* warp-uniform */
@@ -264,7 +263,7 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
     constexpr int CH = D / 16;   /* 16-byte chunks per key row */
     constexpr int RP = 128 / CH; /* rows per pass of the 128 threads */
     constexpr int BN = h8_stages<false>::BN;
-    static_assert(BN == 128, "one key a thread");
+    constexpr int KPT = BN / 128; /* keys per thread: tid, tid + 128, .. */
     __shared__ int64_t s_off[2][BN];
     const int tid = (int)threadIdx.x;
     const int64_t kvh = h / (a.num_heads / a.num_kv_heads);
@@ -273,15 +272,24 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
     const char *const kc2 = (const char *)a.key_cache2, *const vc2 = (const char *)a.value_cache2;
     const uint32_t bs = (uint32_t)a.block_size;
     const uint32_t c = (uint32_t)(tid % CH), rr = (uint32_t)(tid / CH);
-    int32_t blk = tid < kv_end ? bt[(uint32_t)tid / bs] : 0; /* loaded a tile ahead */
+    int32_t blk[KPT]; /* loaded a tile ahead */
+#pragma unroll
+    for (int e = 0; e < KPT; e++) {
+        const int32_t j = tid + 128 * e;
+        blk[e] = j < kv_end ? bt[(uint32_t)j / bs] : 0;
+    }
     constexpr int ST = h8_stages<false>::ST, SR = h8_stages<false>::SR;
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
-        const int32_t j = j0 + tid;
-        s_off[kt & 1][tid] =
-            j < kv_end ? kv_block_offset<1>(a, dk_safe_block(a, blk), (uint32_t)j % bs, kvh) : 0;
-        const int32_t jn = j + BN;
-        blk = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
+#pragma unroll
+        for (int e = 0; e < KPT; e++) {
+            const int32_t j = j0 + tid + 128 * e;
+            s_off[kt & 1][tid + 128 * e] =
+                j < kv_end ? kv_block_offset<1>(a, dk_safe_block(a, blk[e]), (uint32_t)j % bs, kvh)
+                           : 0;
+            const int32_t jn = j + BN;
+            blk[e] = jn < kv_end ? bt[(uint32_t)jn / bs] : 0;
+        }
         named_barrier(15u, 128u);
         const int64_t *const offs = s_off[kt & 1];
         const uint32_t slot_k = (uint32_t)(kt % ST);
@@ -547,7 +555,10 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
     float sc[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        sc[hf] = fminf(fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f), 65504.0f);
+        /* a nan or infinite multiplier (a nan or infinite scale) stays nan: the outputs are nan */
+        sc[hf] = isfinite(sl2[hf])
+                     ? fminf(fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f), 65504.0f)
+                     : __int_as_float(0x7fffffff);
     }
     /* S = Q K^T for the tile in K slot `slot` (no commit): D / 32 k-steps of 32 bytes */
     const auto qk = [&](uint32_t slot) {
