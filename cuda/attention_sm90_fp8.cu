@@ -54,12 +54,12 @@
 
 #include <type_traits>
 
-#define H8_NC 2       /* consumer warpgroups */
-#define H8_BM 128     /* query rows per CTA: 64 per consumer warpgroup */
-#define H8_SVT 2      /* V^T slots */
-#define H8_P_LOG2 8   /* P is rounded to e4m3 as 2^8 p */
-#define H8_ROW 128u   /* bytes per row of the Q, K and staging tiles */
-#define H8_Q_L1 64.0f /* Q rows are scaled to this L1 norm before rounding to e4m3 */
+#define H8_NC 2        /* consumer warpgroups */
+#define H8_BM 128      /* query rows per CTA: 64 per consumer warpgroup */
+#define H8_SVT 2       /* V^T slots */
+#define H8_P_LOG2 8    /* P is rounded to e4m3 as 2^8 p */
+#define H8_ROW 128u    /* bytes per row of the Q, K and staging tiles */
+#define H8_Q_L1 128.0f /* Q rows are scaled to at most this L1 norm before rounding to e4m3 */
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
@@ -108,10 +108,11 @@ h8_elem(const uint4 &v, int e)
 /*
  * Quantizes this consumer warpgroup's 64 Q rows (zeros past the row's end) into the e4m3 tile
  * at sq (128-byte swizzled rows) and their scales into s_qs: thread wt (0 .. 127) takes half
- * wt % 2 of row 64 cw + wt / 2.  The row's scale is its L1 norm / 64, so that the rounded row's
- * L1 norm is at most 64 (1 + 2^-4) + D 2^-10 < 68.2 and every score |S| = |q8 . k8| of it stays
- * under 68.2 * 448 < 32,752 whatever the keys hold: S fits f16 with room to spare (a row whose L1
- * norm is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  The caller fences and
+ * wt % 2 of row 64 cw + wt / 2.  The row's scale qs is the larger of its L1 norm / 128 and its
+ * largest magnitude / 448 (no element past e4m3's 448), so that the rounded row's L1 norm is at
+ * most 128 (1 + 2^-4) + D 2^-10 < 136.2 and every score |S| = |q8 . k8| of it stays under
+ * 136.2 * 448 < 61,020 whatever the keys hold: S accumulates in f16 without overflow (a row whose
+ * L1 norm is under 1e-30 becomes zeros, scale 1); neg_q negates the row.  The caller fences and
  * syncs the warpgroup after.
  */
 template <typename T, int D>
@@ -138,19 +139,22 @@ h8_load_q(const dk_attention_args &a, uint32_t sq, float *s_qs, int cw, int wt, 
             x[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    float l1 = 0.0f;
+    float l1 = 0.0f, amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < CH; i++) {
 #pragma unroll
         for (int e = 0; e < 8; e++) {
-            l1 += fabsf(h8_elem<T>(x[i], e));
+            const float v = fabsf(h8_elem<T>(x[i], e));
+            l1 += v;
+            amax = fmaxf(amax, v);
         }
     }
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     /* A row under 1e-30 is a row of zeros (its scores are below fp32's resolution of the
-     * others'): 64 / l1 would overflow there, and 0 * inf is nan. */
+     * others'): 128 / l1 would overflow there, and 0 * inf is nan. */
     const bool live = l1 > 1e-30f;
-    const float qs = live ? __fmul_rn(l1, 1.0f / H8_Q_L1) : 1.0f;
+    const float qs = live ? fmaxf(__fmul_rn(l1, 1.0f / H8_Q_L1), __fdiv_rn(amax, 448.0f)) : 1.0f;
     const float inv = live ? (neg_q ? -__frcp_rn(qs) : __frcp_rn(qs)) : 0.0f;
     if (half == 0) {
         s_qs[r] = qs;
@@ -429,9 +433,10 @@ h8_u32(__half2 x)
  * The online softmax of one key tile on S's f16 pairs in place (s[2 nt + hf]: row g + 8 hf, keys
  * j0 + 8 nt + 2 tq in the low half and + 1 in the high): keys at or past the row's limit become
  * -inf; the row maxima m (f16 values, -inf before any visible key) by HMNMX2, both rows' in one
- * shuffled pair; then p = 2^((S - m) sc + 8) by an HSUB2, an HFMA2 and ex2.approx.f16x2 per pair
- * (sc: the row's multiplier in f16, h8_consume).  S - m is within f16 (|S| < 30,600, Q's L1
- * scaling) and exact near the max, where p matters; p <= 2^8 = 2^P_LOG2 at the max.  alpha =
+ * shuffled pair; then p = 2^((S / 2 - m / 2) 2 sc + 8) by two HFMA2 and ex2.approx.f16x2 per pair
+ * (sc: the row's multiplier in f16, h8_consume): S / 2 - m / 2 stays within f16 (|S| < 61,020,
+ * Q's scaling; S - m itself could pass 65,504 where a small sc still leaves p well above 0), one
+ * rounding, exact near the max, where p matters; p <= 2^8 = 2^P_LOG2 at the max.  alpha =
  * 2^((m - m') sc) in fp32 for O and l; the tile's row sums add the f16 p in four chains and a
  * tree (at most 2 BN / 8 x 256 a thread), into l in fp32.  Returns whether some row's max rose
  * (warp-uniform): O needs the rescale by alpha.
@@ -439,7 +444,7 @@ h8_u32(__half2 x)
 template <int BN>
 static __device__ __forceinline__ bool
 h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
-             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2])
+             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2], bool big)
 {
     constexpr int NT = BN / 8;
     if (j0 + BN > g_min) {
@@ -474,7 +479,7 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
     mm = __hmax2(mm, h8_h2(__shfl_xor_sync(0xffffffffu, h8_u32(mm), 2)));
     const float mx[2] = {__low2float(mm), __high2float(mm)};
     bool raised = false;
-    __half2 sc2[2], mu2[2];
+    __half2 sc2[2], mu2[2]; /* 2 sc; -m / 2 */
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const float mn = fmaxf(m[hf], mx[hf]);
@@ -482,16 +487,34 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
         /* m - mn of two f16 values is exact in fp32 */
         alpha[hf] = m[hf] == -INFINITY ? 0.0f : fast_exp2(__fmul_rn(m[hf] - mn, sc[hf]));
         m[hf] = mn;
-        sc2[hf] = __float2half2_rn(sc[hf]);
-        mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : mn); /* -inf - -inf is nan */
+        sc2[hf] = __float2half2_rn(2.0f * sc[hf]);
+        mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf - -inf is nan */
     }
-    const __half2 shift = __float2half2_rn((float)H8_P_LOG2);
+    if (big) { /* a multiplier past f16's range (warp-uniform, rare): the exponents in fp32 */
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const float mb = m[hf] == -INFINITY ? 0.0f : m[hf];
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const float2 f = __half22float2(h8_h2(s[2 * nt + hf]));
+                const float p0 = fast_exp2(fmaf(f.x - mb, sc[hf], (float)H8_P_LOG2));
+                const float p1 = fast_exp2(fmaf(f.y - mb, sc[hf], (float)H8_P_LOG2));
+                s[2 * nt + hf] = h8_u32(__floats2half2_rn(p0, p1));
+                sum += p0 + p1;
+            }
+            l[hf] = l[hf] * alpha[hf] + sum;
+        }
+        return __any_sync(0xffffffffu, raised) != 0;
+    }
+    const __half2 shift = __float2half2_rn((float)H8_P_LOG2), half = __float2half2_rn(0.5f);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         __half2 sum[4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const __half2 t = __hfma2(__hsub2(h8_h2(s[2 * nt + hf]), mu2[hf]), sc2[hf], shift);
+            const __half2 t =
+                __hfma2(__hfma2(h8_h2(s[2 * nt + hf]), half, mu2[hf]), sc2[hf], shift);
             uint32_t p; /* cuda_fp16's h2exp2 goes through fp32; this is two MUFU.EX2.F16 */
             asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
             s[2 * nt + hf] = p;
@@ -534,11 +557,11 @@ struct h8_ring {
  * One consumer warpgroup's pass over the key tiles (BN keys each): O (fp32), the rows' sums l
  * and their LSE base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
  * S = Q K^T is accumulated in f16 by the e4m3 wgmma (BN / 4 registers), the softmax runs on its
- * pairs (h8_softmax16) with sc = sl2 in f16, clamped to [2^-24, 65,504] (so that -inf * sc stays
- * -inf; a multiplier past 65,504 means scores beyond 2^30 in log2 units, where fp32 itself
- * resolves no difference under 64).  Each warpgroup issues tile kt's Q K^T with tile kt - 1's
- * P V and waits for the P V only after kt's softmax (the store to the sink word keeps ptxas from
- * hoisting that wait).
+ * pairs (h8_softmax16) with sc = sl2 in f16, at least 2^-24 (so that -inf * sc stays -inf: a
+ * smaller multiplier moves no exponent by more than 61,020 * 2^-25 < 2^-9); a warp with a row's
+ * multiplier past 32,752 takes the softmax's fp32 form.  Each warpgroup issues tile kt's Q K^T with
+ * tile kt - 1's P V and waits for the P V only after kt's softmax (the store to the sink word keeps
+ * ptxas from hoisting that wait).
  */
 template <int D, bool TMA>
 static __device__ __forceinline__ void
@@ -555,11 +578,13 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
     float sc[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        /* a nan or infinite multiplier (a nan or infinite scale) stays nan: the outputs are nan */
-        sc[hf] = isfinite(sl2[hf])
-                     ? fminf(fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f), 65504.0f)
-                     : __int_as_float(0x7fffffff);
+        /* a nan or infinite multiplier (a nan or infinite scale) stays nan: the outputs are nan;
+         * one past 32,752 (2 sc past f16's range) is kept in fp32 for h8_softmax16's fp32 form */
+        sc[hf] = !isfinite(sl2[hf])   ? __int_as_float(0x7fffffff)
+                 : sl2[hf] > 32752.0f ? sl2[hf]
+                                      : fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
     }
+    const bool big = __any_sync(0xffffffffu, sc[0] > 32752.0f || sc[1] > 32752.0f);
     /* S = Q K^T for the tile in K slot `slot` (no commit): D / 32 k-steps of 32 bytes */
     const auto qk = [&](uint32_t slot) {
         const uint64_t dk = ring.dk0 + slot * (TILE >> 4);
@@ -586,7 +611,7 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
+            h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc, big);
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
@@ -600,7 +625,8 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            const bool rescale = h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
+            const bool rescale =
+                h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc, big);
             /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
              * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
              * results, to a word nothing reads. */

@@ -135,12 +135,15 @@ def ref_attention(
 
 def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
     """Q ``[..., D]`` as the Hopper e4m3 kernel rounds it, float64: per row of D (a token's
-    head), the scale ``qs = l1 / 64`` (the row's L1 norm, fp32), ``x * (1 / qs)`` in fp32 rounded
-    to float8_e4m3fn, times ``qs``; a row whose L1 norm is under 1e-30 becomes zeros."""
+    head), the scale ``qs = max(l1 / 128, amax / 448)`` (the row's L1 norm and largest magnitude,
+    fp32), ``x * (1 / qs)`` in fp32 rounded to float8_e4m3fn, times ``qs``; a row whose L1 norm
+    is under 1e-30 becomes zeros."""
     x = q.float()
-    l1 = x.abs().sum(dim=-1, keepdim=True)
+    ax = x.abs()
+    l1 = ax.sum(dim=-1, keepdim=True)
     live = l1 > 1e-30  # smaller rows become zeros
-    qs = torch.where(live, l1 / 64.0, torch.ones_like(l1))
+    qs = torch.maximum(l1 / 128.0, ax.amax(dim=-1, keepdim=True) / 448.0)
+    qs = torch.where(live, qs, torch.ones_like(l1))
     codes = (x * torch.where(live, 1.0 / qs, torch.zeros_like(qs))).clamp(-448, 448).to(torch.float8_e4m3fn)
     return codes.double() * qs.double()
 

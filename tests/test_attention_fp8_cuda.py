@@ -2,7 +2,8 @@
 the mma.sync kernels' fp8 form ("sm80-fp8", the kernel choice sm80: what an A100 runs).
 
 Both products run on e4m3 tensor cores: Q is rounded to e4m3 with one scale per (token, head)
-(its largest magnitude / 448), P as 2^8 p.  The reference is float64 over the dequantized cache
+(the larger of its L1 norm / 128 and its largest magnitude / 448: S = Q K^T accumulates in f16,
+under 61,020 whatever the keys), P as 2^8 p.  The reference is float64 over the dequantized cache
 (``e4m3 * scale``) and over Q rounded as the kernel documents it (``reference.e4m3_rows``), so what is
 left between them is P's rounding to e4m3: a relative error of at most 2^-4 per probability
 (RMS about 2^-4 / sqrt(3) / 1.5 over uniformly spread mantissas) that averages incoherently over
@@ -234,14 +235,44 @@ def test_strided_query_and_output_and_one_tile_rows():
 
 
 def test_query_rows_of_almost_zeros_attend_uniformly():
-    """A (token, head) row whose largest magnitude is under 1e-30 is rounded as zeros (448 / amax
-    would overflow, and 0 * inf is nan): its output is the mean of the visible values."""
+    """A (token, head) row whose L1 norm is under 1e-30 is rounded as zeros (128 / l1 would
+    overflow, and 0 * inf is nan): its output is the mean of the visible values."""
     rows = [(40, 300)]
     prob = _problem(rows, 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=8)
     query, cache, table, starts, lens, k_scale, v_scale = prob
     query[:7] *= 1e-33
     out = _run(*prob, _C.MASK_NONE, 128**-0.5)
     _check(out, _expected(*prob, _visible("none", None), 128**-0.5))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_multipliers_past_f16s_range_take_the_fp32_softmax(ties):
+    """A row's exponent multiplier (softmax scale x log2 e x k_scale x Q's row scale) past 32,752
+    does not fit the f16 softmax: that warp's exponents run in fp32.  Here it is ~10^5 (Q's rows
+    one-hot at 1000, k_scale 4096, scale 1): scores one code step apart differ by thousands in
+    log2 units, so each row's output is the mean of the V rows of its largest keys (one or a few
+    where codes round alike; two set apart with `ties`).  Through the f16 form, 2 sc would be
+    infinite there and the outputs nan."""
+    prob = _problem([(8, 100), (3, 37)], 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=21)
+    query, cache, table, starts, lens, _, v_scale = prob
+    query.zero_()
+    query[..., 0] = 1000.0  # q8 = 128 on dim 0: S = 128 k8[dim 0], exact in f16
+    keys = cache[0].float().cpu()
+    # dim 0 of the keys: 1 / 64 .. 100 / 64, rounded to e4m3
+    for r in range(len(lens)):
+        for j in range(int(lens[r])):
+            b, t = int(table[r, j // 16]), j % 16
+            keys[b, t, :, 0] = (((j * 37) % 100) + 1) / 64.0
+        if ties:  # the row's last two keys share the largest code
+            for j in (int(lens[r]) - 2, int(lens[r]) - 1):
+                keys[int(table[r, j // 16]), j % 16, :, 0] = 2.0
+    cache[0] = keys.to(F8).cuda()
+    k_scale = torch.full((1,), 4096.0, device="cuda")
+    out = _run(query, cache, table, starts, lens, k_scale, v_scale, _C.MASK_NONE, 1.0)
+    exact = _expected(query, cache, table, starts, lens, k_scale, v_scale, _visible("none", None), 1.0)
+    out = out.double().cpu()
+    assert torch.isfinite(out).all()
+    assert ((out - exact).abs() <= 2.0**-8 * exact.abs() + 1e-6).all()
 
 
 def test_long_rows_and_gqa_groups():
