@@ -441,10 +441,10 @@ h8_u32(__half2 x)
  * tree (at most 2 BN / 8 x 256 a thread), into l in fp32.  Returns whether some row's max rose
  * (warp-uniform): O needs the rescale by alpha.
  */
-template <int BN>
+template <int BN, bool BIG>
 static __device__ __forceinline__ bool
 h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
-             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2], bool big)
+             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2])
 {
     constexpr int NT = BN / 8;
     if (j0 + BN > g_min) {
@@ -490,7 +490,7 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
         sc2[hf] = __float2half2_rn(2.0f * sc[hf]);
         mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf - -inf is nan */
     }
-    if (big) { /* a multiplier past f16's range (warp-uniform, rare): the exponents in fp32 */
+    if constexpr (BIG) { /* a multiplier past f16's range (rare): the exponents in fp32 */
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const float mb = m[hf] == -INFINITY ? 0.0f : m[hf];
@@ -558,12 +558,12 @@ struct h8_ring {
  * and their LSE base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
  * S = Q K^T is accumulated in f16 by the e4m3 wgmma (BN / 4 registers), the softmax runs on its
  * pairs (h8_softmax16) with sc = sl2 in f16, at least 2^-24 (so that -inf * sc stays -inf: a
- * smaller multiplier moves no exponent by more than 61,020 * 2^-25 < 2^-9); a warp with a row's
- * multiplier past 32,752 takes the softmax's fp32 form.  Each warpgroup issues tile kt's Q K^T with
- * tile kt - 1's P V and waits for the P V only after kt's softmax (the store to the sink word keeps
- * ptxas from hoisting that wait).
+ * smaller multiplier moves no exponent by more than 61,020 * 2^-25 < 2^-9); a warpgroup with a
+ * row's multiplier past 32,752 (BIG: the caller's vote) takes the softmax's fp32 form.  Each
+ * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after kt's
+ * softmax (the store to the sink word keeps ptxas from hoisting that wait).
  */
-template <int D, bool TMA>
+template <int D, bool TMA, bool BIG>
 static __device__ __forceinline__ void
 h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
            const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
@@ -584,7 +584,6 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
                  : sl2[hf] > 32752.0f ? sl2[hf]
                                       : fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
     }
-    const bool big = __any_sync(0xffffffffu, sc[0] > 32752.0f || sc[1] > 32752.0f);
     /* S = Q K^T for the tile in K slot `slot` (no commit): D / 32 k-steps of 32 bytes */
     const auto qk = [&](uint32_t slot) {
         const uint64_t dk = ring.dk0 + slot * (TILE >> 4);
@@ -611,7 +610,7 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc, big);
+            h8_softmax16<BN, BIG>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
@@ -626,7 +625,7 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
             const bool rescale =
-                h8_softmax16<BN>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc, big);
+                h8_softmax16<BN, BIG>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
             /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
              * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
              * results, to a word nothing reads. */
@@ -787,7 +786,19 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                           wgmma_desc(sk0, 16u, 1024u),
                           wgmma_desc(svt0, 16u, 1024u),
                           smem_addr(&s_sink[tid - 128])};
-    h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
+    /* a multiplier past 32,752 anywhere in the warpgroup (its 64 rows' scales, the same
+     * product as sl2's): the softmax's fp32 form for the whole warpgroup (wgmma wants every
+     * thread of it in the same code) */
+    bool big = false;
+    for (int r = 64 * cw; r < 64 * cw + 64; r++) {
+        big = big || scale_log2 * k_scale * s_qs[r] > 32752.0f;
+    }
+    if (big) {
+        h8_consume<D, TMA, true>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
+    }
+    else {
+        h8_consume<D, TMA, false>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
+    }
 
     /* Epilogue: O v_scale / l; O and l both carry 2^P_LOG2, taken out of l here so that the
      * LSE (lm + log2 l: the row stores' m sl2 with m = lm, sl2 = 1) comes out right. */
