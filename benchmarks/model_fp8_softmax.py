@@ -1,9 +1,11 @@
 """A CPU model of the e4m3 attention kernel's numerics, and of a variant with S in f16.
 
-The Hopper e4m3 kernel (cuda/attention_sm90_fp8.cu) rounds Q to e4m3 per row (amax / 448), reads
-K and V as e4m3 with per-tensor scales, accumulates S = Q K^T in fp32, runs the online softmax in
-fp32 over 128-key tiles with P = 2^8 p rounded to e4m3, and accumulates O = P V in fp32.  The
-variant models what benchmarks/probe_wgmma.cu's ``step+softmax16`` times: S accumulated in f16
+The 'fp32' form is the Hopper e4m3 kernel (cuda/attention_sm90_fp8.cu) before its f16 form: Q
+rounded to e4m3 per row (amax / 448), K and V as e4m3 with per-tensor scales, S = Q K^T in fp32,
+the online softmax in fp32 over 128-key tiles with P = 2^8 p rounded to e4m3, O = P V in fp32.
+The kernel now runs S in f16 over 256-key tiles (docs/fp8.md, *What the Hopper kernel
+computes*), close to the variant below (its Q scale and exponent's form differ).  The variant
+models what benchmarks/probe_wgmma.cu's ``step+softmax16`` times: S accumulated in f16
 by the wgmma (each 32-dim k-step's exact dot product added to an f16 accumulator), the scaled
 exponent in f16 (one fused multiply-add, rounded), ``ex2.approx.f16x2`` (modelled as the
 correctly rounded f16 of 2^x), P rounded to e4m3 from f16, and each thread's tile sums in f16

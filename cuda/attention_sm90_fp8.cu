@@ -1,40 +1,47 @@
 /*
  * attention_sm90_fp8.cu -- the Hopper (sm_90a) paged attention kernel over a float8_e4m3fn
- * cache, head 64 or 128, fp16/bf16 queries and output: both products on the e4m3 tensor cores
- * with fp32 accumulation, in the warp-specialized form of attention_sm90_ws.cu.
+ * cache, head 64 or 128, fp16/bf16 queries and output: both products on the e4m3 tensor cores,
+ * in the warp-specialized form of attention_sm90_ws.cu.
  *
  * Three warpgroups, one CTA per SM: warpgroup 0 the producer, warpgroups 1 and 2 the consumers,
- * 64 query rows each (128 per CTA), key tiles of 128 keys.
+ * 64 query rows each (128 per CTA), key tiles of 256 keys (cuDNN's fp8 SDPA's width on Hopper:
+ * the fixed costs of a tile -- barrier waits, the maxima's shuffles, O's rescale -- spread over
+ * twice the keys of a 128-key tile; docs/fp8.md, *What is left*).
  *
  *   - Q: each consumer warpgroup loads its 64 rows once and rounds them to e4m3 with one scale
- *     per row (its largest magnitude / 448: a row keeps e4m3's full relative precision whatever
- *     the other rows hold) into a 128-byte swizzled tile (one 128-byte row per query row; head
- *     64 leaves the second half of each row unused).  A negative softmax scale negates Q here.
- *   - K: S = Q K^T is wgmma m64n128k32 e4m3 over D / 32 k-steps of the K slot (the same
- *     layout); the scores' multiplier is softmax_scale * log2(e) * k_scale * q_scale(row).
+ *     per row, qs = max(L1 norm / 128, largest magnitude / 448), into a 128-byte swizzled tile
+ *     (one 128-byte row per query row; head 64 leaves the second half of each row unused).  The
+ *     rounded row's L1 norm is then under 136.2, so |S| = |q8 . k8| < 136.2 * 448 < 61,020
+ *     whatever the keys hold (e4m3 is floating point: the scale's size costs no relative
+ *     precision above e4m3's subnormals).  A negative softmax scale negates Q here.
+ *   - K: S = Q K^T is wgmma m64n256k32 e4m3 with f16 accumulators (64 registers a thread) over
+ *     D / 32 k-steps of the K slot; the scores' multiplier sl2 is softmax_scale * log2(e) *
+ *     k_scale * qs(row).
  *   - V: wgmma reads 8-bit B operands K-major only, so P V needs V with the key index
  *     contiguous: a tile's V rows land in a staging slot as they lie, and the producer's
- *     threads, otherwise idle, transpose them into the V^T slot (one 128-key row per head dim;
- *     h8_transpose: ldmatrix.trans, two byte permutes, stmatrix) -- shared-memory traffic, not
- *     HBM.  The key order within each 32-key step is permuted so that P's fp32 accumulator
+ *     threads, otherwise idle, transpose them into the V^T slot (two panels of one 128-key row
+ *     per head dim; h8_transpose: ldmatrix.trans, two byte permutes, stmatrix) -- shared-memory
+ *     traffic, not HBM.  The key order within each 32-key step is permuted so that P's
  *     registers are already the A operand's bytes: a thread's S holds keys 8n + 2t, 8n + 2t + 1
  *     of its rows, and the e4m3 A fragment wants columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3,
- *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p).
- *   - P: exp2 of the scaled scores minus the row max plus P_LOG2, i.e. 2^8 p in [0, 256],
- *     where e4m3 keeps 3 mantissa bits down to 2^-6 / 2^8 of the row max (p itself would fall
- *     into e4m3's subnormals below 2^-6); the row sums take the same 2^8 p (fp32, before
- *     rounding), so the factor cancels in O / l and is taken out of the LSE.
- *   - O is scaled by v_scale once at the end.
+ *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p16).
+ *   - P: 2^((S - m) sc + 8) on S's f16 pairs (h8_softmax16: two HFMA2 and ex2.approx.f16x2 a
+ *     pair; sc = sl2 in f16), i.e. 2^8 p in [0, 256], where e4m3 keeps 3 mantissa bits down to
+ *     2^-6 / 2^8 of the row max; the row sums take the same 2^8 p (f16 within a tile, fp32
+ *     across tiles), so the factor cancels in O / l and is taken out of the LSE.  A warpgroup
+ *     with a multiplier past 32,752 (where 2 sc leaves f16) runs the exponents in fp32.
+ *   - O (fp32) is scaled by v_scale once at the end.
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
  * Producers ("sm90-fp8-tma" / "sm90-fp8", attention.cu): TMA boxes of 16-key chunks where the
  * cache's per-chunk maps exist (h8_produce_tma: head 128, blocks of a multiple of 16 keys), else
- * cp.async rows (h8_produce).  Every slot has a "full" and an "empty" mbarrier.  Each consumer
- * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after
- * kt's softmax (the store to s_sink keeps ptxas from hoisting that wait).  The consumers do not
- * take turns (attention_sm90_ws.cu's ping-pong): measured without it, the e4m3 kernel ran 3 %
- * faster.  Keys past the row's last visible key are zeros in V^T (cp.async's zero fill, or
- * h8_transpose's mask); the mask drops their scores.
+ * cp.async rows (h8_produce); both fill the same 256-key tiles, so they compute the same bits.
+ * Two K, two staging and two V^T slots (208 KB at head 128); every slot has a "full" and an
+ * "empty" mbarrier.  Each consumer warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
+ * waits for the P V only after kt's softmax (the store to s_sink keeps ptxas from hoisting that
+ * wait).  The consumers do not take turns (attention_sm90_ws.cu's ping-pong): measured without
+ * it, the e4m3 kernel ran 3 % faster.  Keys past the row's last visible key are zeros in V^T
+ * (cp.async's zero fill, or h8_transpose's mask); the mask drops their scores.
  *
  * Epilogue: 16-byte aligned output rows go out through the staging slots (free once the last
  * V^T landed: the producer's last read of them came before) with h90_store_o_staged, others
@@ -186,7 +193,8 @@ stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
 
 /*
  * Transposes tile kt's V rows (landed in staging slot kt % SR, 128-byte swizzled rows) into
- * V^T slot kt % H8_SVT (row n: head dim n, 128 keys in the h8_pack_p order, 128-byte swizzle),
+ * V^T slot kt % H8_SVT (BN / 128 panels of D rows: row n of panel p holds head dim n of keys
+ * 128 p .. 128 p + 127 in the h8_pack_p16 order, 128-byte swizzle),
  * after waiting for that slot's release, and arrives on its full barrier (every thread of the NW
  * transposing warps; w: this warp's index among them).  A warp step takes 16 keys (half hh of
  * a 32-key step kk: 16 (2 kk + hh) = 16 `half`) x 32 dims: ldmatrix.trans reads them as four
@@ -250,12 +258,12 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
 }
 
 /*
- * The cp.async producer warpgroup (128 threads): per key tile, thread t resolves key t's row offset
- * into a shared ring of two tiles; then K's rows go by cp.async into K slot kt % ST (arriving on
- * its full barrier as they land) and V's into staging slot kt % SR, 16-byte chunk tid % CH
- * of rows tid / CH + (128 / CH) i, zero-filled past kv_end; then tile kt - 1's V, landed by
- * now, is transposed.  Barrier 15 (once per tile, after the ring is written) also orders every
- * thread's transpose of tile kt - 2 before the copies into its staging slot; barrier 14 makes
+ * The cp.async producer warpgroup (128 threads): per key tile, thread t resolves keys t and
+ * t + 128's row offsets into a shared ring of two tiles; then K's rows go by cp.async into K slot
+ * kt % ST (arriving on its full barrier as they land) and V's into staging slot kt % SR, 16-byte
+ * chunk tid % CH of rows tid / CH + (128 / CH) i, zero-filled past kv_end; then tile kt - 1's V,
+ * landed by now, is transposed.  Barrier 15 (once per tile, after the ring is written) also orders
+ * every thread's transpose of tile kt - 2 before the copies into its staging slot; barrier 14 makes
  * tile kt - 1's staging copies visible to the transpose.
  */
 template <int D>
