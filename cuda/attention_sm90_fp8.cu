@@ -339,8 +339,8 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 
 /*
  * The TMA producer warpgroup (head 128, blocks of a multiple of 16 keys, every block's rows in
- * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 7 each bring one 16-key chunk of a tile as a
- * TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
+ * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
+ * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
  * fetched.  The block ids come a tile ahead.  Warps 1 .. 3 transpose: per tile they wait for
  * its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one
