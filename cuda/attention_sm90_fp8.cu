@@ -496,7 +496,7 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
         alpha[hf] = m[hf] == -INFINITY ? 0.0f : fast_exp2(__fmul_rn(m[hf] - mn, sc[hf]));
         m[hf] = mn;
         sc2[hf] = __float2half2_rn(2.0f * sc[hf]);
-        mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf - -inf is nan */
+        mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf + inf is nan */
     }
     if constexpr (BIG) { /* a multiplier past f16's range (rare): the exponents in fp32 */
 #pragma unroll
