@@ -453,10 +453,10 @@ h8_u32(__half2 x)
  * ones: no sums here).  Returns whether some row's max rose (warp-uniform): O needs the rescale
  * by alpha.
  */
-template <int BN, bool BIG>
+template <int BN>
 static __device__ __forceinline__ bool
 h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&alpha)[2], int32_t j0, int32_t lim0,
-             int32_t lim1, int32_t g_min, int tq, const float (&sc)[2])
+             int32_t lim1, int32_t g_min, int tq, const float (&sc)[2], bool big)
 {
     constexpr int NT = BN / 8;
     if (j0 + BN > g_min) {
@@ -502,16 +502,35 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&alpha)[2], int32_t j0
         sc2[hf] = __float2half2_rn(2.0f * sc[hf]);
         mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf + inf is nan */
     }
-    if constexpr (BIG) { /* a multiplier past f16's range (rare): the exponents in fp32 */
+    if (big) {
+        /* A warpgroup with a multiplier past 32,752 (rare): its rows past it take
+         * t = (S - m) 2^15 c2 (sc / 2^15 / c2) + 8 -- S - m may become -inf there, which is
+         * right: the exponent is then below -65,504 x 32,752 -- with c2 = 2^15 past sc = 2^31
+         * (any nonzero S - m then gives p = 0, as the exact p underflows anyway) and the last
+         * factor at most 65,504; its other rows the form below (S / 2 - m / 2, 2 sc, ones). */
+        const __half2 shift = __float2half2_rn((float)H8_P_LOG2);
+        __half2 h[2], nm[2], c1[2], c2[2], sb[2];
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            const float mb = m[hf] == -INFINITY ? 0.0f : m[hf];
+            const bool past = sc[hf] > 32752.0f, huge = sc[hf] > 0x1p31f;
+            h[hf] = __float2half2_rn(past ? 1.0f : 0.5f);
+            nm[hf] = past ? __float2half2_rn(m[hf] == -INFINITY ? 0.0f : -m[hf]) : mu2[hf];
+            c1[hf] = __float2half2_rn(past ? 0x1p15f : 1.0f);
+            c2[hf] = __float2half2_rn(huge ? 0x1p15f : 1.0f);
+            sb[hf] = past ? __float2half2_rn(fminf(sc[hf] * (huge ? 0x1p-30f : 0x1p-15f), 65504.0f))
+                          : sc2[hf];
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const float2 f = __half22float2(h8_h2(s[2 * nt + hf]));
-                const float p0 = fast_exp2(fmaf(f.x - mb, sc[hf], (float)H8_P_LOG2));
-                const float p1 = fast_exp2(fmaf(f.y - mb, sc[hf], (float)H8_P_LOG2));
-                s[2 * nt + hf] = h8_u32(__floats2half2_rn(p0, p1));
+                const __half2 t = __hfma2(
+                    __hmul2(__hmul2(__hfma2(h8_h2(s[2 * nt + hf]), h[hf], nm[hf]), c1[hf]),
+                            c2[hf]),
+                    sb[hf], shift);
+                uint32_t p;
+                asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
+                s[2 * nt + hf] = p;
             }
         }
         return __any_sync(0xffffffffu, raised) != 0;
@@ -569,11 +588,11 @@ struct h8_ring {
  * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after kt's
  * softmax (the store to the sink word keeps ptxas from hoisting that wait).
  */
-template <int D, bool TMA, bool BIG>
+template <int D, bool TMA>
 static __device__ __forceinline__ void
-h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], uint64_t dq,
+h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
            const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
-           int lane, const float (&sl2)[2])
+           int lane, const float (&sl2)[2], bool big)
 {
     constexpr int ST = h8_stages<TMA>::ST, BN = h8_stages<TMA>::BN;
     constexpr uint32_t TILE = BN * H8_ROW;
@@ -585,7 +604,7 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], uint64_t dq,
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         /* a nan or infinite multiplier (a nan or infinite scale) stays nan: the outputs are nan;
-         * one past 32,752 (2 sc past f16's range) is kept in fp32 for h8_softmax16's fp32 form */
+         * one past 32,752 (2 sc past f16's range) is kept in fp32 for h8_softmax16's BIG form */
         sc[hf] = !isfinite(sl2[hf])   ? __int_as_float(0x7fffffff)
                  : sl2[hf] > 32752.0f ? sl2[hf]
                                       : fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
@@ -597,7 +616,7 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], uint64_t dq,
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 32; kk++) {
-            wgmma_ss_m64n256_e4m3_f16(s, dq + 2u * (uint32_t)kk, dk + 2u * (uint32_t)kk, kk > 0);
+            wgmma_rs_e4m3_f16(s, qa[kk], dk + 2u * (uint32_t)kk, kk > 0);
         }
     };
     for (int32_t kt = 0; kt < n_tiles; kt++) {
@@ -616,7 +635,7 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], uint64_t dq,
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            h8_softmax16<BN, BIG>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc);
+            h8_softmax16<BN>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc, big);
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
@@ -630,7 +649,7 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], uint64_t dq,
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            const bool rescale = h8_softmax16<BN, BIG>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc);
+            const bool rescale = h8_softmax16<BN>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc, big);
             /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
              * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
              * results, to a word nothing reads. */
@@ -793,7 +812,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const float sl2[2] = {scale_log2 * k_scale * s_qs[r0], scale_log2 * k_scale * s_qs[r0 + 8]};
     /* this warpgroup's Q rows as registers; wgmma descriptors of K slot 0 and V^T slot 0 (slot
      * i: + i times the slot's size in 16-byte units) */
-    const uint64_t dq = wgmma_desc(sq + (uint32_t)cw * (64u * H8_ROW), 16u, 1024u);
+    uint32_t qa[D / 32][4];
+    h90_q_frags<D / 32, 128>(qa, sq, r0, tq); /* rows of D <= 128 bytes: one panel */
     const h8_ring ring = {full_k,
                           full_vt,
                           empty_k,
@@ -808,12 +828,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int r = 64 * cw; r < 64 * cw + 64; r++) {
         big = big || scale_log2 * k_scale * s_qs[r] > 32752.0f;
     }
-    if (big) {
-        h8_consume<D, TMA, true>(o, lm, dq, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
-    else {
-        h8_consume<D, TMA, false>(o, lm, dq, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
+    h8_consume<D, TMA>(o, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
 
     /* Epilogue: O v_scale / l, l from O's column D (rows g, g + 8: o[D / 2], o[D / 2 + 2] of the
      * quad's thread tq = 0; the row stores add the quad's l); O and l both carry 2^P_LOG2, taken
