@@ -67,7 +67,7 @@
 #define H8_P_LOG2 8    /* P is rounded to e4m3 as 2^8 p */
 #define H8_ROW 128u    /* bytes per row of the Q, K and staging tiles */
 #define H8_Q_L1 128.0f /* Q rows are scaled to at most this L1 norm before rounding to e4m3 */
-#define H8_VX 8u      /* V^T rows past D a panel: row D all ones (O's column D: P's row sums) */
+#define H8_VX 8u       /* V^T rows past D a panel: row D all ones (O's column D: P's row sums) */
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
@@ -525,8 +525,7 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&alpha)[2], int32_t j0
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const __half2 t = __hfma2(
-                    __hmul2(__hmul2(__hfma2(h8_h2(s[2 * nt + hf]), h[hf], nm[hf]), c1[hf]),
-                            c2[hf]),
+                    __hmul2(__hmul2(__hfma2(h8_h2(s[2 * nt + hf]), h[hf], nm[hf]), c1[hf]), c2[hf]),
                     sb[hf], shift);
                 uint32_t p;
                 asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
@@ -590,9 +589,9 @@ struct h8_ring {
  */
 template <int D, bool TMA>
 static __device__ __forceinline__ void
-h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
-           const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
-           int lane, const float (&sl2)[2], bool big)
+h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&l)[2], float (&lm)[2],
+           const uint32_t (&qa)[D / 32][4], const h8_ring &ring, int32_t n_tiles, int32_t lim0,
+           int32_t lim1, int32_t g_min, int tq, int lane, const float (&sl2)[2], bool big)
 {
     constexpr int ST = h8_stages<TMA>::ST, BN = h8_stages<TMA>::BN;
     constexpr uint32_t TILE = BN * H8_ROW;
@@ -659,6 +658,12 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], const uint32_t (&qa)[D
             if (lane == 0) {
                 mbar_arrive(ring.empty_vt + 8u * pslot);
             }
+            /* O's column D: the sums of P_{kt-1} (at m_{kt-1}, as l), afresh each tile: the
+             * wgmma's accumulation loses low bits against a large accumulator */
+            l[0] = (l[0] + o[D / 2]) * alpha[0];
+            l[1] = (l[1] + o[D / 2 + 2]) * alpha[1];
+            o[D / 2] = 0.0f;
+            o[D / 2 + 2] = 0.0f;
             if (rescale) {
                 h90_rescale_o<(D + H8_VX) / 8>(o, alpha);
             }
@@ -674,6 +679,8 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&lm)[2], const uint32_t (&qa)[D
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
+        l[0] += o[D / 2];
+        l[1] += o[D / 2 + 2];
     }
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
@@ -805,6 +812,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int i = 0; i < D / 2 + H8_VX / 2; i++) {
         o[i] = 0.0f;
     }
+    float l[2] = {0.0f, 0.0f};            /* the rows' sums (h8_consume; thread tq = 0's) */
     float lm[2];                          /* the LSE's base (h8_consume) */
     const int r0 = cw * 64 + w4 * 16 + g; /* this thread's rows r0 and r0 + 8 */
     const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
@@ -828,7 +836,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int r = 64 * cw; r < 64 * cw + 64; r++) {
         big = big || scale_log2 * k_scale * s_qs[r] > 32752.0f;
     }
-    h8_consume<D, TMA>(o, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
+    h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
 
     /* Epilogue: O v_scale / l, l from O's column D (rows g, g + 8: o[D / 2], o[D / 2 + 2] of the
      * quad's thread tq = 0; the row stores add the quad's l); O and l both carry 2^P_LOG2, taken
@@ -839,15 +847,15 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int i = 0; i < D / 2; i++) {
         o[i] *= out_scale;
     }
-    float l[2];
-    l[0] = tq == 0 ? o[D / 2] * (1.0f / (float)(1 << H8_P_LOG2)) : 0.0f;
-    l[1] = tq == 0 ? o[D / 2 + 2] * (1.0f / (float)(1 << H8_P_LOG2)) : 0.0f;
+    l[0] *= 1.0f / (float)(1 << H8_P_LOG2); /* 0 but at tq = 0: the row stores add the quad's */
+    l[1] *= 1.0f / (float)(1 << H8_P_LOG2);
     const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
     const float one[2] = {1.0f, 1.0f};
     if (o16) {
         /* the staging slots (BM * D * 2 bytes), free: the producer's last read of them came
          * before the last V^T's arrival, which this warpgroup waited for */
-        h90_store_o_staged<T, D, BM, D, D / 2 + H8_VX / 2>(a, sr0, cw, wt, h, t0, tile_rows, l, lm, one, o);
+        h90_store_o_staged<T, D, BM, D, D / 2 + H8_VX / 2>(a, sr0, cw, wt, h, t0, tile_rows, l, lm,
+                                                           one, o);
     }
     else {
 #pragma unroll
