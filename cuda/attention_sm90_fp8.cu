@@ -27,9 +27,13 @@
  *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p16).
  *   - P: 2^((S - m) sc + 8) on S's f16 pairs (h8_softmax16: two HFMA2 and ex2.approx.f16x2 a
  *     pair; sc = sl2 in f16), i.e. 2^8 p in [0, 256], where e4m3 keeps 3 mantissa bits down to
- *     2^-6 / 2^8 of the row max; the row sums take the same 2^8 p (f16 within a tile, fp32
- *     across tiles), so the factor cancels in O / l and is taken out of the LSE.  A warpgroup
- *     with a multiplier past 32,752 (where 2 sc leaves f16) runs the exponents in fp32.
+ *     2^-6 / 2^8 of the row max.  The row sums come from the tensor cores: V^T has 8 rows past
+ *     D, the first all e4m3 ones, so P V (m64n136 / m64n72) puts the sum of P as rounded to
+ *     e4m3 -- the weights O gets -- in O's column D, which is read into an fp32 l and zeroed
+ *     after every tile (summed into a large accumulator, wgmma's fp8 products lose low bits:
+ *     left there the sums measured 60 % more error on 4,525-key rows).  The 2^8 cancels in
+ *     O / l and is taken out of the LSE.  A warpgroup with a multiplier past 32,752 (where
+ *     2 sc leaves f16) takes a four-step form of the exponent, still in f16 (h8_softmax16).
  *   - O (fp32) is scaled by v_scale once at the end.
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
@@ -503,11 +507,13 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&alpha)[2], int32_t j0
         mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf + inf is nan */
     }
     if (big) {
-        /* A warpgroup with a multiplier past 32,752 (rare): its rows past it take
-         * t = (S - m) 2^15 c2 (sc / 2^15 / c2) + 8 -- S - m may become -inf there, which is
-         * right: the exponent is then below -65,504 x 32,752 -- with c2 = 2^15 past sc = 2^31
-         * (any nonzero S - m then gives p = 0, as the exact p underflows anyway) and the last
-         * factor at most 65,504; its other rows the form below (S / 2 - m / 2, 2 sc, ones). */
+        /* BIG: a warpgroup with a multiplier past 32,752 (rare; a warp-uniform branch, so that
+         * one loop serves both -- two instantiations of h8_consume made ptxas serialize the
+         * wgmmas).  Its rows past 32,752 take t = (S - m) 2^15 c2 (sc / 2^15 / c2) + 8 in f16:
+         * S - m may become -inf, which is right (the exponent is then below -65,504 x 32,752);
+         * c2 = 2^15 past sc = 2^31 (any nonzero S - m then gives p = 0, as the exact p underflows
+         * too) and the last factor at most 65,504.  Its other rows take the form below in the
+         * same four steps (S / 2 - m / 2, then 1, 1 and 2 sc). */
         const __half2 shift = __float2half2_rn((float)H8_P_LOG2);
         __half2 h[2], nm[2], c1[2], c2[2], sb[2];
 #pragma unroll
@@ -577,13 +583,14 @@ struct h8_ring {
 };
 
 /*
- * One consumer warpgroup's pass over the key tiles (BN keys each): O (fp32; column D the rows'
- * sums l of P as rounded to e4m3, from V^T's row of ones) and the LSE base lm (log2 units: the
+ * One consumer warpgroup's pass over the key tiles (BN keys each): O (fp32), the rows' sums l
+ * of P as rounded to e4m3 (O's column D, from V^T's row of ones, taken into l after each tile;
+ * thread tq = 0 of a quad holds them, the others 0) and the LSE base lm (log2 units: the
  * log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
  * S = Q K^T is accumulated in f16 by the e4m3 wgmma (BN / 4 registers), the softmax runs on its
  * pairs (h8_softmax16) with sc = sl2 in f16, at least 2^-24 (so that -inf * sc stays -inf: a
  * smaller multiplier moves no exponent by more than 61,020 * 2^-25 < 2^-9); a warpgroup with a
- * row's multiplier past 32,752 (BIG: the caller's vote) takes the softmax's fp32 form.  Each
+ * row's multiplier past 32,752 (big: the caller's vote) takes the softmax's BIG form.  Each
  * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after kt's
  * softmax (the store to the sink word keeps ptxas from hoisting that wait).
  */
@@ -838,16 +845,15 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
 
-    /* Epilogue: O v_scale / l, l from O's column D (rows g, g + 8: o[D / 2], o[D / 2 + 2] of the
-     * quad's thread tq = 0; the row stores add the quad's l); O and l both carry 2^P_LOG2, taken
-     * out of l here so that the LSE (lm + log2 l: the row stores' m sl2 with m = lm, sl2 = 1)
-     * comes out right. */
+    /* Epilogue: O v_scale / l (l: thread tq = 0's, the row stores add the quad's); O and l both
+     * carry 2^P_LOG2, taken out of l here so that the LSE (lm + log2 l: the row stores' m sl2
+     * with m = lm, sl2 = 1) comes out right. */
     const float out_scale = v_scale * (1.0f / (float)(1 << H8_P_LOG2));
 #pragma unroll
     for (int i = 0; i < D / 2; i++) {
         o[i] *= out_scale;
     }
-    l[0] *= 1.0f / (float)(1 << H8_P_LOG2); /* 0 but at tq = 0: the row stores add the quad's */
+    l[0] *= 1.0f / (float)(1 << H8_P_LOG2);
     l[1] *= 1.0f / (float)(1 << H8_P_LOG2);
     const int64_t t0 = q_start + q0, tile_rows = query_len - q0;
     const float one[2] = {1.0f, 1.0f};

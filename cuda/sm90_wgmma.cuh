@@ -144,7 +144,6 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_D48 H90_D40, H90_D8(40)
 #define H90_D56 H90_D48, H90_D8(48)
 #define H90_D68 H90_D64, H90_D4(64)
-#define H90_D72 H90_D64, H90_D8(64)
 #define H90_D80 H90_D64, H90_D8(64), H90_D8(72)
 #define H90_D96 H90_D88, H90_D8(88)
 #define H90_D128 H90_D88, H90_D8(88), H90_D8(96), H90_D8(104), H90_D8(112), H90_D8(120)
@@ -175,11 +174,6 @@ st_shared_u32(uint32_t addr, uint32_t v)
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
     "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "        \
     "%66, %67}"
-#define H90_R72                                                                                    \
-    "{" H90_R32_BODY                                                                               \
-    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
-    "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "        \
-    "%66, %67, %68, %69, %70, %71}"
 #define H90_R80                                                                                    \
     "{" H90_R32_BODY                                                                               \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
@@ -310,9 +304,6 @@ H90_WGMMA_RS8(wgmma_rs_m64n64_e4m3, 64, H90_R32, H90_D32, "%32", "%33", "%34", "
 H90_WGMMA_RS8(wgmma_rs_m64n136_e4m3, 136, H90_R68, H90_D68, "%68", "%69", "%70", "%71", "%72",
               "%73")
 H90_WGMMA_RS8(wgmma_rs_m64n72_e4m3, 72, H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40", "%41")
-H90_WGMMA_RS8(wgmma_rs_m64n144_e4m3, 144, H90_R72, H90_D72, "%72", "%73", "%74", "%75", "%76",
-              "%77")
-H90_WGMMA_RS8(wgmma_rs_m64n80_e4m3, 80, H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44", "%45")
 
 /* S (m64 x 128) += A B in e4m3 with f16 accumulators, A from registers: register 2 nt + hf holds
  * row g + 8 hf, columns 8 nt + 2 tq (low half) and + 1 (high half) -- the fp32 form's pairs. */
@@ -339,17 +330,6 @@ wgmma_rs_m64n256_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t de
                    H90_U8(56)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
-/* The same with A from shared memory (descriptor desc_a, K-major). */
-static __device__ __forceinline__ void
-wgmma_ss_m64n256_e4m3_f16(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 " H90_R64
-                 ", %64, %65, p, 1, 1;\n}\n"
-                 : H90_U8(0), H90_U8(8), H90_U8(16), H90_U8(24), H90_U8(32), H90_U8(40), H90_U8(48),
-                   H90_U8(56)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
 /* S (m64 x N) += Q K^T k-step, f16 accumulators: N = 2 x the registers. */
 static __device__ __forceinline__ void
 wgmma_rs_e4m3_f16(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)
@@ -362,8 +342,8 @@ wgmma_rs_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, in
     wgmma_rs_m64n256_e4m3_f16(d, a, desc_b, scale_d);
 }
 
-/* O (m64 x D) += P V in e4m3, D 64 or 128; the n136 / n72 forms take 8 more columns of V^T
- * (attention_sm90_fp8.cu: a column of ones, so that O's column D is the row sum of P). */
+/* O (m64 x D + 8) += P V in e4m3, D 128 or 64: 8 columns past the head dims (attention_sm90_fp8.cu:
+ * V^T's row of ones, so that O's column D is P's row sum). */
 static __device__ __forceinline__ void
 h90_pv_e4m3(float (&o)[68], const uint32_t (&p)[4], uint64_t b)
 {
@@ -373,26 +353,6 @@ static __device__ __forceinline__ void
 h90_pv_e4m3(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
 {
     wgmma_rs_m64n72_e4m3(o, p, b, 1);
-}
-static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[72], const uint32_t (&p)[4], uint64_t b)
-{
-    wgmma_rs_m64n144_e4m3(o, p, b, 1);
-}
-static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[40], const uint32_t (&p)[4], uint64_t b)
-{
-    wgmma_rs_m64n80_e4m3(o, p, b, 1);
-}
-static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
-{
-    wgmma_rs_m64n128_e4m3(o, p, b, 1);
-}
-static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
-{
-    wgmma_rs_m64n64_e4m3(o, p, b, 1);
 }
 
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per
