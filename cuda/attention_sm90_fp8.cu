@@ -27,9 +27,13 @@
  *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p16).
  *   - P: 2^((S - m) sc + 8) on S's f16 pairs (h8_softmax16: two HFMA2 and ex2.approx.f16x2 a
  *     pair; sc = sl2 in f16), i.e. 2^8 p in [0, 256], where e4m3 keeps 3 mantissa bits down to
- *     2^-6 / 2^8 of the row max; the row sums take the same 2^8 p (f16 within a tile, fp32
- *     across tiles), so the factor cancels in O / l and is taken out of the LSE.  A warpgroup
- *     with a multiplier past 32,752 (where 2 sc leaves f16) runs the exponents in fp32.
+ *     2^-6 / 2^8 of the row max.  The row sums come from the tensor cores: V^T has 8 rows past
+ *     D, the first all e4m3 ones, so P V (m64n136 / m64n72) puts the sum of P as rounded to
+ *     e4m3 -- the weights O gets -- in O's column D, which is read into an fp32 l and zeroed
+ *     after every tile (summed into a large accumulator, wgmma's fp8 products lose low bits:
+ *     left there the sums measured 60 % more error on 4,525-key rows).  The 2^8 cancels in
+ *     O / l and is taken out of the LSE.  A warpgroup with a multiplier past 32,752 (where
+ *     2 sc leaves f16) takes a four-step form of the exponent, still in f16 (h8_softmax16).
  *   - O (fp32) is scaled by v_scale once at the end.
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
@@ -67,6 +71,7 @@
 #define H8_P_LOG2 8    /* P is rounded to e4m3 as 2^8 p */
 #define H8_ROW 128u    /* bytes per row of the Q, K and staging tiles */
 #define H8_Q_L1 128.0f /* Q rows are scaled to at most this L1 norm before rounding to e4m3 */
+#define H8_VX 8u       /* V^T rows past D a panel: row D all ones (O's column D: P's row sums) */
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
 
@@ -212,7 +217,7 @@ static __device__ __forceinline__ void
 h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint32_t full_vt,
              uint32_t empty_vt)
 {
-    constexpr uint32_t VTB = D * BN;            /* a V^T slot: BN / 128 panels of D 128-byte rows */
+    constexpr uint32_t VTB = (D + H8_VX) * BN;  /* a V^T slot: BN / 128 panels of D + 8 rows */
     constexpr int STEPS = (BN / 16) * (D / 32); /* (16 keys, 32 dims) steps per tile */
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t m = lane >> 3, r = lane & 7u; /* the matrix and row this lane addresses */
@@ -249,7 +254,8 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
                 y3 &= keep;
             }
             /* panel half / 8 (keys 128 (half / 8) ..), 16-byte chunk half % 8 of its rows */
-            stsm_x4(dst + panel * (D * H8_ROW) + dgp * (32u * H8_ROW) + ((chunk ^ (dim & 7u)) << 4),
+            stsm_x4(dst + panel * ((D + H8_VX) * H8_ROW) + dgp * (32u * H8_ROW) +
+                        ((chunk ^ (dim & 7u)) << 4),
                     y0, y1, y2, y3);
         }
     }
@@ -413,16 +419,18 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
 }
 
 /* O += P V in e4m3 for one key tile of BN keys (no commit): BN / 32 steps of P (registers) times
- * the V^T slot of descriptor dv -- panel kk / 4 (keys 128 (kk / 4) .., D rows of 128 bytes each),
- * 32 bytes a step within its rows. */
+ * the V^T slot of descriptor dv -- panel kk / 4 (keys 128 (kk / 4) .., D + 8 rows of 128 bytes
+ * each: O's columns D .. D + 7 take the ones row and the zeros after it), 32 bytes a step within
+ * its rows. */
 template <int D, int BN>
 static __device__ __forceinline__ void
-h8_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 32][4], uint64_t dv)
+h8_pv(float (&o)[D / 2 + H8_VX / 2], const uint32_t (&pa)[BN / 32][4], uint64_t dv)
 {
 #pragma unroll
     for (int kk = 0; kk < BN / 32; kk++) {
         h90_pv_e4m3(o, pa[kk],
-                    dv + (uint32_t)(kk / 4) * (D * H8_ROW >> 4) + 2u * (uint32_t)(kk % 4));
+                    dv + (uint32_t)(kk / 4) * ((D + H8_VX) * H8_ROW >> 4) +
+                        2u * (uint32_t)(kk % 4));
     }
 }
 
@@ -445,14 +453,14 @@ h8_u32(__half2 x)
  * (sc: the row's multiplier in f16, h8_consume): S / 2 - m / 2 stays within f16 (|S| < 61,020,
  * Q's scaling; S - m itself could pass 65,504 where a small sc still leaves p well above 0), one
  * rounding, exact near the max, where p matters; p <= 2^8 = 2^P_LOG2 at the max.  alpha =
- * 2^((m - m') sc) in fp32 for O and l; the tile's row sums add the f16 p in four chains and a
- * tree (at most 2 BN / 8 x 256 a thread), into l in fp32.  Returns whether some row's max rose
- * (warp-uniform): O needs the rescale by alpha.
+ * 2^((m - m') sc) in fp32 for O, whose column D holds the row sums (P V against V^T's row of
+ * ones: no sums here).  Returns whether some row's max rose (warp-uniform): O needs the rescale
+ * by alpha.
  */
-template <int BN, bool BIG>
+template <int BN>
 static __device__ __forceinline__ bool
-h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)[2], int32_t j0,
-             int32_t lim0, int32_t lim1, int32_t g_min, int tq, const float (&sc)[2])
+h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&alpha)[2], int32_t j0, int32_t lim0,
+             int32_t lim1, int32_t g_min, int tq, const float (&sc)[2], bool big)
 {
     constexpr int NT = BN / 8;
     if (j0 + BN > g_min) {
@@ -498,27 +506,43 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
         sc2[hf] = __float2half2_rn(2.0f * sc[hf]);
         mu2[hf] = __float2half2_rn(mn == -INFINITY ? 0.0f : -0.5f * mn); /* -inf + inf is nan */
     }
-    if constexpr (BIG) { /* a multiplier past f16's range (rare): the exponents in fp32 */
+    if (big) {
+        /* BIG: a warpgroup with a multiplier past 32,752 (rare; a warp-uniform branch, so that
+         * one loop serves both -- two instantiations of h8_consume made ptxas serialize the
+         * wgmmas).  Its rows past 32,752 take t = (S - m) 2^15 c2 (sc / 2^15 / c2) + 8 in f16:
+         * S - m may become -inf, which is right (the exponent is then below -65,504 x 32,752);
+         * c2 = 2^15 past sc = 2^31 (any nonzero S - m then gives p = 0, as the exact p underflows
+         * too) and the last factor at most 65,504.  Its other rows take the form below in the
+         * same four steps (S / 2 - m / 2, then 1, 1 and 2 sc). */
+        const __half2 shift = __float2half2_rn((float)H8_P_LOG2);
+        __half2 h[2], nm[2], c1[2], c2[2], sb[2];
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            const float mb = m[hf] == -INFINITY ? 0.0f : m[hf];
-            float sum = 0.0f;
+            const bool past = sc[hf] > 32752.0f, huge = sc[hf] > 0x1p31f;
+            h[hf] = __float2half2_rn(past ? 1.0f : 0.5f);
+            nm[hf] = past ? __float2half2_rn(m[hf] == -INFINITY ? 0.0f : -m[hf]) : mu2[hf];
+            c1[hf] = __float2half2_rn(past ? 0x1p15f : 1.0f);
+            c2[hf] = __float2half2_rn(huge ? 0x1p15f : 1.0f);
+            sb[hf] = past ? __float2half2_rn(fminf(sc[hf] * (huge ? 0x1p-30f : 0x1p-15f), 65504.0f))
+                          : sc2[hf];
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const float2 f = __half22float2(h8_h2(s[2 * nt + hf]));
-                const float p0 = fast_exp2(fmaf(f.x - mb, sc[hf], (float)H8_P_LOG2));
-                const float p1 = fast_exp2(fmaf(f.y - mb, sc[hf], (float)H8_P_LOG2));
-                s[2 * nt + hf] = h8_u32(__floats2half2_rn(p0, p1));
-                sum += p0 + p1;
+                const __half2 t = __hfma2(
+                    __hmul2(__hmul2(__hfma2(h8_h2(s[2 * nt + hf]), h[hf], nm[hf]), c1[hf]), c2[hf]),
+                    sb[hf], shift);
+                uint32_t p;
+                asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
+                s[2 * nt + hf] = p;
             }
-            l[hf] = l[hf] * alpha[hf] + sum;
         }
         return __any_sync(0xffffffffu, raised) != 0;
     }
     const __half2 shift = __float2half2_rn((float)H8_P_LOG2), half = __float2half2_rn(0.5f);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        __half2 sum[4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const __half2 t =
@@ -526,10 +550,7 @@ h8_softmax16(uint32_t (&s)[BN / 4], float (&m)[2], float (&l)[2], float (&alpha)
             uint32_t p; /* cuda_fp16's h2exp2 goes through fp32; this is two MUFU.EX2.F16 */
             asm("ex2.approx.f16x2 %0, %1;" : "=r"(p) : "r"(h8_u32(t)));
             s[2 * nt + hf] = p;
-            sum[nt % 4] = nt < 4 ? h8_h2(p) : __hadd2(sum[nt % 4], h8_h2(p));
         }
-        const __half2 t = __hadd2(__hadd2(sum[0], sum[1]), __hadd2(sum[2], sum[3]));
-        l[hf] = l[hf] * alpha[hf] + (__low2float(t) + __high2float(t));
     }
     return __any_sync(0xffffffffu, raised) != 0;
 }
@@ -563,23 +584,25 @@ struct h8_ring {
 
 /*
  * One consumer warpgroup's pass over the key tiles (BN keys each): O (fp32), the rows' sums l
- * and their LSE base lm (log2 units: the log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
+ * of P as rounded to e4m3 (O's column D, from V^T's row of ones, taken into l after each tile;
+ * thread tq = 0 of a quad holds them, the others 0) and the LSE base lm (log2 units: the
+ * log-sum-exp of the scaled scores is lm + log2(l / 2^8)).
  * S = Q K^T is accumulated in f16 by the e4m3 wgmma (BN / 4 registers), the softmax runs on its
  * pairs (h8_softmax16) with sc = sl2 in f16, at least 2^-24 (so that -inf * sc stays -inf: a
  * smaller multiplier moves no exponent by more than 61,020 * 2^-25 < 2^-9); a warpgroup with a
- * row's multiplier past 32,752 (BIG: the caller's vote) takes the softmax's fp32 form.  Each
+ * row's multiplier past 32,752 (big: the caller's vote) takes the softmax's BIG form.  Each
  * warpgroup issues tile kt's Q K^T with tile kt - 1's P V and waits for the P V only after kt's
  * softmax (the store to the sink word keeps ptxas from hoisting that wait).
  */
-template <int D, bool TMA, bool BIG>
+template <int D, bool TMA>
 static __device__ __forceinline__ void
-h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa)[D / 32][4],
-           const h8_ring &ring, int32_t n_tiles, int32_t lim0, int32_t lim1, int32_t g_min, int tq,
-           int lane, const float (&sl2)[2])
+h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&l)[2], float (&lm)[2],
+           const uint32_t (&qa)[D / 32][4], const h8_ring &ring, int32_t n_tiles, int32_t lim0,
+           int32_t lim1, int32_t g_min, int tq, int lane, const float (&sl2)[2], bool big)
 {
     constexpr int ST = h8_stages<TMA>::ST, BN = h8_stages<TMA>::BN;
     constexpr uint32_t TILE = BN * H8_ROW;
-    constexpr uint32_t VTB = D * BN;
+    constexpr uint32_t VTB = (D + H8_VX) * BN;
     uint32_t s[BN / 4];
     uint32_t pa[BN / 32][4];
     float m[2] = {-INFINITY, -INFINITY};
@@ -587,7 +610,7 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         /* a nan or infinite multiplier (a nan or infinite scale) stays nan: the outputs are nan;
-         * one past 32,752 (2 sc past f16's range) is kept in fp32 for h8_softmax16's fp32 form */
+         * one past 32,752 (2 sc past f16's range) is kept in fp32 for h8_softmax16's BIG form */
         sc[hf] = !isfinite(sl2[hf])   ? __int_as_float(0x7fffffff)
                  : sl2[hf] > 32752.0f ? sl2[hf]
                                       : fmaxf(__half2float(__float2half_rn(sl2[hf])), 0x1p-24f);
@@ -618,7 +641,7 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            h8_softmax16<BN, BIG>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
+            h8_softmax16<BN>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc, big);
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
@@ -632,19 +655,24 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
             if (lane == 0) {
                 mbar_arrive(ring.empty_k + 8u * slot);
             }
-            const bool rescale =
-                h8_softmax16<BN, BIG>(s, m, l, alpha, j0, lim0, lim1, g_min, tq, sc);
+            const bool rescale = h8_softmax16<BN>(s, m, alpha, j0, lim0, lim1, g_min, tq, sc, big);
             /* P V of the tile before runs under this softmax: ptxas would hoist the wait above
              * it (attention_sm90_ws.cu, LATE_PV_WAIT) but for a store that needs the softmax's
              * results, to a word nothing reads. */
-            st_shared_f32(ring.sink, l[0] + l[1]);
+            st_shared_u32(ring.sink, s[BN / 4 - 1] ^ s[BN / 4 - 2]);
             wgmma_wait_all();
             fence_regs(o);
             if (lane == 0) {
                 mbar_arrive(ring.empty_vt + 8u * pslot);
             }
+            /* O's column D: the sums of P_{kt-1} (at m_{kt-1}, as l), afresh each tile: the
+             * wgmma's accumulation loses low bits against a large accumulator */
+            l[0] = (l[0] + o[D / 2]) * alpha[0];
+            l[1] = (l[1] + o[D / 2 + 2]) * alpha[1];
+            o[D / 2] = 0.0f;
+            o[D / 2 + 2] = 0.0f;
             if (rescale) {
-                h90_rescale_o<D / 8>(o, alpha);
+                h90_rescale_o<(D + H8_VX) / 8>(o, alpha);
             }
         }
         h8_pack_p16<BN>(pa, s);
@@ -658,6 +686,8 @@ h8_consume(float (&o)[D / 2], float (&l)[2], float (&lm)[2], const uint32_t (&qa
         wgmma_commit();
         wgmma_wait_all();
         fence_regs(o);
+        l[0] += o[D / 2];
+        l[1] += o[D / 2 + 2];
     }
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
@@ -740,6 +770,18 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
             mbar_init_fence();
         }
     }
+    {
+        /* rows D .. D + 7 of every V^T panel, which no transpose writes: e4m3 ones, then zeros
+         * (O's column D is then P's row sums: h8_consume) */
+        constexpr int PANELS = H8_SVT * (BN / 128);
+        for (int i = tid; i < PANELS * (int)H8_VX * 8; i += 128 * (NC + 1)) {
+            const uint32_t pn = (uint32_t)(i / (8 * (int)H8_VX)), r = (uint32_t)(i / 8) % H8_VX;
+            const uint32_t v = r == 0u ? 0x38383838u : 0u; /* e4m3 1.0 */
+            st_shared16(svt0 + pn * ((D + H8_VX) * H8_ROW) + (D + r) * H8_ROW + 16u * (i % 8),
+                        make_uint4(v, v, v, v));
+        }
+        fence_proxy_async(); /* the generic-proxy stores, for wgmma */
+    }
     __syncthreads();
     const int32_t kv_end = attn_kv_end<BM>(s_wmax);
     const int32_t n_tiles = (kv_end + BN - 1) / BN;
@@ -772,12 +814,12 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
 
-    float o[D / 2];
+    float o[D / 2 + H8_VX / 2]; /* the head dims, then the row sums (column D) and 3 zero columns */
 #pragma unroll
-    for (int i = 0; i < D / 2; i++) {
+    for (int i = 0; i < D / 2 + H8_VX / 2; i++) {
         o[i] = 0.0f;
     }
-    float l[2] = {0.0f, 0.0f};
+    float l[2] = {0.0f, 0.0f};            /* the rows' sums (h8_consume; thread tq = 0's) */
     float lm[2];                          /* the LSE's base (h8_consume) */
     const int r0 = cw * 64 + w4 * 16 + g; /* this thread's rows r0 and r0 + 8 */
     const int32_t lim0 = s_lim[r0], lim1 = s_lim[r0 + 8];
@@ -801,15 +843,11 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     for (int r = 64 * cw; r < 64 * cw + 64; r++) {
         big = big || scale_log2 * k_scale * s_qs[r] > 32752.0f;
     }
-    if (big) {
-        h8_consume<D, TMA, true>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
-    else {
-        h8_consume<D, TMA, false>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2);
-    }
+    h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
 
-    /* Epilogue: O v_scale / l; O and l both carry 2^P_LOG2, taken out of l here so that the
-     * LSE (lm + log2 l: the row stores' m sl2 with m = lm, sl2 = 1) comes out right. */
+    /* Epilogue: O v_scale / l (l: thread tq = 0's, the row stores add the quad's); O and l both
+     * carry 2^P_LOG2, taken out of l here so that the LSE (lm + log2 l: the row stores' m sl2
+     * with m = lm, sl2 = 1) comes out right. */
     const float out_scale = v_scale * (1.0f / (float)(1 << H8_P_LOG2));
 #pragma unroll
     for (int i = 0; i < D / 2; i++) {
@@ -822,7 +860,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     if (o16) {
         /* the staging slots (BM * D * 2 bytes), free: the producer's last read of them came
          * before the last V^T's arrival, which this warpgroup waited for */
-        h90_store_o_staged<T, D, BM>(a, sr0, cw, wt, h, t0, tile_rows, l, lm, one, o);
+        h90_store_o_staged<T, D, BM, D, D / 2 + H8_VX / 2>(a, sr0, cw, wt, h, t0, tile_rows, l, lm,
+                                                           one, o);
     }
     else {
 #pragma unroll
@@ -862,8 +901,8 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
     static_assert((size_t)SR * BN * H8_ROW >= (size_t)H8_BM * D * 2,
                   "the staged epilogue fits in the staging slots");
     /* Q, K, staging and V^T slots, alignment slack */
-    const size_t smem =
-        (size_t)H8_BM * H8_ROW + (size_t)(ST + SR) * BN * H8_ROW + (size_t)H8_SVT * D * BN + 1024;
+    const size_t smem = (size_t)H8_BM * H8_ROW + (size_t)(ST + SR) * BN * H8_ROW +
+                        (size_t)H8_SVT * (D + H8_VX) * BN + 1024;
     const void *kernel = (const void *)attention_sm90_fp8_kernel<T, D, TMA>;
     const cudaError_t e = attn_allow_smem(kernel, smem, attr_set);
     if (e != cudaSuccess) {

@@ -143,6 +143,7 @@ st_shared_u32(uint32_t addr, uint32_t v)
 #define H90_D40 H90_D32, H90_D8(32)
 #define H90_D48 H90_D40, H90_D8(40)
 #define H90_D56 H90_D48, H90_D8(48)
+#define H90_D68 H90_D64, H90_D4(64)
 #define H90_D80 H90_D64, H90_D8(64), H90_D8(72)
 #define H90_D96 H90_D88, H90_D8(88)
 #define H90_D128 H90_D88, H90_D8(88), H90_D8(96), H90_D8(104), H90_D8(112), H90_D8(120)
@@ -168,6 +169,11 @@ st_shared_u32(uint32_t addr, uint32_t v)
     "{" H90_R32_BODY                                                                               \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
     "%49, %50, %51, %52, %53, %54, %55}"
+#define H90_R68                                                                                    \
+    "{" H90_R32_BODY                                                                               \
+    ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
+    "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "        \
+    "%66, %67}"
 #define H90_R80                                                                                    \
     "{" H90_R32_BODY                                                                               \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "      \
@@ -295,6 +301,9 @@ H90_WGMMA_SS8(wgmma_ss_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66")
 H90_WGMMA_RS8(wgmma_rs_m64n128_e4m3, 128, H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
               "%69")
 H90_WGMMA_RS8(wgmma_rs_m64n64_e4m3, 64, H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36", "%37")
+H90_WGMMA_RS8(wgmma_rs_m64n136_e4m3, 136, H90_R68, H90_D68, "%68", "%69", "%70", "%71", "%72",
+              "%73")
+H90_WGMMA_RS8(wgmma_rs_m64n72_e4m3, 72, H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40", "%41")
 
 /* S (m64 x 128) += A B in e4m3 with f16 accumulators, A from registers: register 2 nt + hf holds
  * row g + 8 hf, columns 8 nt + 2 tq (low half) and + 1 (high half) -- the fp32 form's pairs. */
@@ -333,16 +342,17 @@ wgmma_rs_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, in
     wgmma_rs_m64n256_e4m3_f16(d, a, desc_b, scale_d);
 }
 
-/* O (m64 x D) += P V in e4m3, D 64 or 128. */
+/* O (m64 x D + 8) += P V in e4m3, D 128 or 64: 8 columns past the head dims (attention_sm90_fp8.cu:
+ * V^T's row of ones, so that O's column D is P's row sum). */
 static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[64], const uint32_t (&p)[4], uint64_t b)
+h90_pv_e4m3(float (&o)[68], const uint32_t (&p)[4], uint64_t b)
 {
-    wgmma_rs_m64n128_e4m3(o, p, b, 1);
+    wgmma_rs_m64n136_e4m3(o, p, b, 1);
 }
 static __device__ __forceinline__ void
-h90_pv_e4m3(float (&o)[32], const uint32_t (&p)[4], uint64_t b)
+h90_pv_e4m3(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
 {
-    wgmma_rs_m64n64_e4m3(o, p, b, 1);
+    wgmma_rs_m64n72_e4m3(o, p, b, 1);
 }
 
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per

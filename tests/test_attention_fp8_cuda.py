@@ -246,13 +246,15 @@ def test_query_rows_of_almost_zeros_attend_uniformly():
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_multipliers_past_f16s_range_take_the_fp32_softmax(ties):
+@pytest.mark.parametrize("k_scale", [4096.0, 2.0**28])
+def test_multipliers_past_f16s_range_take_the_big_softmax_form(ties, k_scale):
     """A row's exponent multiplier (softmax scale x log2 e x k_scale x Q's row scale) past 32,752
-    does not fit the f16 softmax: that warp's exponents run in fp32.  Here it is ~10^5 (Q's rows
-    one-hot at 1000, k_scale 4096, scale 1): scores one code step apart differ by thousands in
-    log2 units, so each row's output is the mean of the V rows of its largest keys (one or a few
-    where codes round alike; two set apart with `ties`).  Through the f16 form, 2 sc would be
-    infinite there and the outputs nan."""
+    does not fit the f16 softmax's 2 sc: that warpgroup takes the kernel's BIG form.  Here it is
+    ~10^5, and with k_scale 2^28 ~6 x 10^9, past the form's 2^31 step (Q's rows one-hot at 1000,
+    scale 1): scores one code step apart differ by thousands in log2 units, so each row's output
+    is the mean of the V rows of its largest keys (one or a few where codes round alike; two set
+    apart with `ties`).  Through the f16 form, 2 sc would be infinite there and the outputs
+    nan."""
     prob = _problem([(8, 100), (3, 37)], 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=21)
     query, cache, table, starts, lens, _, v_scale = prob
     query.zero_()
@@ -267,7 +269,7 @@ def test_multipliers_past_f16s_range_take_the_fp32_softmax(ties):
             for j in (int(lens[r]) - 2, int(lens[r]) - 1):
                 keys[int(table[r, j // 16]), j % 16, :, 0] = 2.0
     cache[0] = keys.to(F8).cuda()
-    k_scale = torch.full((1,), 4096.0, device="cuda")
+    k_scale = torch.full((1,), k_scale, device="cuda")
     out = _run(query, cache, table, starts, lens, k_scale, v_scale, _C.MASK_NONE, 1.0)
     exact = _expected(query, cache, table, starts, lens, k_scale, v_scale, _visible("none", None), 1.0)
     out = out.double().cpu()
