@@ -233,6 +233,51 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
     const uint32_t dst = svt0 + slot * VTB + dim * H8_ROW;
     const uint32_t sel0 = p < 4u ? 0x6420u : 0x7531u; /* dim 2p's bytes, or 2p + 1's */
     const uint32_t sel1 = p < 4u ? 0x7531u : 0x6420u;
+    constexpr uint32_t PANEL = (D + H8_VX) * H8_ROW; /* a V^T panel: 128 keys */
+    /* one step: 16 keys at source address sa (this lane's row and chunk), to V^T address da */
+    const auto move = [&](uint32_t sa, uint32_t da) {
+        uint32_t x[4];
+        ldsm_x4_trans(x, sa);
+        stsm_x4(da, __byte_perm(x[0], x[1], sel0), __byte_perm(x[0], x[1], sel1),
+                __byte_perm(x[2], x[3], sel0), __byte_perm(x[2], x[3], sel1));
+    };
+    if (BN == 256 && valid >= BN) {
+        /* A whole tile (every tile but a row's last): each warp a fixed set of steps whose
+         * addresses are its lane's two bases plus constants -- ldmatrix, two byte permutes a
+         * pair and stmatrix a step (the general loop below spends ~20 instructions a step on
+         * its indices and masks, and its three warps were busy the whole tile: docs/fp8.md).
+         * Warp w takes dim group w % G and PER halves from (w / G) PER; with three warps the
+         * fourth dim group's 16 halves go 6 / 6 / 4. */
+        constexpr int G = D / 32, HALVES = BN / 16;
+        constexpr int PER = NW == 3 ? HALVES : HALVES * G / NW;
+        static_assert(NW == 4 || (NW == 3 && G == 4), "the step split");
+        const auto group = [&](uint32_t dgp, uint32_t h0) {
+            const uint32_t sa = src + h0 * (16u * H8_ROW) + (((2u * dgp + (m >> 1)) ^ r) << 4);
+            /* dst's low 7 bits are 0: adding (dim & 7) 16 then XOR-ing chunk 16 is the swizzle */
+            const uint32_t db = dst + dgp * (32u * H8_ROW) + (h0 / 8u) * PANEL + ((dim & 7u) << 4);
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                move(sa + (uint32_t)i * (16u * H8_ROW),
+                     (db ^ ((uint32_t)(i % 8) << 4)) + (uint32_t)(i / 8) * PANEL);
+            }
+        };
+        group((uint32_t)w % G, ((uint32_t)w / G) * PER);
+        if constexpr (NW == 3) {
+            const uint32_t sa = src + (((2u * 3u + (m >> 1)) ^ r) << 4);
+            const uint32_t db = dst + 3u * (32u * H8_ROW) + ((dim & 7u) << 4);
+#pragma unroll
+            for (int i = 0; i < 6; i++) {
+                const uint32_t half = 6u * (uint32_t)w + (uint32_t)i;
+                if (half < (uint32_t)HALVES) { /* warp-uniform */
+                    move(sa + half * (16u * H8_ROW),
+                         (db ^ ((half & 7u) << 4)) + (half >> 3) * PANEL);
+                }
+            }
+        }
+        fence_proxy_async(); /* the generic-proxy stores, for wgmma */
+        mbar_arrive(full_vt + 8u * slot);
+        return;
+    }
 #pragma unroll(BN == 256 ? 2 : 32)
     for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
         const uint32_t step = (uint32_t)(w + NW * i);
