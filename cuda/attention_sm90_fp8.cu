@@ -256,19 +256,9 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
             /* dst's low 7 bits are 0: adding (dim & 7) 16 then XOR-ing chunk 16 is the swizzle */
             const uint32_t db = dst + dgp * (32u * H8_ROW) + (h0 / 8u) * PANEL + ((dim & 7u) << 4);
 #pragma unroll
-            for (int i = 0; i < PER; i += 4) { /* four ldmatrix in flight */
-                uint32_t x[4][4];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    ldsm_x4_trans(x[j], sa + (uint32_t)(i + j) * (16u * H8_ROW));
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    stsm_x4(
-                        (db ^ ((uint32_t)((i + j) % 8) << 4)) + (uint32_t)((i + j) / 8) * PANEL,
-                        __byte_perm(x[j][0], x[j][1], sel0), __byte_perm(x[j][0], x[j][1], sel1),
-                        __byte_perm(x[j][2], x[j][3], sel0), __byte_perm(x[j][2], x[j][3], sel1));
-                }
+            for (int i = 0; i < PER; i++) {
+                move(sa + (uint32_t)i * (16u * H8_ROW),
+                     (db ^ ((uint32_t)(i % 8) << 4)) + (uint32_t)(i / 8) * PANEL);
             }
         };
         group((uint32_t)w % G, ((uint32_t)w / G) * PER);
