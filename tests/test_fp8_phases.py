@@ -1,0 +1,51 @@
+"""benchmarks/fp8_phases.py's stamped copy still finds every anchor in the e4m3 kernel: a change to
+the kernel's source that moves one makes this fail here rather than on the GPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_patch_places_every_stamp(tmp_path):
+    dest = tmp_path / "f8"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fp8_phases.py"), "patch", str(dest)],
+        check=True,
+        capture_output=True,
+    )
+    src = (dest / "cuda" / "attention_sm90_fp8.cu").read_text()
+    original = (ROOT / "cuda" / "attention_sm90_fp8.cu").read_text()
+    assert "h8s_" not in original
+    assert "dk_h8s_dump" in src and "dk_h8s_reset" in src
+    # every consumer phase stamp and sum, and the transposing warps' three sums
+    for name in (
+        "q0c = h8s_clk()",
+        "q1c = h8s_clk();",
+        "q2c = h8s_clk();",
+        "q3c = h8s_clk();",
+        "q4c = h8s_clk();",
+        "const unsigned long long q5c = h8s_clk();",
+        "atomicAdd(&h8s_sum[i], hs[i]);",
+        "atomicAdd(&h8s_sum[8], p1c - p0c);",
+        "atomicAdd(&h8s_sum[10], 1ull);",
+        "atomicAdd(&h8s_sum[11], h8s_clk() - t0c);",
+    ):
+        assert src.count(name) == 1, name
+    # only lines were added: the stamped kernel is the original one plus the stamps
+    kept = set(original.splitlines())
+    added = [line for line in src.splitlines() if line not in kept]
+    assert all(
+        "h8s" in line
+        or "hs[" in line
+        or "p2c" in line
+        or line.strip() in ("}", "{")
+        or line.startswith(("extern", "static", "__device__"))
+        or "if (kt > 0)" in line
+        or "if (lane == 0)" in line
+        or "threadIdx.x & 31u" in line
+        or "unsigned long long" in line
+        for line in added
+    ), added
+    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
