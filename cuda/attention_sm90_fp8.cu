@@ -198,8 +198,9 @@ stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
 
 /*
  * Transposes tile kt's V rows (landed in staging slot kt % SR, 128-byte swizzled rows) into
- * V^T slot kt % H8_SVT (BN / 128 panels of D rows: row n of panel p holds head dim n of keys
- * 128 p .. 128 p + 127 in the h8_pack_p16 order, 128-byte swizzle),
+ * V^T slot kt % H8_SVT (BN / 128 panels of D + 8 rows: row n < D of panel p holds head dim n of
+ * keys 128 p .. 128 p + 127 in the h8_pack_p16 order, 128-byte swizzle; rows D .. D + 7, the
+ * ones row and zeros, are the kernel's, written once at its start),
  * after waiting for that slot's release, and arrives on its full barrier (every thread of the NW
  * transposing warps; w: this warp's index among them).  A warp step takes 16 keys (half hh of
  * a 32-key step kk: 16 (2 kk + hh) = 16 `half`) x 32 dims: ldmatrix.trans reads them as four
