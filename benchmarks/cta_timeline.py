@@ -101,13 +101,19 @@ CHOICE_ANCHOR = (
 CHOICE_OFF = "    return false; /* cta_timeline.py: the stamped kernel is the one-CTA-per-tile one */\n"
 
 
-def patch(dest: Path) -> None:
+def copy_tree(dest: Path) -> None:
+    """A buildable copy of this tree's sources at dest (a new directory), for a stamped build
+    (here and in fp8_phases.py)."""
     if dest.exists():
         sys.exit(f"{dest} exists: give a new directory")
     for name in ("csrc", "cuda", "python"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
+
+
+def patch(dest: Path) -> None:
+    copy_tree(dest)
     path = dest / KERNEL_FILE
     src = path.read_text()
     if HEADER_ANCHOR not in src:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shutil
 import sys
 from pathlib import Path
+
+from cta_timeline import copy_tree  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cu"
@@ -128,12 +129,7 @@ PHASES = ("K wait", "V^T wait", "Q K^T wait", "softmax", "P V wait, rescale, pac
 
 
 def patch(dest: Path) -> None:
-    if dest.exists():
-        sys.exit(f"{dest} exists: give a new directory")
-    for name in ("csrc", "cuda", "python"):
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, dest / name)
+    copy_tree(dest)
     path = dest / KERNEL_FILE
     src = path.read_text()
     for anchor, text, where in EDITS:

@@ -300,9 +300,8 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
                 y3 &= keep;
             }
             /* panel half / 8 (keys 128 (half / 8) ..), 16-byte chunk half % 8 of its rows */
-            stsm_x4(dst + panel * ((D + H8_VX) * H8_ROW) + dgp * (32u * H8_ROW) +
-                        ((chunk ^ (dim & 7u)) << 4),
-                    y0, y1, y2, y3);
+            stsm_x4(dst + panel * PANEL + dgp * (32u * H8_ROW) + ((chunk ^ (dim & 7u)) << 4), y0,
+                    y1, y2, y3);
         }
     }
     fence_proxy_async(); /* the generic-proxy stores, for wgmma */
