@@ -250,11 +250,11 @@ def test_query_rows_of_almost_zeros_attend_uniformly():
 def test_multipliers_past_f16s_range_take_the_big_softmax_form(ties, k_scale):
     """A row's exponent multiplier (softmax scale x log2 e x k_scale x Q's row scale) past 32,752
     does not fit the f16 softmax's 2 sc: that warpgroup takes the kernel's BIG form.  Here it is
-    ~10^5, and with k_scale 2^28 ~6 x 10^9, past the form's 2^31 step (Q's rows one-hot at 1000,
-    scale 1): scores one code step apart differ by thousands in log2 units, so each row's output
-    is the mean of the V rows of its largest keys (one or a few where codes round alike; two set
-    apart with `ties`).  Through the f16 form, 2 sc would be infinite there and the outputs
-    nan."""
+    ~4.6 x 10^4, and with k_scale 2^28 ~3 x 10^9, past the form's 2^31 step (Q's rows one-hot at
+    1000, so Q's row scale is 1000 / 128; scale 1): scores one code step apart differ by
+    thousands in log2 units, so each row's output is the mean of the V rows of its largest keys
+    (one or a few where codes round alike; two set apart with `ties`).  Through the f16 form,
+    2 sc would be infinite there and the outputs nan."""
     prob = _problem([(8, 100), (3, 37)], 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=21)
     query, cache, table, starts, lens, _, v_scale = prob
     query.zero_()
