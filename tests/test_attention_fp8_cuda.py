@@ -20,6 +20,8 @@ and 2^-6 of the largest output, which a scale 10 % off fails as well."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -275,6 +277,64 @@ def test_multipliers_past_f16s_range_take_the_big_softmax_form(ties, k_scale):
     out = out.double().cpu()
     assert torch.isfinite(out).all()
     assert ((out - exact).abs() <= 2.0**-8 * exact.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("size", [64, 128])
+def test_every_key_weighs_its_probability_rounded_to_e4m3(size):
+    """Each key's weight in the output is its probability 2^8 p rounded to e4m3, within one e4m3
+    step, over exponents from 0 down to -22 (log2 units): the MUFU's and the polynomial's
+    columns (h8_exp2_poly: n-tiles 5, 11, 17, 23, 29 of a 256-key tile, keys 40-47, 88-95, ...).
+    One 256-key tile: Q one-hot (1.0 on dim 0, so Q's row scale is 1 / 128 and q8 = 128), key j's
+    dim 0 an e4m3 code k8_j, the multiplier softmax scale x log2 e x k_scale x qs = 31 / 65536
+    (exact in f16), so key j's exponent is (k8_j - 352) 31 / 512; V one-hot, kv head h giving key
+    h D + d to output dim d.  So output d of head h is P8_j / l (j = h D + d), and its ratio to
+    the largest key's (exponent 0, P8 = 2^8 exactly) gives P8_j / 2^8 whatever l is.  A wrong
+    exponent (a factor 2) or a polynomial off by more than an e4m3 step fails it."""
+    heads = 256 // size
+    alpha = 31.0 / 512.0
+    top = 77  # the largest key: n-tile 9, an ex2.approx column
+    gen = torch.Generator().manual_seed(5)
+    golden = 0.6180339887498949
+    t_target = torch.tensor([-22.28 * ((j * golden) % 1.0) for j in range(256)], dtype=torch.float64)
+    k8 = (352.0 + t_target / alpha).clamp(-16.0, 352.0).to(F8)
+    k8[top] = 352.0
+    t = (k8.double() - 352.0) * alpha  # the exponents the codes give
+    assert t.min() < -20 and t[top] == 0 and t[:top].max() < 0 and t[top + 1 :].max() < 0
+    nb = 256 // 16 + 3
+    table = torch.randperm(nb, generator=gen)[:16].view(1, 16).int()
+    keys = torch.zeros(256, heads, size, dtype=torch.float32)
+    keys[:, :, 0] = k8.float()[:, None]
+    values = torch.zeros(256, heads, size, dtype=torch.float32)
+    for h in range(heads):
+        values[torch.arange(h * size, (h + 1) * size), h, torch.arange(size)] = 1.0
+    cache = torch.zeros(2, nb, 16, heads, size, dtype=F8)
+    for j in range(256):
+        b = int(table[0, j // 16])
+        cache[0, b, j % 16] = keys[j].to(F8)
+        cache[1, b, j % 16] = values[j].to(F8)
+    query = torch.zeros(16, heads, size, dtype=torch.bfloat16)
+    query[..., 0] = 1.0
+    starts = torch.tensor([0, 16], dtype=torch.int32)
+    lens = torch.tensor([256], dtype=torch.int32)
+    one = torch.ones(1, device="cuda")
+    scale = alpha * math.log(2.0)  # scale x log2 e = alpha
+    out = _run(query.cuda(), cache.cuda(), table, starts, lens, one, one, _C.MASK_NONE, scale)
+    assert _C.last_attention_kernel().startswith("sm90-fp8")
+    weights = out.double().cpu().reshape(16, 256)  # [query, key]: key h D + d is head h's dim d
+    p8 = 256.0 * weights / weights[:, top : top + 1]
+    exact = (2.0 ** (8.0 + t)).to(F8).double()  # 2^8 p rounded to e4m3
+    step = torch.where(
+        exact >= 2.0**-6, 2.0 ** (torch.floor(torch.log2(exact.clamp(min=2.0**-6))) - 3), 2.0**-9
+    )
+    assert ((p8 - exact).abs() <= step + 2.0**-7 * exact).all()
+    # most weights are the rounded value itself: the exponents' own error moves few across an
+    # e4m3 rounding boundary, the polynomial's columns included
+    poly = torch.tensor([(j // 8) % 6 == 5 for j in range(256)])
+    normal = exact >= 2.0**-6  # e4m3's normal range: 3 mantissa bits
+    assert int((poly & normal).sum()) >= 20
+    same = (p8 - exact).abs() <= 2.0**-7 * exact
+    assert same[:, poly & normal].double().mean() >= 0.8
+    assert same[:, ~poly & normal].double().mean() >= 0.8
 
 
 def test_long_rows_and_gqa_groups():
