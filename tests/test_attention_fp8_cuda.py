@@ -296,10 +296,11 @@ def test_every_key_weighs_its_probability_rounded_to_e4m3(size):
     gen = torch.Generator().manual_seed(5)
     golden = 0.6180339887498949
     t_target = torch.tensor([-22.28 * ((j * golden) % 1.0) for j in range(256)], dtype=torch.float64)
+    # the codes' spacing: exponent steps of 1.94 at the top, 0.97 below 256, 0.48 below 128, ..
     k8 = (352.0 + t_target / alpha).clamp(-16.0, 352.0).to(F8)
     k8[top] = 352.0
     t = (k8.double() - 352.0) * alpha  # the exponents the codes give
-    assert t.min() < -20 and t[top] == 0 and t[:top].max() < 0 and t[top + 1 :].max() < 0
+    assert t.min() < -20 and t[top] == 0 and t.max() == 0  # the keys near the top tie with it
     nb = 256 // 16 + 3
     table = torch.randperm(nb, generator=gen)[:16].view(1, 16).int()
     keys = torch.zeros(256, heads, size, dtype=torch.float32)
