@@ -245,7 +245,8 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
         stsm_x4(da, __byte_perm(x[0], x[1], sel0), __byte_perm(x[0], x[1], sel1),
                 __byte_perm(x[2], x[3], sel0), __byte_perm(x[2], x[3], sel1));
     };
-    if (BN == 256 && valid >= BN) {
+    static_assert(BN == 256, "two V^T panels of 128 keys a tile (h8_stages)");
+    if (valid >= BN) {
         /* A whole tile (every tile but a row's last): each warp a fixed set of steps whose
          * addresses are its lane's two bases plus constants -- ldmatrix, two byte permutes a
          * pair and stmatrix a step (the general loop below spends ~20 instructions a step on
@@ -282,12 +283,12 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
         mbar_arrive(full_vt + 8u * slot);
         return;
     }
-#pragma unroll(BN == 256 ? 2 : 32)
+#pragma unroll 2
     for (int i = 0; i < (STEPS + NW - 1) / NW; i++) {
         const uint32_t step = (uint32_t)(w + NW * i);
         if (step < (uint32_t)STEPS) { /* warp-uniform */
             const uint32_t half = step % (BN / 16u), dgp = step / (BN / 16u);
-            const uint32_t panel = BN == 128 ? 0u : half / 8u, chunk = BN == 128 ? half : half % 8u;
+            const uint32_t panel = half / 8u, chunk = half % 8u;
             uint32_t x[4];
             ldsm_x4_trans(x, src + half * (16u * H8_ROW) + (((2u * dgp + (m >> 1)) ^ r) << 4));
             uint32_t y0 = __byte_perm(x[0], x[1], sel0), y1 = __byte_perm(x[0], x[1], sel1);
