@@ -501,7 +501,7 @@ h8_u32(__half2 x)
  * step takes; this form's 7 f16 instructions at 2 cycles each cost as much on the FMA pipe, so
  * the two pipes share the work: 1-2 % faster with 5 of 32 n-tiles here (4 or 8 of 32 gave
  * about as much or less, 10 less, 16 of 32 was 1-2 % slower; docs/fp8.md, *What is left* 1).
- *   x2sc: (S / 2 - m / 2), sc2: 2 sc, as h8_softmax16 forms t = x2sc sc2 + 8.  Then
+ *   x = S / 2 - m / 2 and sc2 = 2 sc, from which h8_softmax16 forms t = x sc2 + 8.  Then
  *   t' = max(t + 14, 0) in [0, 22] (one HFMA2.RELU); y = t' + 1025 is 1025 + j with j the integer
  *   nearest t' (f16's spacing is 1 in [1024, 2048)), f = t' - j in [-1/2, 1/2] (both exact);
  *   2^f by a degree-2 minimax polynomial (relative error 1.7e-3); 2^(j - 14) is the f16 whose
@@ -511,9 +511,9 @@ h8_u32(__half2 x)
  *   under 2^-10 do; S = -inf (a masked key) gives t' = 0, the same; nan stays nan (fma.relu).
  */
 static __device__ __forceinline__ uint32_t
-h8_exp2_poly(__half2 x2sc, __half2 sc2)
+h8_exp2_poly(__half2 x, __half2 sc2)
 {
-    const __half2 tp = __hfma2_relu(x2sc, sc2, __float2half2_rn((float)H8_P_LOG2 + 14.0f));
+    const __half2 tp = __hfma2_relu(x, sc2, __float2half2_rn((float)H8_P_LOG2 + 14.0f));
     const __half2 magic = __float2half2_rn(1025.0f);
     const __half2 y = __hadd2(tp, magic);
     const __half2 f = __hsub2(tp, __hsub2(y, magic));
