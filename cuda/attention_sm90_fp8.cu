@@ -26,7 +26,7 @@
  *     of its rows, and the e4m3 A fragment wants columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3,
  *     so column 16 hh + 4t + i of a step holds key 16 hh + 8 (i / 2) + 2t + i % 2 (h8_pack_p16).
  *   - P: 2^((S - m) sc + 8) on S's f16 pairs (h8_softmax16: two HFMA2 and ex2.approx.f16x2 a
- *     pair, every 6th n-tile a polynomial on the FMA pipe instead, h8_exp2_poly, so that the MUFU
+ *     pair, every 4th n-tile a polynomial on the FMA pipe instead, h8_exp2_poly, so that the MUFU
  *     and the FMA pipe share the exponentials; sc = sl2 in f16), i.e. 2^8 p in [0, 256], where
  *     e4m3 keeps 3 mantissa bits down to 2^-6 / 2^8 of the row max.  The row sums come from the
  *     tensor cores: V^T has 8 rows past D, the first all e4m3 ones, so P V (m64n136 / m64n72)
@@ -76,7 +76,7 @@
 #define H8_VX 8u       /* V^T rows past D a panel: row D all ones (O's column D: P's row sums) */
 #define H8_PRODUCER_REGS 72
 #define H8_CONSUMER_REGS 216
-#define H8_POLY_EVERY 6 /* every 6th n-tile's exponentials by h8_exp2_poly (5 of 32 a tile) */
+#define H8_POLY_EVERY 4 /* every 4th n-tile's exponentials by h8_exp2_poly (8 of 32 a tile) */
 
 /* Keys per tile and K and staging slots per producer: 256-key tiles, two of each slot beside Q and
  * two V^T slots (208 KB at head 128). */
@@ -496,16 +496,17 @@ h8_u32(__half2 x)
 
 /*
  * 2^t for a pair of f16 exponents t <= 8 on the FMA pipe instead of the MUFU (XU): the softmax
- * takes every 6th n-tile's exponentials here (h8_softmax16).  The XU runs one warp's MUFU.EX2.F16
+ * takes every 4th n-tile's exponentials here (h8_softmax16).  The XU runs one warp's MUFU.EX2.F16
  * in 8 cycles and does the two consumer warps' 256 a tile in 2,048 of the ~3,750 cycles a tile
  * step takes; this form's 7 f16 instructions at 2 cycles each cost as much on the FMA pipe, so
- * the two pipes share the work: 1-2 % faster with 5 of 32 n-tiles here (4 or 8 of 32 gave
- * about as much or less, 10 less, 16 of 32 was 1-2 % slower; docs/fp8.md, *What is left* 1).
+ * the two pipes share the work: 1-2.5 % faster with 8 of 32 n-tiles here (5 of 32 about as
+ * much, 10 less, 16 of 32 was 1-2 % slower; docs/fp8.md, *What is left* 1).
  *   x = S / 2 - m / 2 and sc2 = 2 sc, from which h8_softmax16 forms t = x sc2 + 8.  Then
  *   t' = max(t + 14, 0) in [0, 22] (one HFMA2.RELU); y = t' + 1025 is 1025 + j with j the integer
  *   nearest t' (f16's spacing is 1 in [1024, 2048)), f = t' - j in [-1/2, 1/2] (both exact);
  *   2^f by a degree-2 minimax polynomial (relative error 1.7e-3); 2^(j - 14) is the f16 whose
- *   biased exponent is j + 1, the low 5 bits of y's (j + 1 <= 23) shifted into place.  Relative
+ *   biased exponent is j + 1, the low 5 bits of y's (j + 1 <= 23) shifted into place (one shift
+ *   of the word: no mask, which would be one more ALU instruction; below).  Relative
  *   error under 1 % (t' is rounded at 2^-6 against t's 2^-7 in the MUFU form) before P's rounding
  *   to e4m3 (up to 6.25 %).  t < -14 gives 2^-14 instead of 2^t: both pack to e4m3 0, as all
  *   under 2^-10 do; S = -inf (a masked key) gives t' = 0, the same; nan stays nan (fma.relu).
@@ -517,10 +518,15 @@ h8_exp2_poly(__half2 x, __half2 sc2)
     const __half2 magic = __float2half2_rn(1025.0f);
     const __half2 y = __hadd2(tp, magic);
     const __half2 f = __hsub2(tp, __hsub2(y, magic));
-    const __half2 q =
-        __hfma2(__hfma2(__float2half2_rn(0.23842184f), f, __float2half2_rn(0.7034351f)), f,
-                __float2half2_rn(1.0004426f));
-    return h8_u32(__hmul2(q, h8_h2((h8_u32(y) << 10) & 0x7C007C00u)));
+    /* y << 10 on the whole word: the low half is 2^(j - 14) exactly; the high half gets its
+     * exponent field too, and as mantissa the low half's bits 6 .. 15, 0x190 (y's low half is
+     * 0x6400 + j + 1 < 0x6440): 2^(j - 14) x 1.390625, which its coefficients divide out */
+    constexpr float R = 1.0f / 1.390625f;
+    const __half2 c2 = __floats2half2_rn(0.23842184f, 0.23842184f * R);
+    const __half2 c1 = __floats2half2_rn(0.7034351f, 0.7034351f * R);
+    const __half2 c0 = __floats2half2_rn(1.0004426f, 1.0004426f * R);
+    const __half2 q = __hfma2(__hfma2(c2, f, c1), f, c0);
+    return h8_u32(__hmul2(q, h8_h2(h8_u32(y) << 10)));
 }
 
 /*
