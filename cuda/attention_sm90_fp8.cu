@@ -520,7 +520,8 @@ h8_exp2_poly(__half2 x, __half2 sc2)
     const __half2 f = __hsub2(tp, __hsub2(y, magic));
     /* y << 10 on the whole word: the low half is 2^(j - 14) exactly; the high half gets its
      * exponent field too, and as mantissa the low half's bits 6 .. 15, 0x190 (y's low half is
-     * 0x6400 + j + 1 < 0x6440): 2^(j - 14) x 1.390625, which its coefficients divide out */
+     * 0x6400 + j + 1 < 0x6440): 2^(j - 14) x 1.390625, which its coefficients divide out (a
+     * nan low half -- a nan score -- shifts other bits there, in a row whose output is nan) */
     constexpr float R = 1.0f / 1.390625f;
     const __half2 c2 = __floats2half2_rn(0.23842184f, 0.23842184f * R);
     const __half2 c1 = __floats2half2_rn(0.7034351f, 0.7034351f * R);
