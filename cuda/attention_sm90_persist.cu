@@ -20,7 +20,7 @@
  *     1 us: per-item clock stamps, hopper-kernels.md, *Q in and O out by TMA*);
  *   - the epilogue by TMA store: each warpgroup stages its 64 rows of O in its rows of the
  *     item's Q buffer and one thread stores them as two boxes of the output's map; the buffer
- *     goes back to the producer at the next item's first Q K^T, once the stores have read it;
+ *     goes back to the producer at the next item's first softmax, once the stores have read it;
  *   - the consumers' turns for the tensor cores (ping-pong, named barriers 8 + cw) continue
  *     across items: one opening before the first item, one closing after the last;
  *   - nothing is read from global memory to find an item's rows: the host passes a uniform
@@ -28,11 +28,14 @@
  *     up to 8 rows' row_seq_lens, checked on its copies of the metadata), and under the one mask
  *     this form takes, none, every row sees all kv_end = seq_len keys: an item's tiles follow
  *     from its index, and a thread's row limits are kv_end or 0 past the row's end (no shared
- *     limits, no CTA barrier per item).
- * A consumer finishes an item (its last P V, the epilogue) before it starts the next one: a
- * form that issued the next item's first Q K^T beside the last P V and ran the epilogue under
- * the next softmax measured 2-9 % slower on 1-2k-token rows (hopper-kernels.md, *The
- * persistent form*).
+ *     limits, no CTA barrier per item);
+ *   - a consumer issues the next item's first Q K^T with the item's last P V (one turn; the
+ *     next Q and K tile waited for first) and runs the epilogue while it computes: the next
+ *     item starts at its first softmax.  Each branch waits for everything it issued before
+ *     the paths join (a wgmma in flight past a join makes ptxas serialize them all).  1 % faster
+ *     on 2k-8k-token rows than finishing an item first; a form with the next item's first Q K^T
+ *     beside the last P V and the epilogue under the next softmax, one loop over every tile of
+ *     every item, had measured 2-9 % slower (hopper-kernels.md, *The persistent form*).
  * Everything else is the ws kernel's head-128 form with the per-chunk TMA producer
  * (sm90-tma16): 128-query-row items, 128-key tiles in two K and three V slots, the late P V
  * wait.  Shared memory: two Q tiles and five K/V slots, 224 KB.  The query's and the output's
@@ -260,16 +263,22 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     int32_t base = 0; /* ring position of the item's first tile */
     int n = 0;        /* items done: Q buffer n & 1 */
-    /* the item's placement; the next one's is worked out while the item's first Q K^T runs */
+    /* the item's placement; the next one's is worked out under a product in flight */
     hp_item cur = hp_place(a, blockIdx.x, tiles_per_row, head_group), next = cur;
+    /* whether the item's first S came with the item before's last P V (its Q waited for, and
+     * negated for a negative scale, its K slot given back) */
+    bool ahead = false;
+    float s[NT * 4]; /* S: an item's last one, then (ahead) the next item's first */
+    uint32_t pa[BN / 16][4];
     for (int64_t i = blockIdx.x; i < items; i += step, n++) {
         const uint32_t sq = sq0 + (uint32_t)(n & 1) * QB;
-        /* this item's Q, negated for a negative scale */
-        mbar_wait(full_q + 8u * (uint32_t)(n & 1), (uint32_t)((n >> 1) & 1));
-        if (neg_q) {
-            h90_negate_q<D, BM, 128, 64>(sq, wt, cw * 64);
-            fence_proxy_async();
-            named_barrier(1u + (uint32_t)cw, 128u);
+        if (!ahead) { /* this item's Q, negated for a negative scale */
+            mbar_wait(full_q + 8u * (uint32_t)(n & 1), (uint32_t)((n >> 1) & 1));
+            if (neg_q) {
+                h90_negate_q<D, BM, 128, 64>(sq, wt, cw * 64);
+                fence_proxy_async();
+                named_barrier(1u + (uint32_t)cw, 128u);
+            }
         }
 
         float o[D / 2];
@@ -279,8 +288,6 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         }
         float m[2] = {-INFINITY, -INFINITY};
         float l[2] = {0.0f, 0.0f};
-        uint32_t pa[BN / 16][4];
-        float s[NT * 4];
         h90_rows rows;
         rows.q_slab = sq + (uint32_t)cw * 64u * 128u;
         const int32_t kv_end = hp_keys(a, i, row_items, reach);
@@ -292,33 +299,41 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
         rows.g_min = cur.q0 + cw * 64 + 63 < query_len ? kv_end : 0; /* the warpgroup's least */
         rows.tq = tq;
         rows.scale_log2 = scale_log2;
+        const bool was_ahead = ahead;
+        ahead = false;
 
         if (n_tiles > 0) {
             for (int32_t kt = 0; kt < n_tiles; kt++) {
                 const int32_t j0 = kt * BN;
                 const int32_t pos = base + kt;
                 const uint32_t slot = (uint32_t)(pos % ST);
-                mbar_wait(full_k + 8u * slot, (uint32_t)((pos / ST) & 1)); /* K_kt landed */
                 float alpha[2];
                 if (kt == 0) {
-                    named_barrier(8u + (uint32_t)cw, 256u);
-                    h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
-                    wgmma_commit();
-                    named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
-                    if (i + step < items) {
-                        next = hp_place(a, i + step, tiles_per_row, head_group);
-                    }
-                    if (n > 0) { /* the item before's buffer, its stores issued long ago */
-                        hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
-                    }
-                    wgmma_wait_all();
-                    fence_regs(s);
-                    if (lane == 0) {
-                        mbar_arrive(empty_k + 8u * slot);
+                    if (!was_ahead) {
+                        mbar_wait(full_k + 8u * slot, (uint32_t)((pos / ST) & 1)); /* K_0 */
+                        named_barrier(8u + (uint32_t)cw, 256u);
+                        h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
+                        wgmma_commit();
+                        named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                        if (i + step < items) {
+                            next = hp_place(a, i + step, tiles_per_row, head_group);
+                        }
+                        if (n > 0) { /* the item before's buffer, its stores issued long ago */
+                            hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+                        }
+                        wgmma_wait_all();
+                        fence_regs(s);
+                        if (lane == 0) {
+                            mbar_arrive(empty_k + 8u * slot);
+                        }
                     }
                     h90_softmax<NT, true>(s, m, l, alpha, j0, rows);
+                    if (was_ahead) { /* the item before's buffer, its stores issued before */
+                        hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+                    }
                 }
                 else {
+                    mbar_wait(full_k + 8u * slot, (uint32_t)((pos / ST) & 1)); /* K_kt landed */
                     const uint32_t pslot = (uint32_t)((pos - 1) % SV);
                     mbar_wait(full_v + 8u * pslot, (uint32_t)(((pos - 1) / SV) & 1)); /* V_kt-1 */
                     named_barrier(8u + (uint32_t)cw, 256u);
@@ -353,32 +368,80 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
             const uint32_t lslot = (uint32_t)(lpos % SV);
             const uint32_t sv = sv0 + lslot * KVB;
             mbar_wait(full_v + 8u * lslot, (uint32_t)((lpos / SV) & 1));
-            for (int k = valid * (D / 8) + wt; k < BN * (D / 8); k += 128) {
-                const uint32_t r = (uint32_t)(k / (D / 8)), c = (uint32_t)(k % (D / 8));
-                st_shared16(sv + (r / 8u) * (1024u * (D / 64)) + (c / 8u) * 1024u +
-                                (r % 8u) * 128u + ((c % 8u) ^ (r % 8u)) * 16u,
-                            make_uint4(0u, 0u, 0u, 0u));
+            if (valid < BN) {
+                for (int k = valid * (D / 8) + wt; k < BN * (D / 8); k += 128) {
+                    const uint32_t r = (uint32_t)(k / (D / 8)), c = (uint32_t)(k % (D / 8));
+                    st_shared16(sv + (r / 8u) * (1024u * (D / 64)) + (c / 8u) * 1024u +
+                                    (r % 8u) * 128u + ((c % 8u) ^ (r % 8u)) * 16u,
+                                make_uint4(0u, 0u, 0u, 0u));
+                }
+                fence_proxy_async();
+                named_barrier(1u + (uint32_t)cw, 128u);
             }
-            fence_proxy_async();
-            named_barrier(1u + (uint32_t)cw, 128u);
+            /* The next item's first Q K^T goes with this last P V (one turn), so that it runs
+             * under this item's epilogue: its Q (negated here for a negative scale) and its
+             * first K tile waited for first. */
+            const int64_t ni = i + step;
+            ahead = ni < items && hp_keys(a, ni, row_items, reach) > 0;
+            const uint32_t nsq = sq0 + (uint32_t)((n + 1) & 1) * QB;
+            const int32_t npos = base + n_tiles;
+            const uint32_t nslot = (uint32_t)(npos % ST);
+            if (ahead) {
+                mbar_wait(full_q + 8u * (uint32_t)((n + 1) & 1), (uint32_t)(((n + 1) >> 1) & 1));
+                if (neg_q) {
+                    h90_negate_q<D, BM, 128, 64>(nsq, wt, cw * 64);
+                    fence_proxy_async();
+                    named_barrier(1u + (uint32_t)cw, 128u);
+                }
+                mbar_wait(full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));
+                named_barrier(8u + (uint32_t)cw, 256u);
+            }
             fence_regs(o);
             wgmma_fence();
             h90_pv<T, D, BN, true, D / 64>(o, pa, sv);
             wgmma_commit();
-            wgmma_wait_all();
-            fence_regs(o);
-            if (lane == 0) {
-                mbar_arrive(empty_v + 8u * lslot);
+            /* (each branch waits for all it issued: ptxas serializes every wgmma of the kernel
+             * when one may be in flight past a join) */
+            if (ahead) {
+                h90_qk<T, D, BN, BM>(s, nsq + (uint32_t)cw * 64u * 128u, sk0 + nslot * KVB,
+                                     khalf, ksbo);
+                wgmma_commit();
+                named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
+                if (was_ahead) { /* placed under this product, as under the first Q K^T */
+                    next = hp_place(a, ni, tiles_per_row, head_group);
+                }
+                wgmma_wait_1(); /* this item's P V done; the next item's S may still run */
+                fence_regs(o);
+                if (lane == 0) {
+                    mbar_arrive(empty_v + 8u * lslot);
+                }
+                /* the epilogue under the next item's first Q K^T */
+                hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
+                wgmma_wait_all();
+                fence_regs(s);
+                if (lane == 0) {
+                    mbar_arrive(empty_k + 8u * nslot);
+                }
+                cur = next;
+            }
+            else {
+                wgmma_wait_all();
+                fence_regs(o);
+                if (lane == 0) {
+                    mbar_arrive(empty_v + 8u * lslot);
+                }
+                hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
+                cur = was_ahead ? hp_place(a, ni, tiles_per_row, head_group) : next;
             }
         }
-        else if (n > 0) {
-            hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+        else {
+            if (n > 0) {
+                hp_release_q(empty_q, (uint32_t)((n + 1) & 1), wt);
+            }
+            hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
+            cur = hp_place(a, i + step, tiles_per_row, head_group);
         }
         base += n_tiles;
-
-        /* Epilogue: this warpgroup's rows, by TMA through its rows of this item's Q buffer. */
-        hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);
-        cur = n_tiles > 0 ? next : hp_place(a, i + step, tiles_per_row, head_group);
     }
     if (wt == 0) {
         tma_store_wait(); /* the last item's stores read their rows before the CTA ends */
