@@ -103,13 +103,27 @@ CHOICE_OFF = "    return false; /* cta_timeline.py: the stamped kernel is the on
 
 def copy_tree(dest: Path) -> None:
     """A buildable copy of this tree's sources at dest (a new directory), for a stamped build
-    (here and in fp8_phases.py)."""
+    (here and in stamp_copy)."""
     if dest.exists():
         sys.exit(f"{dest} exists: give a new directory")
     for name in ("csrc", "cuda", "python"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
+
+
+def stamp_copy(dest: Path, kernel_file: Path, edits) -> None:
+    """copy_tree, then each (anchor, text, where) of edits in the copy's kernel_file: text put
+    "before" or "after" its anchor, which must occur there exactly once (fp8_phases.py,
+    persist_phases.py)."""
+    copy_tree(dest)
+    path = dest / kernel_file
+    src = path.read_text()
+    for anchor, text, where in edits:
+        if src.count(anchor) != 1:
+            sys.exit(f"{kernel_file}: anchor found {src.count(anchor)} times (the kernel changed):\n{anchor}")
+        src = src.replace(anchor, anchor + text if where == "after" else text + anchor, 1)
+    path.write_text(src)
 
 
 def patch(dest: Path) -> None:

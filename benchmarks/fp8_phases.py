@@ -24,7 +24,7 @@ import ctypes
 import sys
 from pathlib import Path
 
-from cta_timeline import copy_tree  # benchmarks/ is sys.path[0] when run as a script
+from cta_timeline import stamp_copy  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cu"
@@ -129,14 +129,7 @@ PHASES = ("K wait", "V^T wait", "Q K^T wait", "softmax", "P V wait, rescale, pac
 
 
 def patch(dest: Path) -> None:
-    copy_tree(dest)
-    path = dest / KERNEL_FILE
-    src = path.read_text()
-    for anchor, text, where in EDITS:
-        if src.count(anchor) != 1:
-            sys.exit(f"{KERNEL_FILE}: anchor found {src.count(anchor)} times (the kernel changed):\n{anchor}")
-        src = src.replace(anchor, anchor + text if where == "after" else text + anchor)
-    path.write_text(src)
+    stamp_copy(dest, KERNEL_FILE, EDITS)
     print(f"stamped copy in {dest}: build it there, then `run` with {dest / 'python'} on PYTHONPATH")
 
 

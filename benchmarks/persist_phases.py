@@ -24,7 +24,7 @@ import ctypes
 import sys
 from pathlib import Path
 
-from cta_timeline import copy_tree  # benchmarks/ is sys.path[0] when run as a script
+from cta_timeline import stamp_copy  # benchmarks/ is sys.path[0] when run as a script
 
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
 WORDS = 8  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes
@@ -76,14 +76,7 @@ EDITS = (
 
 
 def patch(dest: Path) -> None:
-    copy_tree(dest)
-    path = dest / KERNEL_FILE
-    src = path.read_text()
-    for anchor, text, where in EDITS:
-        if src.count(anchor) != 1:
-            sys.exit(f"{KERNEL_FILE}: anchor found {src.count(anchor)} times (the kernel changed):\n{anchor}")
-        src = src.replace(anchor, anchor + text if where == "after" else text + anchor, 1)
-    path.write_text(src)
+    stamp_copy(dest, KERNEL_FILE, EDITS)
     print(f"stamped copy at {dest}; build it there and put its python/ on PYTHONPATH")
 
 

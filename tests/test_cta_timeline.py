@@ -9,17 +9,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_patch_places_every_stamp(tmp_path):
-    dest = tmp_path / "tl"
+def stamped_kernel(script: str, kernel: str, dest: Path) -> tuple[str, str]:
+    """Runs benchmarks/<script> patch into dest; returns its copy of cuda/<kernel> and the
+    tree's own (test_fp8_phases.py and test_persist_phases.py too)."""
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cta_timeline.py"), "patch", str(dest)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "patch", str(dest)],
         check=True,
         capture_output=True,
     )
-    src = (dest / "cuda" / "attention_sm90_ws.cu").read_text()
+    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
+    return (dest / "cuda" / kernel).read_text(), (ROOT / "cuda" / kernel).read_text()
+
+
+def test_patch_places_every_stamp(tmp_path):
+    dest = tmp_path / "tl"
+    src, original = stamped_kernel("cta_timeline.py", "attention_sm90_ws.cu", dest)
     assert sorted(int(e) for e in re.findall(r"\bTL\((\d)\);", src)) == [0, 1, 2, 3, 4, 5, 6, 7]
     assert "dk_tl_dump" in src and "dk_tl_clear" in src
-    original = (ROOT / "cuda" / "attention_sm90_ws.cu").read_text()
     assert "TL(" not in original
     # only lines were added: the stamped kernel is the original one plus the stamps
     added = [line for line in src.splitlines() if line not in set(original.splitlines())]
@@ -27,7 +33,6 @@ def test_patch_places_every_stamp(tmp_path):
         "TL" in line or "tl_" in line or line.startswith(("#define", "extern", "{", "static"))
         for line in added
     )
-    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
     # the persistent kernel (no stamps) is never chosen in the copy: one line added to its choice
     choice = (dest / "cuda" / "attention.cu").read_text().splitlines()
     kept = (ROOT / "cuda" / "attention.cu").read_text().splitlines()

@@ -1,22 +1,11 @@
 """benchmarks/fp8_phases.py's stamped copy still finds every anchor in the e4m3 kernel: a change to
 the kernel's source that moves one makes this fail here rather than on the GPU."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from test_cta_timeline import stamped_kernel
 
 
 def test_patch_places_every_stamp(tmp_path):
-    dest = tmp_path / "f8"
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fp8_phases.py"), "patch", str(dest)],
-        check=True,
-        capture_output=True,
-    )
-    src = (dest / "cuda" / "attention_sm90_fp8.cu").read_text()
-    original = (ROOT / "cuda" / "attention_sm90_fp8.cu").read_text()
+    src, original = stamped_kernel("fp8_phases.py", "attention_sm90_fp8.cu", tmp_path / "f8")
     assert "h8s_" not in original
     assert "dk_h8s_dump" in src and "dk_h8s_reset" in src
     # every consumer phase stamp and sum, and the transposing warps' three sums
@@ -48,4 +37,3 @@ def test_patch_places_every_stamp(tmp_path):
         or "unsigned long long" in line
         for line in added
     ), added
-    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()

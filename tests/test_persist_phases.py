@@ -1,22 +1,11 @@
 """benchmarks/persist_phases.py's stamped copy still finds every anchor in the persistent kernel: a
 change to the kernel's source that moves one makes this fail here rather than on the GPU."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from test_cta_timeline import stamped_kernel
 
 
 def test_patch_places_every_stamp(tmp_path):
-    dest = tmp_path / "ps"
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "persist_phases.py"), "patch", str(dest)],
-        check=True,
-        capture_output=True,
-    )
-    src = (dest / "cuda" / "attention_sm90_persist.cu").read_text()
-    original = (ROOT / "cuda" / "attention_sm90_persist.cu").read_text()
+    src, original = stamped_kernel("persist_phases.py", "attention_sm90_persist.cu", tmp_path / "ps")
     assert "hps_" not in original
     assert "dk_hps_dump" in src and "dk_hps_reset" in src
     # the pass's, the item's three stamps and the six sums
@@ -41,4 +30,3 @@ def test_patch_places_every_stamp(tmp_path):
         or line.startswith(("extern", "{ unsigned long long c;"))
         for line in added
     ), added
-    assert (dest / "setup.py").exists() and (dest / "csrc" / "diffkv.h").exists()
