@@ -112,6 +112,22 @@ def copy_tree(dest: Path) -> None:
         shutil.copy2(ROOT / name, dest / name)
 
 
+def sums_header(prefix: str, words: int) -> str:
+    """The device code a stamped kernel's file starts with (after HEADER_ANCHOR): `words` 64-bit
+    sums `{prefix}_sum`, the exported dk_{prefix}_dump / dk_{prefix}_reset that read and clear
+    them, and the clock read {prefix}_clk (fp8_phases.py, persist_phases.py)."""
+    return (
+        f"__device__ unsigned long long {prefix}_sum[{words}];\n"
+        f'extern "C" __attribute__((visibility("default"))) int dk_{prefix}_dump(void *a)\n'
+        f"{{ return (int)cudaMemcpyFromSymbol(a, {prefix}_sum, sizeof({prefix}_sum)); }}\n"
+        f'extern "C" __attribute__((visibility("default"))) int dk_{prefix}_reset(void)\n'
+        f"{{ unsigned long long z[{words}] = {{0}}; "
+        f"return (int)cudaMemcpyToSymbol({prefix}_sum, z, sizeof(z)); }}\n"
+        f"static __device__ __forceinline__ __attribute__((unused)) unsigned long long {prefix}_clk(void)\n"
+        '{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }\n'
+    )
+
+
 def stamp_copy(dest: Path, kernel_file: Path, edits) -> None:
     """copy_tree, then each (anchor, text, where) of edits in the copy's kernel_file: text put
     "before" or "after" its anchor, which must occur there exactly once (fp8_phases.py,

@@ -24,21 +24,14 @@ import ctypes
 import sys
 from pathlib import Path
 
-from cta_timeline import stamp_copy  # benchmarks/ is sys.path[0] when run as a script
+# benchmarks/ is sys.path[0] when run as a script
+from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cu"
 WORDS = 16  # the stamps' sums: 0-5 consumer phases and tiles, 8-11 the transposing warps'
 
-HEADER_ANCHOR = "#include <cuda.h> /* CUtensorMap */\n"
-HEADER = r"""__device__ unsigned long long h8s_sum[16];
-extern "C" __attribute__((visibility("default"))) int dk_h8s_dump(void *a)
-{ return (int)cudaMemcpyFromSymbol(a, h8s_sum, sizeof(h8s_sum)); }
-extern "C" __attribute__((visibility("default"))) int dk_h8s_reset(void)
-{ unsigned long long z[16] = {0}; return (int)cudaMemcpyToSymbol(h8s_sum, z, sizeof(z)); }
-static __device__ __forceinline__ unsigned long long h8s_clk(void)
-{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }
-"""
+HEADER = sums_header("h8s", WORDS)
 
 CONSUMER_LOOP = (
     "    for (int32_t kt = 0; kt < n_tiles; kt++) {\n"

@@ -24,20 +24,13 @@ import ctypes
 import sys
 from pathlib import Path
 
-from cta_timeline import stamp_copy  # benchmarks/ is sys.path[0] when run as a script
+# benchmarks/ is sys.path[0] when run as a script
+from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
 WORDS = 8  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes
 
-HEADER_ANCHOR = "#include <cuda.h> /* CUtensorMap */\n"
-HEADER = r"""__device__ unsigned long long hps_sum[8];
-extern "C" __attribute__((visibility("default"))) int dk_hps_dump(void *a)
-{ return (int)cudaMemcpyFromSymbol(a, hps_sum, sizeof(hps_sum)); }
-extern "C" __attribute__((visibility("default"))) int dk_hps_reset(void)
-{ unsigned long long z[8] = {0}; return (int)cudaMemcpyToSymbol(hps_sum, z, sizeof(z)); }
-static __device__ __forceinline__ __attribute__((unused)) unsigned long long hps_clk(void)
-{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }
-"""
+HEADER = sums_header("hps", WORDS)
 
 # (anchor, text, where): each anchor must occur exactly once in the kernel's file
 EDITS = (
