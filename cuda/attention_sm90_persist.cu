@@ -403,8 +403,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
             /* (each branch waits for all it issued: ptxas serializes every wgmma of the kernel
              * when one may be in flight past a join) */
             if (ahead) {
-                h90_qk<T, D, BN, BM>(s, nsq + (uint32_t)cw * 64u * 128u, sk0 + nslot * KVB,
-                                     khalf, ksbo);
+                h90_qk<T, D, BN, BM>(s, nsq + (uint32_t)cw * 64u * 128u, sk0 + nslot * KVB, khalf,
+                                     ksbo);
                 wgmma_commit();
                 named_arrive(8u + (uint32_t)((cw + 1) % NC), 256u);
                 if (was_ahead) { /* placed under this product, as under the first Q K^T */
