@@ -296,6 +296,15 @@ def test_do_kv_cache_update_quantizes_with_the_layers_scales():
         impl.do_kv_cache_update(None, key, value, torch.zeros_like(cache), slots)
 
 
+def test_do_kv_cache_update_names_a_kv_cache_that_is_not_a_tensor():
+    """(Found by the long fuzz profile: it raised AttributeError reading None's dtype.)"""
+    impl, layer, key, value, slots, _ = _update_inputs("fp8_e4m3", 2)
+    for bad in (None, [[0.0]], "cache"):
+        message = f"kv_write(): kv_cache must be a torch.Tensor, got {type(bad).__name__}"
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+            impl.do_kv_cache_update(layer, key, value, bad, slots)
+
+
 @pytest.mark.parametrize("spec_dtype", [F8, torch.float32], ids=["fp8_spec", "fp32_spec"])
 def test_a_cache_that_contradicts_the_spec_is_refused_before_writing(spec_dtype):
     """A layer whose bound kv_cache is not what its spec says (an fp8 spec with an fp32 cache, or

@@ -239,7 +239,8 @@ class DiffKVAttentionImpl(AttentionImpl):
         """Scatters key/value ``[N, Hkv, D]`` (any strides) into ``kv_cache`` ``(2, num_blocks,
         block_size, Hkv, D)`` at ``slot_mapping[:N]`` (int64; slots < 0 skipped).  A
         float8_e4m3fn cache is written quantized with ``layer._k_scale`` / ``layer._v_scale``."""
-        if kv_cache.dtype == torch.float8_e4m3fn:
+        # anything but a tensor goes to _C.kv_write, which names kv_cache in its TypeError
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.float8_e4m3fn:
             # quantized with the layer's scales (vLLM's contract: layer._k_scale, _v_scale)
             if torch.compiler.is_compiling():
                 if getattr(layer, "calculate_kv_scales", False):
