@@ -6,7 +6,7 @@ P V's wait, the rescale and P's packing -- and around the transposing warps' wai
 transposes, summed over every warp of a launch into a `__device__` array that the copy's
 extension exports (`dk_h8s_dump`, `dk_h8s_reset`). Then, with that copy built, it runs the fp8
 benchmark's cases once each (bench_fp8.py's inputs) and prints each phase's mean cycles per warp
-and 256-key tile (docs/fp8.md, *What is left* 1, has what it showed):
+and 256-key tile (docs/fp8-log.md has what it showed):
 
     python benchmarks/fp8_phases.py patch /tmp/f8          # stamped copy of this tree
     (cd /tmp/f8 && DIFFKV_CUDA_ARCHS=90a python setup.py -q build_ext --inplace)

@@ -52,7 +52,7 @@
  * (2,016); with turns: stale maxima 974-975, chains 8 977-979, maxima first 1,036-1,039, no
  * maxima 1,310-1,312 (1,521); step+loads 32 1,554-1,566 (1,261), step+loads 64 1,154-1,157
  * (1,670-1,679), softmax pp+loads 32 890-892 (2,200); step+softmax16 and step+softmax192 not run
- * yet (the session's device time was spent) (docs/fp8.md, *What is left*).
+ * yet (the session's device time was spent) (docs/fp8-log.md).
  */
 #include <cuda_runtime.h>
 
