@@ -1315,6 +1315,24 @@ def _cases_tables() -> dict[str, list[Case]]:
                 5,
             ),
             bad(
+                # a zero-stride view of 2^40 elements: measured, never iterated (the long fuzz
+                # profile's find: iterating it exhausted the memory)
+                "pool_free huge tensor",
+                ValueError,
+                "BlockPool.free(): block_ids must have at most 16777216 entries, got 1099511627776",
+                _C.pool_free,
+                *pool,
+                torch.zeros(1, dtype=I64).expand(2**40),
+            ),
+            bad(
+                "pool_free range past ssize_t",
+                ValueError,
+                "BlockPool.free(): block_ids must have at most 16777216 entries, got more",
+                _C.pool_free,
+                *pool,
+                range(2**70),
+            ),
+            bad(
                 "pool_free state",
                 ValueError,
                 "BlockPool.free(): in_use must have 4 entries, got 1",

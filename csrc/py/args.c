@@ -140,6 +140,26 @@ dkpy_row_i64(PyObject *row, const char *name, int64_t *out)
 PyObject *
 dkpy_as_tuple(PyObject *seq, const char *op, const char *arg)
 {
+    /* A list or tuple is materialized already; anything else (a tensor, a range, an array) is
+     * measured first: iterating a zero-stride expanded tensor of 2^40 elements, or range(2^62),
+     * would exhaust the memory long before an error could name it. */
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        const Py_ssize_t n = PyObject_Length(seq);
+        if (n < 0 && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s(): %s must have at most %lld entries, got more", op,
+                         arg, (long long)DKPY_MAX_LAZY_SEQUENCE);
+            return NULL;
+        }
+        if (n < 0) {
+            PyErr_Clear(); /* no length: PySequence_Tuple below says what it is */
+        }
+        else if (n > DKPY_MAX_LAZY_SEQUENCE) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s must have at most %lld entries, got %lld", op,
+                         arg, (long long)DKPY_MAX_LAZY_SEQUENCE, (long long)n);
+            return NULL;
+        }
+    }
     PyObject *t = PySequence_Tuple(seq);
     if (t == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();

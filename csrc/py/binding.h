@@ -97,8 +97,12 @@ int64_t dkpy_int_saturated(PyObject *obj);
 PyObject *dkpy_get_attr(PyObject *obj, const char *name);
 /* *out = row.<name> as int64 (a row the row rules already accepted): 0 or -1. */
 int dkpy_row_i64(PyObject *row, const char *name, int64_t *out);
-/* tuple(seq) as a new reference; TypeError naming op/arg when seq is not a sequence. */
+/* tuple(seq) as a new reference; TypeError naming op/arg when seq is not a sequence, ValueError
+ * when it is neither a list nor a tuple and longer than DKPY_MAX_LAZY_SEQUENCE. */
 PyObject *dkpy_as_tuple(PyObject *seq, const char *op, const char *arg);
+/* The most entries dkpy_as_tuple takes from a sequence that is not a list or tuple (ValueError
+ * past it, before anything is materialized): 2^24, far past any row, block-id or length list. */
+#define DKPY_MAX_LAZY_SEQUENCE ((Py_ssize_t)1 << 24)
 /* A tuple of n Python ints: a new reference or NULL (MemoryError). */
 PyObject *dkpy_int_tuple(const int64_t *v, int n);
 /* A sequence of ints (or objects with __index__) into a calloc'ed array *out of *n entries,
