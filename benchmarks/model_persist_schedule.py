@@ -13,7 +13,7 @@ busiest CTA's work over the mean (1.0 is a perfect spread) for:
   - list: the hardware's dynamic start of one CTA per item, in the grid's order.
 
 One row of `tokens` queries and keys (bottom-right causal or no mask), 128-query tiles, key
-tiles of `key_tile` keys.  Docs/fp8.md quotes it for the e4m3 kernel's persistent form (256-key
+tiles of `key_tile` keys.  docs/fp8-log.md quotes it for the e4m3 kernel's persistent form (256-key
 tiles): under a causal mask the cost falls within each head group and jumps back at the next,
 which the snake does not balance; one group of all heads keeps the cost falling.
 

@@ -1,4 +1,4 @@
-"""benchmarks/model_persist_schedule.py: the schedule model docs/fp8.md quotes for the e4m3
+"""benchmarks/model_persist_schedule.py: the schedule model docs/fp8-log.md quotes for the e4m3
 kernel's persistent form (no GPU)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_equal_items_spread_as_their_count_allows():
 
 
 def test_the_snake_needs_one_falling_order():
-    """docs/fp8.md's numbers: 16k causal rows, 24 heads, 256-key tiles, one tile of fixed cost
+    """docs/fp8-log.md's numbers: 16k causal rows, 24 heads, 256-key tiles, one tile of fixed cost
     an item -- the snake over groups of 8 heads leaves the busiest CTA 10.8 % over the mean,
     over one group of all heads 0.05 %, and the hardware's list scheduling 0.2-0.3 %."""
     by_group = {hg: item_costs(16384, 24, hg, 256, True, 1.0) for hg in (8, 24)}

@@ -1,6 +1,6 @@
 """The standalone probes in benchmarks/ still compile against the kernels' headers.
 
-benchmarks/probe_*.cu are run by hand on a GPU (docs/fp8.md quotes their numbers); probe_wgmma.cu
+benchmarks/probe_*.cu are run by hand on a GPU (docs/fp8-log.md quotes their numbers); probe_wgmma.cu
 includes cuda/sm90_wgmma.cuh and cuda/sm90_tiles.cuh and runs the kernel's own softmax, so a
 change to those headers could break it unnoticed.  Each is compiled to PTX for sm_90a here, and
 the PTX must hold the instructions the probe exists to time.  No GPU needed, nvcc is (skipped

@@ -3,7 +3,7 @@
 setmaxnreg moves registers between warpgroups out of the pool the CTA was launched with: the
 launch's registers per thread (65,536 over the CTA's threads, down to a multiple of 8) times its
 warpgroups -- 504 at 384 threads, not 512.  A split that asks for more hangs the consumers in
-setmaxnreg.inc; an e4m3 form asking 32 / 240 did on the H200 (docs/fp8.md).  ``h90_ws_regs``
+setmaxnreg.inc; an e4m3 form asking 32 / 240 did on the H200 (docs/fp8-log.md).  ``h90_ws_regs``
 (cuda/sm90_wgmma.cuh) refuses such a split with a static_assert; this compiles it to PTX for
 sm_90a with both kinds of split.  No GPU needed, nvcc is (skipped without it)."""
 
