@@ -348,7 +348,8 @@ dk_status dk_table_append(const dk_table_append_args *a, dk_error *err);
 /*
  * cache[block][off][h][d] = src[t][h][d] for every token t with slot = slot_mapping[t] >= 0,
  * block = slot / block_size, off = slot % block_size, for the key and the value.
- * Later tokens with the same slot win (a pure scatter).
+ * Later tokens with the same slot win (a pure scatter).  slot_mapping NULL: slot t for token t
+ * (dk_quantize_kv's outputs, caches of one-token blocks).
  */
 typedef struct dk_kv_write_args {
     const void *key;   /* [num_tokens, num_kv_heads, head_size] */
@@ -358,7 +359,7 @@ typedef struct dk_kv_write_args {
     void *key_cache;   /* [num_blocks, block_size, num_kv_heads, head_size] */
     void *value_cache; /* same shape and strides as key_cache */
     int64_t cache_stride_block, cache_stride_token, cache_stride_head, cache_stride_dim;
-    const int64_t *slot_mapping; /* [num_tokens] */
+    const int64_t *slot_mapping; /* [num_tokens], or NULL: token t into slot t */
     int64_t slot_stride;
     int64_t num_tokens;
     int64_t num_kv_heads;
@@ -398,6 +399,25 @@ typedef struct dk_pending_launch {
 /* dk_cuda_kv_write's checks, then its launch described in *p instead of made (p->func NULL when
  * there is nothing to write).  Same errors. */
 dk_status dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_error *err);
+
+/*
+ * The dense forward's fp8 rounding of its keys and values (extra["kv_cache_dtype"] == "fp8"):
+ * scales[0] = amax_k / 448 and scales[1] = amax_v / 448 (the fp32 division), where amax_k is
+ * the largest magnitude over the keys of both pairs (key, then joint key) and amax_v over the
+ * values; 1 where that amax is not > 0 (all zeros, or a NaN among them: the outputs are then
+ * NaN anyway).  Then each pair's kv_write into its float8_e4m3fn outputs: kv[i] with
+ * slot_mapping NULL (token t into row t of the outputs, caches of num_tokens one-token blocks),
+ * k_scale = scales, v_scale = scales + 1, scale_stride_head 0 -- the stored byte is
+ * dk_f32_to_e4m3(x / scale), as torch's (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn).
+ * kv[1].num_tokens 0: no joint pair.  scales: float32 on the inputs' device, written.  Nothing is
+ * launched or written when a check fails (the CUDA form prepares both writes first).
+ */
+typedef struct dk_quantize_kv_args {
+    dk_kv_write_args kv[2];
+    float *scales;
+} dk_quantize_kv_args;
+dk_status dk_ref_quantize_kv(const dk_quantize_kv_args *a, dk_error *err);
+dk_status dk_cuda_quantize_kv(const dk_quantize_kv_args *a, void *stream, dk_error *err);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Paged attention (csrc/ref_attention.c, cuda/attention_*.cu)                                 */

@@ -4,7 +4,8 @@
  * rebuild; the query helpers report "no CUDA" (0).  Compiled only when DIFFKV_WITH_CUDA is not
  * defined; with CUDA, cuda/runtime.cu and the kernel files define these symbols instead.
  *
- * Entry points: dk_cuda_slots, dk_cuda_kv_write, dk_cuda_attention, dk_cuda_layer,
+ * Entry points: dk_cuda_slots, dk_cuda_kv_write, dk_cuda_quantize_kv, dk_cuda_attention,
+ * dk_cuda_layer,
  * dk_cuda_rows_gather, dk_cuda_rows_scatter, dk_cuda_compiled, dk_cuda_device_enter,
  * dk_cuda_device_exit, dk_cuda_copy_to_host, dk_cuda_stream_capturing, dk_cuda_device_count,
  * dk_cuda_capability, dk_cuda_runtime_version, dk_cuda_driver_version, dk_cuda_attention_kernel.
@@ -34,6 +35,14 @@ dk_cuda_slots(const dk_slots_args *a, void *stream, dk_error *err)
 
 dk_status
 dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
+{
+    (void)a;
+    (void)stream;
+    return no_cuda(err);
+}
+
+dk_status
+dk_cuda_quantize_kv(const dk_quantize_kv_args *a, void *stream, dk_error *err)
 {
     (void)a;
     (void)stream;

@@ -1,13 +1,14 @@
 /*
- * ref_attention.c -- the CPU reference of the tensor ops: KV write into the paged cache, the
+ * ref_attention.c -- the CPU reference of the tensor ops: KV write into the paged cache (and the
+ * dense forward's fp8 rounding of its keys and values, a KV write with scales from them), the
  * host-side bounds check of paged attention, paged attention itself (every mask mode, GQA,
  * fp32 accumulation, optionally the log-sum-exp of every (token, head) that context-parallel
  * ranks need to merge their partial outputs) and the packed <-> padded row copies.  Plain loops;
  * every address is computed from int64 element strides, so any view (transposed, block-major,
  * packed) works. The CUDA kernels in cuda/ are checked against these routines.
  *
- * Entry points: dk_ref_kv_write, dk_attention_check, dk_ref_attention, dk_ref_rows_gather,
- * dk_ref_rows_scatter.
+ * Entry points: dk_ref_kv_write, dk_ref_quantize_kv, dk_attention_check, dk_ref_attention,
+ * dk_ref_rows_gather, dk_ref_rows_scatter.
  */
 #include "diffkv.h"
 
@@ -184,7 +185,7 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
         a->num_blocks > INT64_MAX / a->block_size ? INT64_MAX : a->num_blocks * a->block_size;
     /* Every slot is checked before the first byte moves: a bad slot leaves the cache as it was. */
     for (int64_t t = 0; t < a->num_tokens; t++) {
-        const int64_t slot = a->slot_mapping[t * a->slot_stride];
+        const int64_t slot = a->slot_mapping ? a->slot_mapping[t * a->slot_stride] : t;
         if (slot >= num_slots) {
             return dk_fail(err, DK_ERR_VALUE,
                            "kv_write(): slot_mapping[%lld] must be < num_blocks * block_size = "
@@ -203,7 +204,7 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
     for (int64_t t = 0; t < a->num_tokens; t++) {
         /* Read once and re-checked where used: with the GIL released another thread could
          * rewrite the mapping between the check above and this loop. */
-        const int64_t slot = a->slot_mapping[t * a->slot_stride];
+        const int64_t slot = a->slot_mapping ? a->slot_mapping[t * a->slot_stride] : t;
         if (slot < 0 || slot >= num_slots) {
             continue;
         }
@@ -226,6 +227,71 @@ dk_ref_kv_write(const dk_kv_write_args *a, dk_error *err)
         copy_token((char *)a->value_cache, dst_off, a->cache_stride_head, a->cache_stride_dim,
                    (const char *)a->value, t * a->value_stride_token, a->value_stride_head,
                    a->value_stride_dim, a->num_kv_heads, a->head_size, es);
+    }
+    return DK_OK;
+}
+
+/* The largest magnitude of a [num_tokens, num_kv_heads, head_size] input (its strides) as the
+ * bits of the fp32 value, folded into *bits: non-negative floats order as their bits, and a NaN's
+ * magnitude above an infinity's, so a NaN anywhere wins (as torch's amax propagates it). */
+static void
+amax_bits(const void *src, int64_t stride_token, int64_t stride_head, int64_t stride_dim,
+          const dk_kv_write_args *a, uint32_t *bits)
+{
+    float row[DK_REF_MAX_HEAD_SIZE];
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        for (int64_t h = 0; h < a->num_kv_heads; h++) {
+            for (int64_t k0 = 0; k0 < a->head_size; k0 += DK_REF_MAX_HEAD_SIZE) {
+                const int64_t n = a->head_size - k0 < DK_REF_MAX_HEAD_SIZE ? a->head_size - k0
+                                                                           : DK_REF_MAX_HEAD_SIZE;
+                load_row(src, t * stride_token + h * stride_head + k0 * stride_dim, stride_dim, n,
+                         a->dtype, row);
+                for (int64_t k = 0; k < n; k++) {
+                    uint32_t b;
+                    memcpy(&b, &row[k], sizeof(b));
+                    b &= 0x7FFFFFFFu;
+                    *bits = b > *bits ? b : *bits;
+                }
+            }
+        }
+    }
+}
+
+/* amax / 448 in fp32, or 1 where amax is not > 0 (zero, or NaN). */
+static float
+scale_of_amax(uint32_t bits)
+{
+    float amax;
+    memcpy(&amax, &bits, sizeof(amax));
+    return amax > 0.0f ? amax / 448.0f : 1.0f;
+}
+
+dk_status
+dk_ref_quantize_kv(const dk_quantize_kv_args *a, dk_error *err)
+{
+    for (int i = 0; i < 2; i++) {
+        if (a->kv[i].num_tokens > 0 && !is_float_dtype(a->kv[i].dtype)) {
+            return dk_fail(err, DK_ERR_UNSUPPORTED,
+                           "quantize_kv(): dtype must be float32, float16 or bfloat16, got %s",
+                           dk_dtype_name(a->kv[i].dtype));
+        }
+    }
+    uint32_t bits[2] = {0, 0}; /* keys, values */
+    for (int i = 0; i < 2; i++) {
+        const dk_kv_write_args *w = &a->kv[i];
+        amax_bits(w->key, w->key_stride_token, w->key_stride_head, w->key_stride_dim, w, &bits[0]);
+        amax_bits(w->value, w->value_stride_token, w->value_stride_head, w->value_stride_dim, w,
+                  &bits[1]);
+    }
+    a->scales[0] = scale_of_amax(bits[0]);
+    a->scales[1] = scale_of_amax(bits[1]);
+    for (int i = 0; i < 2; i++) {
+        if (a->kv[i].num_tokens > 0) {
+            const dk_status s = dk_ref_kv_write(&a->kv[i], err);
+            if (s != DK_OK) {
+                return s;
+            }
+        }
     }
     return DK_OK;
 }

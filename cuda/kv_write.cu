@@ -19,8 +19,13 @@
  *     (quotient_e4m3: no division);
  *   - kv_write_fp8_kernel otherwise: one element at a time with any strides.
  *
+ * The dense forward's fp8 rounding of its keys and values (dk_cuda_quantize_kv): kv_amax_kernel
+ * takes the largest magnitude of the keys and of the values (atomicMax on the fp32 bits),
+ * kv_amax_scales_kernel turns both into scales, then the fp8 writes above store each pair into
+ * its outputs (no slot mapping: token t into row t).
+ *
  * Entry points: dk_cuda_kv_write, dk_cuda_kv_write_prepare (the launch described, for
- * dk_cuda_layer: cuda/launch.cu).
+ * dk_cuda_layer: cuda/launch.cu), dk_cuda_quantize_kv.
  */
 #include "diffkv.h"
 
@@ -62,7 +67,7 @@ kv_write_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_per_h
                 int32_t elems_per_unit)
 {
     int64_t t = blockIdx.x;
-    int64_t slot = a.slot_mapping[t * a.slot_stride];
+    int64_t slot = a.slot_mapping ? a.slot_mapping[t * a.slot_stride] : t;
     if (slot < 0 || slot >= a.num_blocks * a.block_size) {
         return;
     }
@@ -275,7 +280,9 @@ kv_write_vec(const dk_kv_write_args &a, int64_t elem_size, int32_t units_per_hea
 #pragma unroll
     for (int i = 0; i < TOK; i++) {
         int64_t t = t0 + (int64_t)i * blockDim.y;
-        slot[i] = t < a.num_tokens ? __ldg(a.slot_mapping + t * a.slot_stride) : -1;
+        slot[i] = t >= a.num_tokens ? -1
+                  : a.slot_mapping  ? __ldg(a.slot_mapping + t * a.slot_stride)
+                                    : t;
     }
     for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
         const int64_t h = u / units_per_head;
@@ -350,7 +357,7 @@ kv_write_fp8_kernel(const dk_kv_write_args a, int64_t elem_size, int32_t units_p
     (void)elem_size;
     (void)elems_per_unit;
     int64_t t = blockIdx.x;
-    int64_t slot = a.slot_mapping[t * a.slot_stride];
+    int64_t slot = a.slot_mapping ? a.slot_mapping[t * a.slot_stride] : t;
     if (slot < 0 || slot >= a.num_blocks * a.block_size) {
         return;
     }
@@ -543,4 +550,179 @@ dk_cuda_kv_write(const dk_kv_write_args *a, void *stream, dk_error *err)
         return s;
     }
     return dk_cuda_launch_pending(&p, stream, err);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The dense forward's fp8 rounding (dk_quantize_kv_args)                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+#define KV_AMAX_THREADS 256
+#define KV_AMAX_MAX_CTAS 1024 /* a grid-stride loop past these (about a wave of 8 an SM) */
+
+/* The largest magnitude among a 16-byte unit's DT values, as the bits of the fp32 value:
+ * non-negative floats order as their bits, and a NaN's magnitude above an infinity's (in fp16
+ * and bf16 as in fp32), so a NaN wins, as torch's amax propagates it. */
+template <int DT>
+static __device__ __forceinline__ uint32_t
+unit_amax_bits(const uint4 &u)
+{
+    if constexpr (DT == DK_F32) {
+        return max(max(u.x & 0x7FFFFFFFu, u.y & 0x7FFFFFFFu),
+                   max(u.z & 0x7FFFFFFFu, u.w & 0x7FFFFFFFu));
+    }
+    else {
+        const uint32_t m = __vmaxu2(__vmaxu2(u.x & 0x7FFF7FFFu, u.y & 0x7FFF7FFFu),
+                                    __vmaxu2(u.z & 0x7FFF7FFFu, u.w & 0x7FFF7FFFu));
+        const uint32_t h = max(m & 0xFFFFu, m >> 16);
+        if constexpr (DT == DK_BF16) {
+            return h << 16;
+        }
+        else {
+            return __float_as_uint(__half2float(__ushort_as_half((uint16_t)h)));
+        }
+    }
+}
+
+/*
+ * bits[g] = max(bits[g], the largest magnitude's fp32 bits) over source blockIdx.y of q: pair
+ * blockIdx.y / 2 (the inputs, then the joint ones), its key (g 0) or value (g 1).  A CTA is
+ * blockDim.y token lanes x blockDim.x unit columns; lane y walks tokens blockIdx.x * blockDim.y
+ * + y, then gridDim.x * blockDim.y further.  VEC: 16-byte units (dim stride 1, every row and
+ * address 16-byte aligned: checked on the host), else single elements at any strides.  One
+ * atomicMax a warp on bits, which the caller zeroed.
+ */
+template <int DT, bool VEC>
+static __global__ void
+__launch_bounds__(KV_AMAX_THREADS) kv_amax_kernel(const dk_quantize_kv_args q, uint32_t *bits)
+{
+    const int src = (int)blockIdx.y;
+    /* the source's fields by selects (an index into the parameters would copy them to the
+     * stack); both pairs have the same heads and head size */
+    const dk_kv_write_args &a0 = q.kv[0], &a1 = q.kv[1];
+    const bool second = src >= 2, value = (src & 1) != 0;
+    const void *ptr = second ? (value ? a1.value : a1.key) : (value ? a0.value : a0.key);
+    const char *base = (const char *)ptr;
+    const int64_t st = second ? (value ? a1.value_stride_token : a1.key_stride_token)
+                              : (value ? a0.value_stride_token : a0.key_stride_token);
+    const int64_t sh = second ? (value ? a1.value_stride_head : a1.key_stride_head)
+                              : (value ? a0.value_stride_head : a0.key_stride_head);
+    const int64_t sd = second ? (value ? a1.value_stride_dim : a1.key_stride_dim)
+                              : (value ? a0.value_stride_dim : a0.key_stride_dim);
+    const int64_t tokens = second ? a1.num_tokens : a0.num_tokens;
+    constexpr int64_t ES = DT == DK_F32 ? 4 : 2;
+    constexpr int32_t E = VEC ? (int32_t)(16 / ES) : 1; /* elements per unit */
+    const int32_t per_head = (int32_t)(a0.head_size / E);
+    const int32_t units = (int32_t)a0.num_kv_heads * per_head;
+    uint32_t m = 0;
+#pragma unroll 4
+    for (int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; t < tokens;
+         t += (int64_t)gridDim.x * blockDim.y) {
+        for (int32_t u = (int32_t)threadIdx.x; u < units; u += (int32_t)blockDim.x) {
+            const int32_t h = u / per_head;
+            const int64_t off = t * st + h * sh + (int64_t)(u - h * per_head) * E * sd;
+            if constexpr (VEC) {
+                m = max(m, unit_amax_bits<DT>(__ldg((const uint4 *)(base + off * ES))));
+            }
+            else {
+                m = max(m, __float_as_uint(fabsf(load_element<DT>(base, off))));
+            }
+        }
+    }
+    m = __reduce_max_sync(0xffffffffu, m);
+    if ((threadIdx.x & 31u) == 0u) {
+        atomicMax(bits + (src & 1), m);
+    }
+}
+
+/* scales[i] (i = threadIdx.x < 2) from the amax bits it holds: amax / 448 (div.rn.f32, which
+ * --use_fast_math would otherwise make an approximation that flushes subnormals), or 1 where
+ * amax is not > 0. */
+static __global__ void
+kv_amax_scales_kernel(float *scales)
+{
+    const float amax = scales[threadIdx.x];
+    float s;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(amax), "f"(448.0f));
+    scales[threadIdx.x] = amax > 0.0f ? s : 1.0f;
+}
+
+/* Whether the amax kernel's 16-byte units serve one input (its base and element strides). */
+static bool
+amax_vec(const void *base, int64_t st, int64_t sh, int64_t sd, int64_t head_size, int64_t es)
+{
+    return sd == 1 && ptr_aligned16(base) && aligned16(head_size * es) && aligned16(st * es) &&
+           aligned16(sh * es);
+}
+
+extern "C" dk_status
+dk_cuda_quantize_kv(const dk_quantize_kv_args *q, void *stream, dk_error *err)
+{
+    const dk_kv_write_args *a = q->kv;
+    if (a[0].dtype != DK_F32 && a[0].dtype != DK_F16 && a[0].dtype != DK_BF16) {
+        return dk_fail(err, DK_ERR_UNSUPPORTED,
+                       "quantize_kv(): dtype must be one of float32, float16, bfloat16, got %s",
+                       dk_dtype_name(a[0].dtype));
+    }
+    /* both writes checked and described before anything runs */
+    dk_pending_launch p[2];
+    memset(p, 0, sizeof(p));
+    for (int i = 0; i < 2; i++) {
+        if (a[i].num_tokens > 0) {
+            const dk_status s = dk_cuda_kv_write_prepare(&a[i], &p[i], err);
+            if (s != DK_OK) {
+                return s;
+            }
+        }
+    }
+    const int64_t es = (int64_t)dk_dtype_size(a[0].dtype);
+    bool vec = true;
+    int64_t most = 0; /* tokens of the longer pair */
+    for (int i = 0; i < 2; i++) {
+        if (a[i].num_tokens > 0) {
+            vec = vec &&
+                  amax_vec(a[i].key, a[i].key_stride_token, a[i].key_stride_head,
+                           a[i].key_stride_dim, a[i].head_size, es) &&
+                  amax_vec(a[i].value, a[i].value_stride_token, a[i].value_stride_head,
+                           a[i].value_stride_dim, a[i].head_size, es);
+            most = a[i].num_tokens > most ? a[i].num_tokens : most;
+        }
+    }
+    cudaStream_t s = (cudaStream_t)stream;
+    uint32_t *bits = (uint32_t *)q->scales;
+    const cudaError_t me = cudaMemsetAsync(bits, 0, 2 * sizeof(uint32_t), s);
+    if (me != cudaSuccess) {
+        (void)cudaGetLastError();
+        return dk_fail(err, DK_ERR_CUDA, "quantize_kv(): CUDA error %s (%d)",
+                       cudaGetErrorString(me), (int)me);
+    }
+    if (most > 0) {
+        /* every pair's units in one CTA shape: a[0]'s row (the joint pair's is the same) */
+        const int64_t e = vec ? 16 / es : 1;
+        const int64_t units = a[0].num_kv_heads * (a[0].head_size / e);
+        const int64_t bx = units >= KV_AMAX_THREADS ? KV_AMAX_THREADS : dk_cdiv(units, 32) * 32;
+        const int64_t by = KV_AMAX_THREADS / bx;
+        int64_t ctas = dk_cdiv(most, by);
+        ctas = ctas > KV_AMAX_MAX_CTAS ? KV_AMAX_MAX_CTAS : ctas;
+        const dim3 grid((uint32_t)ctas, a[1].num_tokens > 0 ? 4u : 2u);
+        const dim3 block((uint32_t)bx, (uint32_t)by);
+        const int dt = a[0].dtype;
+#define KV_AMAX(DT)                                                                                \
+    (vec ? kv_amax_kernel<DT, true> : kv_amax_kernel<DT, false>)<<<grid, block, 0, s>>>(*q, bits)
+        if (dt == DK_F32) {
+            KV_AMAX(DK_F32);
+        }
+        else if (dt == DK_F16) {
+            KV_AMAX(DK_F16);
+        }
+        else {
+            KV_AMAX(DK_BF16);
+        }
+#undef KV_AMAX
+    }
+    kv_amax_scales_kernel<<<1, 2, 0, s>>>(q->scales);
+    dk_status st = dk_cuda_after_launch("quantize_kv()", stream, err);
+    for (int i = 0; i < 2 && st == DK_OK; i++) {
+        st = dk_cuda_launch_pending(&p[i], stream, err);
+    }
+    return st;
 }

@@ -99,6 +99,7 @@ _NEEDS_SCALES = (
     "entries), got "
 )
 I64 = torch.int64
+F8 = torch.float8_e4m3fn
 H, HKV, D, BS, NB = 2, 1, 2, 2, 3  # heads, kv heads, head size, block size, blocks: tiny
 HUGE = 2**70
 
@@ -1457,6 +1458,18 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
     def dense(k=dense_k, v=dense_v, ki=key_index, s=sl, kl=None, mask=_C.MASK_NONE, o=out, jk=None, jv=None):
         return (q, k, v, ki, qsl, s, kl, mask, 0.5, o, None, None, None, 0, jk, jv, 1, 0)
 
+    quant_out = torch.empty(3, HKV, D, dtype=F8)
+
+    def quant(k=dense_k, v=dense_v, ko=None, vo=None, sc=None, joint=False, jk=None):
+        ko = torch.empty(3, HKV, D, dtype=F8) if ko is None else ko
+        vo = torch.empty(3, HKV, D, dtype=F8) if vo is None else vo
+        sc = torch.empty(2) if sc is None else sc
+        if not joint:
+            return (k, v, ko, vo, sc, None, None, None, None)
+        jk = dense_k[:2].clone() if jk is None else jk
+        out2 = [torch.empty(2, HKV, D, dtype=F8) for _ in range(2)]
+        return (k, v, ko, vo, sc, jk, dense_v[:2].clone(), *out2)
+
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None, o=out, c=cache):
         return (q, k, v, c, sm, b, qsl, sl, kl, mask, 0.5, o, b, qsl, sl)
 
@@ -1951,6 +1964,108 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 *dense(k=dense_k.to(torch.float8_e4m3fn), v=dense_v.to(torch.float8_e4m3fn)),
                 k_scale,
                 torch.tensor([-1.0]),
+            ),
+        ],
+        "quantize_kv": [
+            ok("quantize_kv", _C.quantize_kv, *quant()),
+            ok("quantize_kv joint", _C.quantize_kv, *quant(joint=True)),
+            bad(
+                "quantize_kv nargs",
+                TypeError,
+                "quantize_kv() takes 9 arguments, got 1",
+                _C.quantize_kv,
+                dense_k,
+            ),
+            bad(
+                "quantize_kv key dtype",
+                TypeError,
+                "quantize_kv(): key must be float32, float16 or bfloat16, got float8_e4m3fn",
+                _C.quantize_kv,
+                *quant(k=dense_k.to(F8)),
+            ),
+            bad(
+                "quantize_kv value dtype",
+                TypeError,
+                "quantize_kv(): value must be float32, got float16",
+                _C.quantize_kv,
+                *quant(v=dense_v.half()),
+            ),
+            bad(
+                "quantize_kv value shape",
+                ValueError,
+                "quantize_kv(): value must have shape [3, 1, 2], got [2, 1, 2]",
+                _C.quantize_kv,
+                *quant(v=dense_v[:2]),
+            ),
+            bad(
+                "quantize_kv key_out dtype",
+                TypeError,
+                "quantize_kv(): key_out must be float8_e4m3fn, got float32",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(3, HKV, D)),
+            ),
+            bad(
+                "quantize_kv key_out shape",
+                ValueError,
+                "quantize_kv(): key_out must have shape [3, 1, 2], got [3, 1, 4]",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(3, HKV, 2 * D, dtype=F8)),
+            ),
+            bad(
+                "quantize_kv value_out strides",
+                ValueError,
+                "quantize_kv(): value_out must have key_out's strides [2, 2, 1], got [4, 4, 1]",
+                _C.quantize_kv,
+                *quant(vo=torch.empty(3, HKV, 2 * D, dtype=F8)[:, :, :D]),
+            ),
+            bad(
+                "quantize_kv joint half",
+                TypeError,
+                (
+                    "quantize_kv(): joint_key, joint_value, joint_key_out and joint_value_out must all be "
+                    "tensors or all be None"
+                ),
+                _C.quantize_kv,
+                *quant()[:5],
+                dense_k[:2].clone(),
+                None,
+                None,
+                None,
+            ),
+            bad(
+                "quantize_kv joint heads",
+                ValueError,
+                "quantize_kv(): joint_key must have shape [num_joint, 1, 2], got [2, 1, 4]",
+                _C.quantize_kv,
+                *quant(joint=True, jk=torch.randn(2, HKV, 2 * D)),
+            ),
+            bad(
+                "quantize_kv scales dtype",
+                TypeError,
+                "quantize_kv(): scales must be float32, got float64",
+                _C.quantize_kv,
+                *quant(sc=torch.empty(2, dtype=torch.float64)),
+            ),
+            bad(
+                "quantize_kv scales length",
+                ValueError,
+                "quantize_kv(): scales must have 2 entries, got 1",
+                _C.quantize_kv,
+                *quant(sc=torch.empty(1)),
+            ),
+            bad(
+                "quantize_kv outputs overlap",
+                ValueError,
+                "quantize_kv(): key_out must not overlap value_out in memory, got views sharing bytes",
+                _C.quantize_kv,
+                *quant(ko=quant_out, vo=quant_out),
+            ),
+            bad(
+                "quantize_kv scales inside the key",
+                ValueError,
+                "quantize_kv(): scales must not overlap key in memory, got views sharing bytes",
+                _C.quantize_kv,
+                *quant(sc=dense_k.view(-1)[:2]),
             ),
         ],
         "forward_paged": [

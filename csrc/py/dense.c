@@ -1,11 +1,13 @@
 /*
  * dense.c -- attention over key/value tensors (the dense forward).
  *
- * Entry point: dense_attention: keys addressed per row through key_index, optional joint keys;
- * the paged kernels read key/value as a cache of one-token blocks.
+ * Entry points: dense_attention: keys addressed per row through key_index, optional joint keys;
+ * the paged kernels read key/value as a cache of one-token blocks.  quantize_kv: the fp8 dense
+ * forward's rounding of its keys and values into float8_e4m3fn tensors, scales from their amax.
  */
 #include "binding.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -207,7 +209,185 @@ py_dense_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+static dk_status
+launch_quantize_kv(const void *a, void *stream, dk_error *err)
+{
+    return dk_cuda_quantize_kv((const dk_quantize_kv_args *)a, stream, err);
+}
+
+/* kv_write's arguments for one pair of quantize_kv: k, v into ko, vo (caches of one-token
+ * blocks, no slot mapping), with scales[0] / scales[1]. */
+static void
+quantize_pair(dk_kv_write_args *w, const dk_tensor *k, const dk_tensor *v, const dk_tensor *ko,
+              const dk_tensor *vo, float *scales)
+{
+    memset(w, 0, sizeof(*w));
+    if (k->ndim < 0) {
+        return; /* no joint pair: num_tokens 0 */
+    }
+    w->key = k->data;
+    w->value = v->data;
+    w->key_stride_token = k->strides[0];
+    w->key_stride_head = k->strides[1];
+    w->key_stride_dim = k->strides[2];
+    w->value_stride_token = v->strides[0];
+    w->value_stride_head = v->strides[1];
+    w->value_stride_dim = v->strides[2];
+    w->key_cache = ko->data;
+    w->value_cache = vo->data;
+    w->cache_stride_block = ko->strides[0];
+    w->cache_stride_token = ko->strides[0];
+    w->cache_stride_head = ko->strides[1];
+    w->cache_stride_dim = ko->strides[2];
+    w->slot_mapping = NULL;
+    w->num_tokens = k->shape[0];
+    w->num_kv_heads = k->shape[1];
+    w->head_size = k->shape[2];
+    w->block_size = 1;
+    w->num_blocks = k->shape[0];
+    w->dtype = k->dtype;
+    w->cache_dtype = DK_F8E4M3;
+    w->k_scale = scales;
+    w->v_scale = scales + 1;
+    w->scale_stride_head = 0;
+}
+
+/*
+ * quantize_kv: the dense forward's fp8 rounding of its keys and values in one call, with no
+ * temporaries (dk_quantize_kv_args).
+ * args: key, value [tokens, num_kv_heads, head_size] (float32, float16 or bfloat16, any
+ *       strides), key_out, value_out (float8_e4m3fn, their shape, one stride set), scales
+ *       (float32 [2], written: the keys', the values'), then joint_key, joint_value,
+ *       joint_key_out, joint_value_out (all four None, or tensors: the joint pair, rounded with
+ *       the same two scales, which cover both pairs).
+ * Every output must be on the key's device and share no byte with an input or another output.
+ */
+static PyObject *
+py_quantize_kv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *op = "quantize_kv";
+    static const char *names[8] = {"key",     "value",     "joint_key",     "joint_value",
+                                   "key_out", "value_out", "joint_key_out", "joint_value_out"};
+    /* args index of names[i] */
+    static const int at[8] = {0, 1, 5, 6, 2, 3, 7, 8};
+    if (dkpy_check_nargs(op, nargs, 9) != 0) {
+        return NULL;
+    }
+    dk_tensor t[8], sc; /* t: names' order, ndim -1 for an absent joint pair */
+    if (dkpy_tensor(module, args[0], op, &(dkpy_want){.arg = "key", .dtype = DKPY_FLOAT, .ndim = 3},
+                    &t[0])) {
+        return NULL;
+    }
+    const int joint = args[5] != Py_None;
+    for (int i = 5; i < 9; i++) {
+        if ((args[i] != Py_None) != joint) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): joint_key, joint_value, joint_key_out and joint_value_out must "
+                         "all be tensors or all be None",
+                         op);
+            return NULL;
+        }
+    }
+    for (int i = 1; i < 8; i++) {
+        if (!joint && (i == 2 || i == 3 || i == 6 || i == 7)) {
+            t[i].ndim = -1;
+            continue;
+        }
+        const int src = i < 4 ? i & ~1 : i - 4; /* the input whose shape this one has */
+        if (dkpy_tensor(module, args[at[i]], op,
+                        &(dkpy_want){.arg = names[i],
+                                     .dtype = i < 4 ? (int)t[0].dtype : (int)DK_F8E4M3,
+                                     .ndim = 3,
+                                     .device = &t[0]},
+                        &t[i])) {
+            return NULL;
+        }
+        int ok = 1;
+        for (int d = 0; d < 3; d++) {
+            /* joint_key: the key's heads and head size; the others: their source's shape */
+            ok = ok && (i == 2 && d == 0 ? 1 : t[i].shape[d] == t[i == 2 ? 0 : src].shape[d]);
+        }
+        if (!ok) {
+            const dk_tensor *r = &t[i == 2 ? 0 : src];
+            char first[32] = "num_joint";
+            if (i != 2) {
+                snprintf(first, sizeof(first), "%lld", (long long)r->shape[0]);
+            }
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have shape [%s, %lld, %lld], got [%lld, %lld, %lld]", op,
+                         names[i], first, (long long)r->shape[1], (long long)r->shape[2],
+                         (long long)t[i].shape[0], (long long)t[i].shape[1],
+                         (long long)t[i].shape[2]);
+            return NULL;
+        }
+    }
+    for (int i = 5; i < 8; i += 2) { /* value_out / joint_value_out: key_out's strides */
+        if (t[i].ndim < 0) {
+            continue;
+        }
+        int same = 1;
+        for (int d = 0; d < 3; d++) {
+            same = same && (t[i].shape[d] <= 1 || t[i].strides[d] == t[i - 1].strides[d]);
+        }
+        if (!same) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have %s's strides [%lld, %lld, %lld], got [%lld, %lld, "
+                         "%lld]",
+                         op, names[i], names[i - 1], (long long)t[i - 1].strides[0],
+                         (long long)t[i - 1].strides[1], (long long)t[i - 1].strides[2],
+                         (long long)t[i].strides[0], (long long)t[i].strides[1],
+                         (long long)t[i].strides[2]);
+            return NULL;
+        }
+    }
+    if (dkpy_tensor(
+            module, args[4], op,
+            &(dkpy_want){.arg = "scales", .dtype = DK_F32, .ndim = DKPY_VECTOR, .device = &t[0]},
+            &sc)) {
+        return NULL;
+    }
+    if (sc.shape[0] != 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): scales must have 2 entries, got %lld", op,
+                     (long long)sc.shape[0]);
+        return NULL;
+    }
+    /* what is written (the outputs, the scales) shares no byte with anything else */
+    for (int i = 4; i < 8 && t[i].ndim >= 0; i++) {
+        for (int j = 0; j < 8; j++) {
+            if (j != i && (j < 4 || j > i) &&
+                dkpy_no_overlap(&t[i], names[i], &t[j], names[j], op)) {
+                return NULL;
+            }
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        if (dkpy_no_overlap(&sc, "scales", &t[j], names[j], op)) {
+            return NULL;
+        }
+    }
+    dk_quantize_kv_args q;
+    float *scales = (float *)sc.data;
+    quantize_pair(&q.kv[0], &t[0], &t[1], &t[4], &t[5], scales);
+    quantize_pair(&q.kv[1], &t[2], &t[3], &t[6], &t[7], scales);
+    q.scales = scales;
+    if (t[0].device_type == DK_CUDA) {
+        if (dkpy_run_cuda(module, args[0], t[0].device_id, launch_quantize_kv, &q) != 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    dk_error err = {{0}};
+    dk_status st;
+    Py_BEGIN_ALLOW_THREADS st = dk_ref_quantize_kv(&q, &err);
+    Py_END_ALLOW_THREADS if (st != DK_OK)
+    {
+        return dkpy_raise_status(module, st, &err);
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef dkpy_dense_methods[] = {
     FAST(dense_attention, "Attention over key/value tensors addressed per row by key indices."),
+    FAST(quantize_kv, "The dense forward's fp8 rounding of key/value (and joint key/value)."),
     {NULL, NULL, 0, NULL},
 };

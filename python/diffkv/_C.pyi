@@ -316,6 +316,28 @@ def dense_attention(
     when the host copies are None (the caller vouches no row has more queries); 0 = every
     query token."""
 
+def quantize_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    scales: torch.Tensor,
+    joint_key: torch.Tensor | None,
+    joint_value: torch.Tensor | None,
+    joint_key_out: torch.Tensor | None,
+    joint_value_out: torch.Tensor | None,
+) -> None:
+    """The fp8 dense forward's rounding of its keys and values (CPU reference and CUDA
+    kernels), with no temporaries and no synchronisation: scales (float32 [2]) receives
+    amax_k / 448 and amax_v / 448, the largest magnitudes over key and joint_key and over value
+    and joint_value (1 where that is not > 0: all zeros, or a NaN among them); then each input
+    x goes into its output (float8_e4m3fn, x's shape; value_out with key_out's strides, the
+    joint outputs likewise) as ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``,
+    bit for bit. key/value [tokens, Hkv, D] float32, float16 or bfloat16 at any strides;
+    joint_key/joint_value [num_joint, Hkv, D] of the key's dtype; the four joint arguments all
+    tensors or all None. Every tensor on the key's device; the outputs and scales share no byte
+    with another argument."""
+
 def forward_paged(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -63,7 +63,6 @@ _JOINT_FIELDS = ("joint_query", "joint_key", "joint_value")
 _UNQUANTIZED = (None, "auto", "float32", "float", "float16", "half", "bfloat16")
 # extra["kv_cache_dtype"] values that run the attention over e4m3 K/V (vLLM's names)
 _FP8 = ("fp8", "fp8_e4m3")
-_E4M3_MAX = 448.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HOPPER: dict[int, bool] = {}  # CUDA device index -> compute capability 9.x
 
@@ -103,18 +102,19 @@ def _quantize_kv(
     values k2, v2: the kernels read both sources with one scale each for K and V) rounded to
     e4m3 with one scale for the keys and one for the values, computed from them (amax / 448
     over both sources; 1 for all zeros), by the cache write's rule -- ``(x.float() /
-    scale).clamp(-448, 448).to(float8_e4m3fn)`` -- into new contiguous tensors; returns
-    ([k8, v8] or [k8, v8, k2_8, v2_8], (k_scale, v_scale)), the scales float32 ``[1]`` on the
-    device (no synchronisation: they are computed there)."""
-    scales = []
-    for xs in ((k, k2), (v, v2)):
-        amax = torch.stack([x.abs().amax().float() for x in xs if x is not None]).amax()
-        scales.append(torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax)).reshape(1))
-    out = []
-    for x, scale in ((k, scales[0]), (v, scales[1]), (k2, scales[0]), (v2, scales[1])):
-        if x is not None:
-            out.append((x.float() / scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn))
-    return out, (scales[0], scales[1])
+    scale).clamp(-448, 448).to(float8_e4m3fn)`` -- into new contiguous tensors by one
+    ``_C.quantize_kv`` call (no float32 temporaries, no synchronisation: the scales are
+    computed on the device); returns ([k8, v8] or [k8, v8, k2_8, v2_8], (k_scale, v_scale)),
+    the scales float32 ``[1]`` views of one ``[2]`` tensor on the device."""
+    out = [
+        torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        for x in (k, v, k2, v2)
+        if x is not None
+    ]
+    scales = torch.empty(2, dtype=torch.float32, device=k.device)
+    joint = out[2:] if k2 is not None else [None, None]
+    _C.quantize_kv(k, v, out[0], out[1], scales, k2, v2, *joint)
+    return out, (scales[0:1], scales[1:2])
 
 
 def _check_qkv(impl: Any, query: Any, key: Any, value: Any, prefix: str = "") -> None:
