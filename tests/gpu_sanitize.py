@@ -1,6 +1,6 @@
 """A small, launch-light run of every diffkv CUDA kernel for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck  --kernel-name regex='attention_|kv_write|rows_|slots_' \\
+    compute-sanitizer --tool memcheck  --kernel-name regex='attention_|kv_write|kv_amax|rows_|slots_' \\
         python3 tests/gpu_sanitize.py
     (also --tool racecheck, initcheck, synccheck; see benchmarks/gpu_session.sh --sanitize)
 
@@ -125,6 +125,26 @@ def _kv_write_case(dtype, strided, fp8=False, head=64):
     assert torch.equal(caches[0], caches[1]), f"kv_write {dtype} strided={strided} fp8={fp8} d{head}"
 
 
+def _quantize_kv_case(dtype, strided):
+    """The fp8 dense forward's rounding (the amax kernel's 16-byte units, or single elements over
+    a dim stride of 2; the scales kernel; the quantizing write with no slot mapping), a joint
+    pair of another length beside the main one."""
+    g = torch.Generator().manual_seed(11)
+    srcs = []
+    for n in (45, 13):
+        x = torch.randn(n, 2, 2, 128, generator=g).to(dtype)
+        srcs += [x[:, i, :, ::2] if strided else x[:, i, :, :64].contiguous() for i in (0, 1)]
+    got = []
+    for device in ("cpu", "cuda"):
+        xs = [x.to(device) for x in srcs]
+        outs = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device) for x in xs]
+        scales = torch.empty(2, device=device)
+        _C.quantize_kv(xs[0], xs[1], outs[0], outs[1], scales, xs[2], xs[3], outs[2], outs[3])
+        got.append([scales.cpu().view(torch.uint8)] + [o.cpu().view(torch.uint8) for o in outs])
+    for a, b in zip(got[0], got[1], strict=True):
+        assert torch.equal(a, b), f"quantize_kv {dtype} strided={strided}"
+
+
 def _slots_and_rows_case():
     table = torch.tensor([[3, 1, 0], [2, 4, 5]], dtype=torch.int32)
     ri = torch.tensor([1, 0], dtype=torch.int32)
@@ -215,6 +235,8 @@ def main():
         _kv_write_case(dtype, strided=False, fp8=True)
         _kv_write_case(dtype, strided=True, fp8=True)
         _kv_write_case(dtype, strided=False, fp8=True, head=40)
+        _quantize_kv_case(dtype, strided=False)
+        _quantize_kv_case(dtype, strided=True)
     for dtype, head in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64)):
         # on Hopper: 16 and 32 TMA boxes (head 64/128), 16 sequential the flat map's boxes
         for block, sequential in ((1, False), (16, False), (16, True), (32, False)):
