@@ -292,6 +292,22 @@ def _dense_args() -> list[Any]:
     ]
 
 
+def _quantize_args() -> list[Any]:
+    """The 9 arguments of _C.quantize_kv: 5 key tokens and 2 joint tokens, 1 kv head of 4."""
+    f8 = torch.float8_e4m3fn
+    return [
+        torch.randn(5, 1, 4),
+        torch.randn(5, 1, 4),
+        torch.zeros(5, 1, 4, dtype=f8),
+        torch.zeros(5, 1, 4, dtype=f8),
+        torch.zeros(2),
+        torch.randn(2, 1, 4),
+        torch.randn(2, 1, 4),
+        torch.zeros(2, 1, 4, dtype=f8),
+        torch.zeros(2, 1, 4, dtype=f8),
+    ]
+
+
 def _pool_state(allocated: int = 2) -> list[torch.Tensor]:
     state = [
         torch.zeros(1, dtype=torch.int64),
@@ -409,6 +425,7 @@ def _valid_calls() -> dict[str, tuple[list[Any], tuple[int, ...]]]:
         "paged_attention": (p.attention_args(), ()),
         "paged_attention_lse": (_lse_args(p), ()),
         "dense_attention": (_dense_args(), ()),
+        "quantize_kv": (_quantize_args(), ()),
         "forward_paged": (p.forward_args(), ()),
         "rows_gather": (
             [torch.randn(4, 2, 3), torch.tensor([3, 0], dtype=torch.int64), torch.zeros(2, 2, 3)],
