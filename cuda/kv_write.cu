@@ -623,8 +623,8 @@ __launch_bounds__(KV_AMAX_THREADS) kv_amax_kernel(const dk_quantize_kv_args q, u
             if constexpr (VEC) {
                 m = max(m, unit_amax_bits<DT>(__ldg((const uint4 *)(base + off * ES))));
             }
-            else {
-                m = max(m, __float_as_uint(fabsf(load_element<DT>(base, off))));
+            else { /* the bits, not fabsf: --use_fast_math's abs.ftz would flush subnormals */
+                m = max(m, __float_as_uint(load_element<DT>(base, off)) & 0x7FFFFFFFu);
             }
         }
     }
@@ -636,14 +636,15 @@ __launch_bounds__(KV_AMAX_THREADS) kv_amax_kernel(const dk_quantize_kv_args q, u
 
 /* scales[i] (i = threadIdx.x < 2) from the amax bits it holds: amax / 448 (div.rn.f32, which
  * --use_fast_math would otherwise make an approximation that flushes subnormals), or 1 where
- * amax is not > 0. */
+ * amax is not > 0 -- decided on the bits (zero, or a NaN's above an infinity's), as a float
+ * comparison under --use_fast_math would flush a subnormal amax to zero. */
 static __global__ void
 kv_amax_scales_kernel(float *scales)
 {
-    const float amax = scales[threadIdx.x];
+    const uint32_t bits = __float_as_uint(scales[threadIdx.x]);
     float s;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(amax), "f"(448.0f));
-    scales[threadIdx.x] = amax > 0.0f ? s : 1.0f;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(__uint_as_float(bits)), "f"(448.0f));
+    scales[threadIdx.x] = bits != 0u && bits <= 0x7F800000u ? s : 1.0f;
 }
 
 /* Whether the amax kernel's 16-byte units serve one input (its base and element strides). */
