@@ -5,10 +5,10 @@
  * defined; with CUDA, cuda/runtime.cu and the kernel files define these symbols instead.
  *
  * Entry points: dk_cuda_slots, dk_cuda_kv_write, dk_cuda_quantize_kv, dk_cuda_attention,
- * dk_cuda_layer,
- * dk_cuda_rows_gather, dk_cuda_rows_scatter, dk_cuda_compiled, dk_cuda_device_enter,
- * dk_cuda_device_exit, dk_cuda_copy_to_host, dk_cuda_stream_capturing, dk_cuda_device_count,
- * dk_cuda_capability, dk_cuda_runtime_version, dk_cuda_driver_version, dk_cuda_attention_kernel.
+ * dk_cuda_layer, dk_cuda_rows_gather, dk_cuda_rows_scatter, dk_cuda_compiled,
+ * dk_cuda_device_enter, dk_cuda_device_exit, dk_cuda_copy_to_host, dk_cuda_stream_capturing,
+ * dk_cuda_device_count, dk_cuda_capability, dk_cuda_runtime_version, dk_cuda_driver_version,
+ * dk_cuda_attention_kernel.
  */
 #ifndef DIFFKV_WITH_CUDA
 
