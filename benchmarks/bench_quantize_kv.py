@@ -38,7 +38,10 @@ def torch_round(k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], t
     out, scales = [], []
     for x in (k, v):
         amax = x.abs().amax().float()
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).reshape(1)
+        # a tensor divisor: torch's CUDA division by a Python number multiplies by its rounded
+        # reciprocal (one ulp off the quotient for about half of all amax values)
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
+        scale = scale.reshape(1)
         scales.append(scale)
         out.append((x.float() / scale).clamp_(-448.0, 448.0).to(F8))
     return out, torch.cat(scales)

@@ -1,6 +1,6 @@
 """The fp8 dense forward's rounding of its keys and values, ``_C.quantize_kv``: the scales are
-torch's ``amax / 448`` over key and joint key and over value and joint value (1 where that is
-not > 0), and every byte is torch's ``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``
+``amax / 448`` over key and joint key and over value and joint value (1 where that is not > 0),
+the correctly rounded fp32 division on every device, and every byte is torch's ``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``
 -- on the CPU reference and on the CUDA kernels (the amax kernel's 16-byte and single-element
 paths, the fp8 write's wide, vec and strided ones), checked on every finite 16-bit value, on
 strided and misaligned views, on NaN, infinity, zeros and subnormals, and the CUDA bytes against
@@ -19,12 +19,15 @@ F8 = torch.float8_e4m3fn
 
 
 def _torch_scale(*xs: torch.Tensor | None) -> torch.Tensor:
-    """torch's scale over the given tensors (None: absent), float32 [1]."""
+    """The scale over the given tensors (None: absent), float32 [1], by torch.  The divisor is a
+    tensor: on CUDA torch divides by a Python number as a product with its rounded reciprocal
+    (``amax * RN(1 / 448)``, one ulp off the quotient for about half of all amax values), on
+    the CPU it divides; diffkv's scale is the quotient on both."""
     amax = torch.stack(
         [x.abs().amax().float() for x in xs if x is not None and x.numel() > 0]
         or [torch.zeros((), device=xs[0].device)]
     ).amax()
-    return torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).reshape(1)
+    return torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax)).reshape(1)
 
 
 def _torch_bytes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
