@@ -906,12 +906,31 @@ def _cases_batch() -> dict[str, list[Case]]:
                 "build_batch int32",
                 ValueError,
                 (
-                    "build_batch(): row 1 must fit int32 metadata (seq_len 2, tokens so far 2, row "
-                    "index 1099511627776)"
+                    "build_batch(): row 1 must fit int32 metadata (query_len 2, seq_len 2, tokens so "
+                    "far 2, row index 1099511627776)"
                 ),
                 _C.build_batch,
                 rb.rows,
                 [0, 2**40],
+                ri_out,
+                qsl_out,
+                sl_out,
+                pos_out,
+            ),
+            bad(
+                # 1 + (2^63 - 1) tokens wrapped int64 and passed as a negative total
+                "build_batch tokens past int64",
+                ValueError,
+                (
+                    "build_batch(): row 1 must fit int32 metadata (query_len 9223372036854775807, "
+                    "seq_len 0, tokens so far 1, row index 1)"
+                ),
+                _C.build_batch,
+                (
+                    SimpleNamespace(query_len=1, seq_len=0, kv_start_pos=0),
+                    SimpleNamespace(query_len=2**63 - 1, seq_len=0, kv_start_pos=0),
+                ),
+                [0, 1],
                 ri_out,
                 qsl_out,
                 sl_out,

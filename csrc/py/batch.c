@@ -358,11 +358,12 @@ py_build_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                          op, i, (long long)q, (long long)s, (long long)kv_start[i]);
             goto done;
         }
-        if (s > INT32_MAX || total + q > INT32_MAX || ri[i] < INT32_MIN || ri[i] > INT32_MAX) {
+        /* total <= INT32_MAX here, so INT32_MAX - total cannot wrap (total + q could) */
+        if (s > INT32_MAX || q > INT32_MAX - total || ri[i] < INT32_MIN || ri[i] > INT32_MAX) {
             PyErr_Format(PyExc_ValueError,
-                         "%s(): row %zd must fit int32 metadata (seq_len %lld, tokens so far "
-                         "%lld, row index %lld)",
-                         op, i, (long long)s, (long long)total, (long long)ri[i]);
+                         "%s(): row %zd must fit int32 metadata (query_len %lld, seq_len %lld, "
+                         "tokens so far %lld, row index %lld)",
+                         op, i, (long long)q, (long long)s, (long long)total, (long long)ri[i]);
             goto done;
         }
         qsl[i] = (int32_t)total;
