@@ -1,10 +1,11 @@
 """The fp8 dense forward's rounding of its keys and values, ``_C.quantize_kv``: the scales are
 ``amax / 448`` over key and joint key and over value and joint value (1 where that is not > 0),
-the correctly rounded fp32 division on every device, and every byte is torch's ``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``
--- on the CPU reference and on the CUDA kernels (the amax kernel's 16-byte and single-element
-paths, the fp8 write's wide, vec and strided ones), checked on every finite 16-bit value, on
-strided and misaligned views, on NaN, infinity, zeros and subnormals, and the CUDA bytes against
-the CPU's.  Its refusals are in error_cases.py."""
+the correctly rounded fp32 division on every device, and every byte is torch's
+``(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)`` -- on the CPU reference and on the
+CUDA kernels (the amax kernel's 16-byte and single-element paths, the fp8 write's wide, vec and
+strided ones), checked on every finite 16-bit value, on strided and misaligned views, on NaN,
+infinity, zeros and subnormals, and the CUDA bytes against the CPU's.  Its refusals are in
+error_cases.py."""
 
 from __future__ import annotations
 
