@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from diffkv import _C
-from diffkv._bench import device_times_us, environment, fmt, print_table, time_us, write_json
+from diffkv._bench import device_times_us, environment, fmt, int_list, print_table, time_us, write_json
 
 
 def _case(
@@ -140,10 +140,6 @@ def _case(
     return result
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU-friendly)")
@@ -161,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not _C.cuda_compiled():
         parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
     default_tokens = "256,1024" if args.quick else "1024,2048,4096,8192,16384,32768,65536"
-    tokens = _ints(args.tokens or default_tokens)
-    kv_heads = _ints(args.kv_heads or ("2,8" if args.quick else "8,32"))
+    tokens = int_list(args.tokens or default_tokens)
+    kv_heads = int_list(args.kv_heads or ("2,8" if args.quick else "8,32"))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 20)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from diffkv import _C
-from diffkv._bench import environment, fmt, print_table, time_interleaved, write_json
+from diffkv._bench import environment, fmt, int_list, print_table, time_interleaved, write_json
 
 F8 = torch.float8_e4m3fn
 
@@ -119,10 +119,6 @@ def _case(n: int, heads: int, head_size: int, device: torch.device, args) -> dic
     return res
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU-friendly)")
@@ -138,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not _C.cuda_compiled():
         parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
-    tokens = _ints(args.tokens or ("256,1024" if args.quick else "4096,16384,65536"))
-    heads = _ints(args.kv_heads or ("2" if args.quick else "8,24"))
+    tokens = int_list(args.tokens or ("256,1024" if args.quick else "4096,16384,65536"))
+    heads = int_list(args.kv_heads or ("2" if args.quick else "8,24"))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 15)
 

@@ -317,6 +317,12 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers from the command line ("4096,16384"; empty items
+    skipped)."""
+    return [int(x) for x in text.split(",") if x]
+
+
 # --- the printout -------------------------------------------------------------------------------
 
 
