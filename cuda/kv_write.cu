@@ -403,6 +403,18 @@ ptr_aligned16(const void *p)
     return (uintptr_t)p % 16 == 0;
 }
 
+/* Whether a's key and value (elements of es bytes) read as 16-byte units: contiguous head
+ * dims, rows and every address 16-byte aligned -- the input side of the vec kernels' fast path
+ * (the KV write's, with its cache's own conditions beside it, and the amax kernel's). */
+static bool
+inputs_vec(const dk_kv_write_args *a, int64_t es)
+{
+    return a->key_stride_dim == 1 && a->value_stride_dim == 1 && aligned16(a->head_size * es) &&
+           ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
+           aligned16(a->key_stride_token * es) && aligned16(a->key_stride_head * es) &&
+           aligned16(a->value_stride_token * es) && aligned16(a->value_stride_head * es);
+}
+
 /* The vec kernels' CTA of up to `threads` threads for rows of `units` units: rows up to
  * `threads` units wide, one unit column per thread and threads / units token lanes; wider rows
  * one lane, blockDim.x the row split into even passes (rounded to warps).  grid[0] covers
@@ -431,14 +443,10 @@ prepare_fp8(const dk_kv_write_args *a, dk_pending_launch *p)
 {
     const int64_t es = (int64_t)dk_dtype_size(a->dtype);
     const int64_t e = 16 / es; /* elements (= cache bytes) per 16-byte load */
-    const bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 &&
-                     a->cache_stride_dim == 1 && aligned16(a->head_size * es) &&
-                     ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
-                     aligned16(a->key_stride_token * es) && aligned16(a->key_stride_head * es) &&
-                     aligned16(a->value_stride_token * es) &&
-                     aligned16(a->value_stride_head * es) && (uintptr_t)a->key_cache % e == 0 &&
-                     (uintptr_t)a->value_cache % e == 0 && a->cache_stride_block % e == 0 &&
-                     a->cache_stride_token % e == 0 && a->cache_stride_head % e == 0;
+    const bool vec = inputs_vec(a, es) && a->cache_stride_dim == 1 &&
+                     (uintptr_t)a->key_cache % e == 0 && (uintptr_t)a->value_cache % e == 0 &&
+                     a->cache_stride_block % e == 0 && a->cache_stride_token % e == 0 &&
+                     a->cache_stride_head % e == 0;
     const bool wide = vec && es == 2 && a->head_size % 16 == 0 && ptr_aligned16(a->key_cache) &&
                       ptr_aligned16(a->value_cache) && aligned16(a->cache_stride_block) &&
                       aligned16(a->cache_stride_token) && aligned16(a->cache_stride_head);
@@ -511,13 +519,9 @@ dk_cuda_kv_write_prepare(const dk_kv_write_args *a, dk_pending_launch *p, dk_err
             dk_dtype_name(a->dtype), dk_dtype_name(a->cache_dtype));
     }
     int64_t es = (int64_t)dk_dtype_size(a->dtype);
-    bool vec = a->key_stride_dim == 1 && a->value_stride_dim == 1 && a->cache_stride_dim == 1 &&
-               aligned16(a->head_size * es) && ptr_aligned16(a->key) && ptr_aligned16(a->value) &&
-               ptr_aligned16(a->key_cache) && ptr_aligned16(a->value_cache) &&
-               aligned16(a->key_stride_token * es) && aligned16(a->key_stride_head * es) &&
-               aligned16(a->value_stride_token * es) && aligned16(a->value_stride_head * es) &&
-               aligned16(a->cache_stride_block * es) && aligned16(a->cache_stride_token * es) &&
-               aligned16(a->cache_stride_head * es);
+    bool vec = inputs_vec(a, es) && a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
+               ptr_aligned16(a->value_cache) && aligned16(a->cache_stride_block * es) &&
+               aligned16(a->cache_stride_token * es) && aligned16(a->cache_stride_head * es);
     p->kv = *a;
     p->elem_size = es;
     p->elems_per_unit = vec ? (int32_t)(16 / es) : 1;
@@ -647,14 +651,6 @@ kv_amax_scales_kernel(float *scales)
     scales[threadIdx.x] = bits != 0u && bits <= 0x7F800000u ? s : 1.0f;
 }
 
-/* Whether the amax kernel's 16-byte units serve one input (its base and element strides). */
-static bool
-amax_vec(const void *base, int64_t st, int64_t sh, int64_t sd, int64_t head_size, int64_t es)
-{
-    return sd == 1 && ptr_aligned16(base) && aligned16(head_size * es) && aligned16(st * es) &&
-           aligned16(sh * es);
-}
-
 extern "C" dk_status
 dk_cuda_quantize_kv(const dk_quantize_kv_args *q, void *stream, dk_error *err)
 {
@@ -680,11 +676,7 @@ dk_cuda_quantize_kv(const dk_quantize_kv_args *q, void *stream, dk_error *err)
     int64_t most = 0; /* tokens of the longer pair */
     for (int i = 0; i < 2; i++) {
         if (a[i].num_tokens > 0) {
-            vec = vec &&
-                  amax_vec(a[i].key, a[i].key_stride_token, a[i].key_stride_head,
-                           a[i].key_stride_dim, a[i].head_size, es) &&
-                  amax_vec(a[i].value, a[i].value_stride_token, a[i].value_stride_head,
-                           a[i].value_stride_dim, a[i].head_size, es);
+            vec = vec && inputs_vec(&a[i], es);
             most = a[i].num_tokens > most ? a[i].num_tokens : most;
         }
     }
