@@ -9,8 +9,10 @@
  * K and two V slots, 216 KB of tiles with Q) -- both fed by the per-chunk TMA producer where
  * the cache's maps fold it, by cp.async otherwise -- and, padded to 64, 128 or 192 dims with
  * zeros past the head size (the template's DR), heads 32, 72, 80, 96 and 160, whose products
- * skip what they can of the zeros (KD, NP) and, at 72 to 96, read Q's fragments from
- * registers (Q_RS); these take the cp.async producers only.
+ * skip what they can of the zeros (KD, NP); these take the cp.async producers only.  72 to 96
+ * run three consumer warpgroups over 112-key tiles (FlashAttention-3 takes 192 query rows below
+ * 128 dims too): their softmax, as long as head 128's, has the products of two other
+ * warpgroups to hide under.
  *
  * NC + 1 warpgroups, 1 CTA per SM: warpgroup 0 is the producer (setmaxnreg leaves it 56
  * registers with NC = 2, 32 with 3, 24 where it only issues TMA), warpgroups 1 .. NC the
@@ -116,7 +118,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * holds the K load back behind it. */
     constexpr bool K_AHEAD = LATE_PV_WAIT && SV == ST;
     static_assert(BN == 128 || (BN == 176 && D == 128 && NC == 2) ||
-                      ((BN == 64 || BN == 80) && D == 256) || (BN == 112 && D == 192),
+                      ((BN == 64 || BN == 80) && D == 256) ||
+                      (BN == 112 && (D == 192 || (D == 128 && DR < D && NC == 3))),
                   "key tile");
     static_assert(D < 192 || (NC == 2 && VG <= 1 && (D == 192 || DR == D)),
                   "the 192- and 256-dim forms: two consumer warpgroups, per-chunk or cp.async "
@@ -134,13 +137,6 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
      * (wgmma's N, a multiple of 8: the last 64-dim panel of V read in part). */
     constexpr int KD = (DR + 15) / 16 * 16;
     constexpr int NP = DR;
-    /* Q's fragments in registers for S = Q K^T (h90_qk_rs, KD / 4 of them), so that the products
-     * read only K from shared memory: the padded forms of 72 to 96 dims (1-4 % faster).  Not at
-     * head 128 itself (slower, hopper-kernels.md), 256 (64 registers do not fit beside O's 128)
-     * nor in the 192-dim form, whose 112-key tiles leave no room for them: there the wider tile
-     * reads Q once per 112 keys, and ran 12-13 % faster than 64-key tiles with Q in registers
-     * (head-sizes.md). */
-    constexpr bool Q_RS = D == 128 && DR < D;
     constexpr int DT = NP / 8;
     constexpr uint32_t QB = BM * D * 2;
     constexpr uint32_t KVB = BN * D * 2;
@@ -373,10 +369,6 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     }
     fence_proxy_async();
     named_barrier(1u + (uint32_t)cw, 128u);
-    uint32_t qa[Q_RS ? KD / 16 : 1][4];
-    if constexpr (Q_RS) {
-        h90_q_frags<KD / 16, BM>(qa, sq, cw * 64 + w4 * 16 + g, tq);
-    }
 
     float o[NP / 2];
 #pragma unroll
@@ -394,15 +386,8 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
     rows.g_min = min(s_wmin[2 * cw], s_wmin[2 * cw + 1]);
     rows.tq = tq;
     rows.scale_log2 = scale_log2;
-    /* S = Q K^T of the K slot at sk (no commit), Q from registers or from its tile */
-    auto issue_qk = [&](uint32_t sk) {
-        if constexpr (Q_RS) {
-            h90_qk_rs<T, KD, BN>(s, qa, sk, khalf, ksbo);
-        }
-        else {
-            h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk, khalf, ksbo);
-        }
-    };
+    /* S = Q K^T of the K slot at sk (no commit) */
+    auto issue_qk = [&](uint32_t sk) { h90_qk<T, KD, BN, BM>(s, rows.q_slab, sk, khalf, ksbo); };
     /* O's rescale is skipped on tiles where no row of the warp raised its max (h90_softmax
      * SKIP; bit-identical: alpha is exp2(0) = 1 exactly there).  The lossy lazy form, which
      * rescales only when a max grows by 2^8, lost accuracy on growing scores. */
@@ -601,7 +586,10 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * host chose 176-key tiles.  Heads 192 and 256 have forms of their own (two slots of each; the
  * per-chunk TMA producer where the host encoded its maps, m.dims.k_groups, else cp.async), and
  * the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
- * run head 64's form (32), head 128's (72, 80, 96) or head 192's (160).  The head-256 form takes
+ * run head 64's form (32), one of their own (72, 80, 96: rows padded to 128 dims, three consumer
+ * warpgroups of 160 registers -- at 96 O takes 48, S 56, P 28 -- over 112-key tiles, two K and
+ * three V slots, 188 KB with Q; 11-14 % faster than head 128's form with Q's fragments in
+ * registers, docs/head-sizes.md) or head 192's (160).  The head-256 form takes
  * 80-key tiles (FlashAttention-3's choice there: 3-4 % faster than 64) where the per-chunk TMA
  * producer or the group one serves the cache (blocks of 16 n keys, or of a power of two of 16+
  * keys: a 16-key group never straddles two blocks); the per-row producer's row table does not fit
@@ -637,13 +625,13 @@ h90_launch_ws(const dk_attention_args *a, const h90_maps &m, int64_t head_group,
         return h90_launch_tma<T, H90T_STAGES + 1, 64, 3, H90T_STAGES + 1, 128, 0, 32>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 72:
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 72>(
+        return h90_launch_tma<T, H90T_STAGES, 128, 3, H90T_STAGES + 1, 112, 0, 72>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 80:
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 80>(
+        return h90_launch_tma<T, H90T_STAGES, 128, 3, H90T_STAGES + 1, 112, 0, 80>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 96:
-        return h90_launch_tma<T, H90T_STAGES, 128, 2, H90T_STAGES + 1, 128, 0, 96>(
+        return h90_launch_tma<T, H90T_STAGES, 128, 3, H90T_STAGES + 1, 112, 0, 96>(
             a, m, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     case 160:
         return h90_launch_tma<T, H90T_STAGES, 192, 2, H90T_STAGES, 112, 0, 160>(

@@ -226,11 +226,10 @@ h90_qk(float (&s)[BN / 2], uint32_t q_slab, uint32_t sk, uint32_t khalf = BN * 1
     }
 }
 
-/* This thread's A fragments of its warpgroup's Q rows for S = Q K^T from registers, KS k-steps
- * of 32 bytes (16 fp16/bf16 dims for h90_qk_rs, 32 e4m3 dims for the e4m3 kernel): k-step kk's
- * register i holds the 4 bytes at byte 32 kk + 16 (i >> 1) + 4 tq of row r0 + 8 (i & 1) (the
- * layout h90_pack_p gives P), read once from the Q tile at sq (128-byte swizzled rows, 64-dim
- * panels of fp16/bf16 BM * 128 bytes apart). */
+/* This thread's A fragments of its warpgroup's Q rows for S = Q K^T from registers (the e4m3
+ * kernel's), KS k-steps of 32 bytes (32 e4m3 dims): k-step kk's register i holds the 4 bytes at
+ * byte 32 kk + 16 (i >> 1) + 4 tq of row r0 + 8 (i & 1) (the layout h90_pack_p gives P), read
+ * once from the Q tile at sq (128-byte swizzled rows, 128-byte panels BM * 128 bytes apart). */
 template <int KS, int BM>
 static __device__ __forceinline__ void
 h90_q_frags(uint32_t (&qa)[KS][4], uint32_t sq, int r0, int tq)
@@ -245,23 +244,6 @@ h90_q_frags(uint32_t (&qa)[KS][4], uint32_t sq, int r0, int tq)
                                   (((chunk % 8u) ^ (r & 7u)) << 4) + 4u * (uint32_t)tq;
             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(qa[kk][i]) : "r"(addr) : "memory");
         }
-    }
-}
-
-/* h90_qk with Q's fragments in registers (qa, h90_q_frags): the products read only K from
- * shared memory. */
-template <typename T, int KD, int BN>
-static __device__ __forceinline__ void
-h90_qk_rs(float (&s)[BN / 2], const uint32_t (&qa)[KD / 16][4], uint32_t sk, uint32_t khalf,
-          uint32_t ksbo)
-{
-    fence_regs(s);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        const uint32_t koff = (uint32_t)(kk & 3) * 32u;
-        const uint64_t db = wgmma_desc(sk + (uint32_t)(kk >> 2) * khalf + koff, 16u, ksbo);
-        h90_mma<T>::qk(s, qa[kk], db, kk > 0);
     }
 }
 

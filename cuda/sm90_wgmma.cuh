@@ -206,17 +206,16 @@ st_shared_u32(uint32_t addr, uint32_t v)
                      : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                    \
     }
 
-/* d (m64 x N) = A B + (scale_d ? d : 0), A (m64 x k16) from registers, B from shared memory:
- * transposed (MN-major) with TB "1" (P V, V's rows of dims: the wgmma_rs_ forms), K-major with
- * "0" (S = Q K^T with Q's fragments in registers: wgmma_rsk_).  IA0: the operand number of a[0]
- * (a[1..3] follow), IB of desc_b, IP of scale_d. */
-#define H90_WGMMA_RS(NAME, N, TY, REGS, OUTS, IA0, IA1, IA2, IA3, IB, IP, TB)                      \
+/* d (m64 x N) = A B + (scale_d ? d : 0), A (m64 x k16) from registers, B from shared memory
+ * transposed (MN-major: P V, V's rows of dims).  IA0: the operand number of a[0] (a[1..3]
+ * follow), IB of desc_b, IP of scale_d. */
+#define H90_WGMMA_RS(NAME, N, TY, REGS, OUTS, IA0, IA1, IA2, IA3, IB, IP)                          \
     static __device__ __forceinline__ void NAME(float(&d)[(N) / 2], const uint32_t(&a)[4],         \
                                                 uint64_t desc_b, int scale_d)                      \
     {                                                                                              \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                               \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS          \
-                     ", {" IA0 ", " IA1 ", " IA2 ", " IA3 "}, " IB ", p, 1, 1, " TB ";\n}\n"       \
+                     ", {" IA0 ", " IA1 ", " IA2 ", " IA3 "}, " IB ", p, 1, 1, 1;\n}\n"            \
                      : OUTS                                                                        \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));     \
     }
@@ -232,45 +231,41 @@ H90_WGMMA_SS(wgmma_ss_m64n80_f16, 80, "f16", H90_R40, H90_D40, "%40", "%41", "%4
 H90_WGMMA_SS(wgmma_ss_m64n112_bf16, 112, "bf16", H90_R56, H90_D56, "%56", "%57", "%58")
 H90_WGMMA_SS(wgmma_ss_m64n112_f16, 112, "f16", H90_R56, H90_D56, "%56", "%57", "%58")
 H90_WGMMA_RS(wgmma_rs_m64n32_bf16, 32, "bf16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
-             "%21", "1")
+             "%21")
 H90_WGMMA_RS(wgmma_rs_m64n32_f16, 32, "f16", H90_R16, H90_D16, "%16", "%17", "%18", "%19", "%20",
-             "%21", "1")
+             "%21")
 H90_WGMMA_RS(wgmma_rs_m64n72_bf16, 72, "bf16", H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40",
-             "%41", "1")
+             "%41")
 H90_WGMMA_RS(wgmma_rs_m64n72_f16, 72, "f16", H90_R36, H90_D36, "%36", "%37", "%38", "%39", "%40",
-             "%41", "1")
+             "%41")
 H90_WGMMA_RS(wgmma_rs_m64n80_bf16, 80, "bf16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
-             "%45", "1")
+             "%45")
 H90_WGMMA_RS(wgmma_rs_m64n80_f16, 80, "f16", H90_R40, H90_D40, "%40", "%41", "%42", "%43", "%44",
-             "%45", "1")
+             "%45")
 H90_WGMMA_RS(wgmma_rs_m64n96_bf16, 96, "bf16", H90_R48, H90_D48, "%48", "%49", "%50", "%51", "%52",
-             "%53", "1")
+             "%53")
 H90_WGMMA_RS(wgmma_rs_m64n96_f16, 96, "f16", H90_R48, H90_D48, "%48", "%49", "%50", "%51", "%52",
-             "%53", "1")
+             "%53")
 H90_WGMMA_RS(wgmma_rs_m64n160_bf16, 160, "bf16", H90_R80, H90_D80, "%80", "%81", "%82", "%83",
-             "%84", "%85", "1")
+             "%84", "%85")
 H90_WGMMA_RS(wgmma_rs_m64n160_f16, 160, "f16", H90_R80, H90_D80, "%80", "%81", "%82", "%83", "%84",
-             "%85", "1")
+             "%85")
 H90_WGMMA_RS(wgmma_rs_m64n192_bf16, 192, "bf16", H90_R96, H90_D96, "%96", "%97", "%98", "%99",
-             "%100", "%101", "1")
+             "%100", "%101")
 H90_WGMMA_RS(wgmma_rs_m64n192_f16, 192, "f16", H90_R96, H90_D96, "%96", "%97", "%98", "%99", "%100",
-             "%101", "1")
+             "%101")
 H90_WGMMA_RS(wgmma_rs_m64n256_bf16, 256, "bf16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
-             "%132", "%133", "1")
+             "%132", "%133")
 H90_WGMMA_RS(wgmma_rs_m64n256_f16, 256, "f16", H90_R128, H90_D128, "%128", "%129", "%130", "%131",
-             "%132", "%133", "1")
+             "%132", "%133")
 H90_WGMMA_RS(wgmma_rs_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
-             "%68", "%69", "1")
+             "%68", "%69")
 H90_WGMMA_RS(wgmma_rs_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
-             "%69", "1")
-H90_WGMMA_RS(wgmma_rsk_m64n128_bf16, 128, "bf16", H90_R64, H90_D64, "%64", "%65", "%66", "%67",
-             "%68", "%69", "0")
-H90_WGMMA_RS(wgmma_rsk_m64n128_f16, 128, "f16", H90_R64, H90_D64, "%64", "%65", "%66", "%67", "%68",
-             "%69", "0")
+             "%69")
 H90_WGMMA_RS(wgmma_rs_m64n64_bf16, 64, "bf16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
-             "%37", "1")
+             "%37")
 H90_WGMMA_RS(wgmma_rs_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%34", "%35", "%36",
-             "%37", "1")
+             "%37")
 
 /* The e4m3 forms (m64nNk32, fp32 accumulators): both operands K-major -- wgmma has no
  * transposed 8-bit operand, so V comes in transposed (attention_sm90_fp8.cu) -- and no
@@ -357,20 +352,13 @@ h90_pv_e4m3(float (&o)[36], const uint32_t (&p)[4], uint64_t b)
 
 /* S (m64 x N keys) = Q K^T (+ S) and O (m64 x D) += P V for element type T, one overload per
  * wgmma shape (by the accumulators' count, N / 2): qk for the key tiles of 64, 80, 112, 128 and
- * 176 keys (Q from shared memory; for 128 also from registers), pv for every head
- * size's O (N = 32 .. 256). */
+ * 176 keys (Q from shared memory), pv for every head size's O (N = 32 .. 256). */
 template <typename T> struct h90_mma;
 
 #define H90_QK(N, TY)                                                                              \
     static __device__ __forceinline__ void qk(float(&s)[(N) / 2], uint64_t a, uint64_t b, int acc) \
     {                                                                                              \
         wgmma_ss_m64n##N##_##TY(s, a, b, acc);                                                     \
-    }
-#define H90_QKR(N, TY)                                                                             \
-    static __device__ __forceinline__ void qk(float(&s)[(N) / 2], const uint32_t(&a)[4],           \
-                                              uint64_t b, int acc)                                 \
-    {                                                                                              \
-        wgmma_rsk_m64n##N##_##TY(s, a, b, acc);                                                    \
     }
 #define H90_PV(N, TY)                                                                              \
     static __device__ __forceinline__ void pv(float(&o)[(N) / 2], const uint32_t(&p)[4],           \
@@ -384,7 +372,6 @@ template <typename T> struct h90_mma;
     H90_QK(176, TY)                                                                                \
     H90_QK(80, TY)                                                                                 \
     H90_QK(112, TY)                                                                                \
-    H90_QKR(128, TY)                                                                               \
     H90_PV(32, TY)                                                                                 \
     H90_PV(64, TY)                                                                                 \
     H90_PV(72, TY)                                                                                 \
