@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from diffkv import _C
-from diffkv._bench import environment, fmt, median, print_table, time_interleaved, write_json
+from diffkv._bench import bench_device, environment, fmt, median, print_table, time_interleaved, write_json
 
 BASELINES = ("flash", "cudnn", "flex")
 CHECK_TOL = 3e-2  # bf16 outputs of softmax-weighted N(0, 1) values
@@ -765,9 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not _C.cuda_compiled():
-        parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+    device = bench_device(args.device, parser.error)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     args.baselines = [b for b in args.baselines.split(",") if b]

@@ -68,7 +68,15 @@ from typing import Any
 import torch
 
 from diffkv import _C
-from diffkv._bench import device_times_us, environment, fmt, median, time_interleaved, write_json
+from diffkv._bench import (
+    bench_device,
+    device_times_us,
+    environment,
+    fmt,
+    median,
+    time_interleaved,
+    write_json,
+)
 from diffkv._bench_cli import _sdpa_setup
 
 F8 = torch.float8_e4m3fn
@@ -1082,9 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.baselines) - set(BASELINES))
     if unknown:
         parser.error(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not _C.cuda_compiled():
-        parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+    device = bench_device(args.device, parser.error)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
 

@@ -34,7 +34,7 @@ import torch
 
 import diffkv as dk
 from diffkv import _C
-from diffkv._bench import environment, fmt, median, print_table, write_json
+from diffkv._bench import bench_device, environment, fmt, median, print_table, write_json
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, PREFIX = 2, 1, 64, 16, 63
 
@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.calls, args.samples = min(args.calls, 200), min(args.samples, 5)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not _C.cuda_compiled():
-        parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+    device = bench_device(args.device, parser.error)
     env = environment(device, checkout=__file__)
     timings = run(device, args.calls, args.samples)
     print(

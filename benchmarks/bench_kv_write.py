@@ -35,7 +35,16 @@ from typing import Any
 import torch
 
 from diffkv import _C
-from diffkv._bench import device_times_us, environment, fmt, int_list, print_table, time_us, write_json
+from diffkv._bench import (
+    bench_device,
+    device_times_us,
+    environment,
+    fmt,
+    int_list,
+    print_table,
+    time_us,
+    write_json,
+)
 
 
 def _case(
@@ -153,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write a JSON record here")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not _C.cuda_compiled():
-        parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+    device = bench_device(args.device, parser.error)
     default_tokens = "256,1024" if args.quick else "1024,2048,4096,8192,16384,32768,65536"
     tokens = int_list(args.tokens or default_tokens)
     kv_heads = int_list(args.kv_heads or ("2,8" if args.quick else "8,32"))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from diffkv import _C
-from diffkv._bench import environment, fmt, int_list, print_table, time_interleaved, write_json
+from diffkv._bench import bench_device, environment, fmt, int_list, print_table, time_interleaved, write_json
 
 F8 = torch.float8_e4m3fn
 
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write a JSON record here")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not _C.cuda_compiled():
-        parser.error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+    device = bench_device(args.device, parser.error)
     tokens = int_list(args.tokens or ("256,1024" if args.quick else "4096,16384,65536"))
     heads = int_list(args.kv_heads or ("2" if args.quick else "8,24"))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)

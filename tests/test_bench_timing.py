@@ -5,6 +5,7 @@ comparison and its baselines all come back from one command."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,39 @@ def test_time_us_is_the_one_call_case():
 def test_time_interleaved_needs_a_call():
     with pytest.raises(ValueError, match="time_interleaved\\(\\): fns must name at least one call, got none"):
         _bench.time_interleaved({}, torch.device("cpu"), 1, 1)
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(message):
+    raise _Refused(message)
+
+
+@pytest.mark.parametrize(
+    ("requested", "message"),
+    [
+        ("mps", "--device must be cpu or cuda[:i], got 'mps'"),
+        ("gpu0", "--device must be cpu or cuda[:i], got 'gpu0'"),
+    ],
+)
+def test_bench_device_refuses_what_is_not_cpu_or_cuda(requested, message):
+    with pytest.raises(_Refused, match=re.escape(message)):
+        _bench.bench_device(requested, _refuse)
+
+
+def test_bench_device_cuda_needs_a_cuda_build_and_a_gpu(monkeypatch):
+    monkeypatch.setattr(_bench._C, "cuda_compiled", lambda: False)
+    with pytest.raises(_Refused, match="diffkv was built without CUDA; rebuild with nvcc on PATH"):
+        _bench.bench_device("cuda:0", _refuse)
+    monkeypatch.setattr(_bench._C, "cuda_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(_Refused, match="--device cuda:1: torch sees no CUDA device"):
+        _bench.bench_device("cuda:1", _refuse)
+    # the default follows torch: the CPU where it sees no GPU
+    assert _bench.bench_device(None, _refuse) == torch.device("cpu")
+    assert _bench.bench_device("cpu", _refuse) == torch.device("cpu")
 
 
 def test_bench_attention_times_a_case_and_its_comparison_together(tmp_path):

@@ -9,7 +9,8 @@ falls on all of them alike.  ``device_times_us`` times GPU work from the profile
 records instead, for calls that synchronise the host inside (events would count the sync).
 
 Entry points: timing (``flush_l2``, ``time_interleaved``, ``time_us``, ``device_times_us``,
-``runnable``); the record (``environment``, ``run_command``, ``write_json``); the printout
+``runnable``); the command line (``bench_device``, ``int_list``); the record (``environment``,
+``run_command``, ``write_json``); the printout
 (``print_table``, ``fmt``, ``median``); a paged cache for timing ``_C.paged_attention``
 (``_paged``, ``paged_call``).
 """
@@ -315,6 +316,27 @@ def write_json(path: str, record: dict[str, Any]) -> None:
         json.dump(record, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def bench_device(requested: str | None, error: Callable[[str], Any]) -> torch.device:
+    """The device a benchmark's --device names: ``cpu`` or ``cuda[:i]``, by default CUDA where torch
+    sees a GPU and the CPU otherwise.  ``error`` (argparse's ``parser.error``) gets the reason when
+    it cannot run there: a device that is neither, CUDA with a CPU-only build of diffkv, or CUDA
+    that torch does not see."""
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        error(f"--device must be cpu or cuda[:i], got {requested!r}")
+    if device.type == "cuda":
+        if not _C.cuda_compiled():
+            error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
+        if not torch.cuda.is_available():
+            error(f"--device {device}: torch sees no CUDA device")
+    return device
 
 
 def int_list(text: str) -> list[int]:

@@ -55,6 +55,7 @@ from diffkv import _C
 from diffkv._bench import (
     L2_FLUSH_BYTES,
     _paged,
+    bench_device,
     environment,
     fmt,
     paged_call,
@@ -231,28 +232,19 @@ def _resolve(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> di
     unknown = sorted(set(baselines) - set(BASELINES))
     if unknown:
         parser_error(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")
-    if args.device is not None:
-        device = torch.device(args.device)
-    elif torch.cuda.is_available() and _C.cuda_compiled():
-        device = torch.device("cuda")
-    elif args.quick:
-        device = torch.device("cpu")
-    else:
-        why = (
-            "diffkv was built without CUDA"
-            if not _C.cuda_compiled()
-            else "torch sees no CUDA device (torch.cuda.is_available() is False)"
-        )
-        parser_error(f"no GPU to benchmark: {why}; --quick runs a tiny sweep on the CPU")
-    if device.type == "cuda":
-        if not _C.cuda_compiled():
-            parser_error("diffkv was built without CUDA; rebuild with nvcc on PATH or pass --device cpu")
-        if not torch.cuda.is_available():
-            parser_error(f"--device {device}: torch sees no CUDA device")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        parser_error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    requested = args.device
+    if requested is None and not (torch.cuda.is_available() and _C.cuda_compiled()):
+        if not args.quick:
+            why = (
+                "diffkv was built without CUDA"
+                if not _C.cuda_compiled()
+                else "torch sees no CUDA device (torch.cuda.is_available() is False)"
+            )
+            parser_error(f"no GPU to benchmark: {why}; --quick runs a tiny sweep on the CPU")
+        requested = "cpu"
+    device = bench_device(requested, parser_error)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if cfg["head_sizes"] == "all":
         cfg["head_sizes"] = list(_C.supported_head_sizes("cuda", "bfloat16", "auto"))
         if not cfg["head_sizes"]:
