@@ -70,7 +70,7 @@ STAMPS = (
         "            if (threadIdx.x == 0) TL(7);\n",
     ),
     (
-        "    named_barrier(1u + (uint32_t)cw, 128u);\n    uint32_t qa[",
+        "    named_barrier(1u + (uint32_t)cw, 128u);\n\n    float o[NP / 2];",
         "after_first_line",
         "    if (cw == 0 && wt == 0) TL(2);\n",
     ),
