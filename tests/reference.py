@@ -142,7 +142,10 @@ def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
     ax = x.abs()
     l1 = ax.sum(dim=-1, keepdim=True)
     live = l1 > 1e-30  # smaller rows become zeros
-    qs = torch.maximum(l1 / 128.0, ax.amax(dim=-1, keepdim=True) / 448.0)
+    amax = ax.amax(dim=-1, keepdim=True)
+    # amax / 448 as the kernel's correctly rounded quotient: torch's CUDA division of a tensor by
+    # a Python number multiplies by the rounded reciprocal instead (by a tensor it divides)
+    qs = torch.maximum(l1 / 128.0, amax / torch.full_like(amax, 448.0))
     qs = torch.where(live, qs, torch.ones_like(l1))
     codes = (x * torch.where(live, 1.0 / qs, torch.zeros_like(qs))).clamp(-448, 448).to(torch.float8_e4m3fn)
     return codes.double() * qs.double()
