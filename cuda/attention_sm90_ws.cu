@@ -588,7 +588,7 @@ h90_launch_tma(const dk_attention_args *a, const h90_maps &m, int64_t head_group
  * the padded head sizes (attention.cu's h90_cp_async_head; cp.async producers, m.dims.box 0)
  * run head 64's form (32), one of their own (72, 80, 96: rows padded to 128 dims, three consumer
  * warpgroups of 160 registers -- at 96 O takes 48, S 56, P 28 -- over 112-key tiles, two K and
- * three V slots, 188 KB with Q; 11-14 % faster than head 128's form with Q's fragments in
+ * three V slots, 188 KB with Q; 8-12 % faster than head 128's form with Q's fragments in
  * registers, docs/head-sizes.md) or head 192's (160).  The head-256 form takes
  * 80-key tiles (FlashAttention-3's choice there: 3-4 % faster than 64) where the per-chunk TMA
  * producer or the group one serves the cache (blocks of 16 n keys, or of a power of two of 16+
