@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -318,11 +318,11 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def bench_device(requested: str | None, error: Callable[[str], Any]) -> torch.device:
+def bench_device(requested: str | None, error: Callable[[str], NoReturn]) -> torch.device:
     """The device a benchmark's --device names: ``cpu`` or ``cuda[:i]``, by default CUDA where torch
-    sees a GPU and the CPU otherwise.  ``error`` (argparse's ``parser.error``) gets the reason when
-    it cannot run there: a device that is neither, CUDA with a CPU-only build of diffkv, or CUDA
-    that torch does not see."""
+    sees a GPU and the CPU otherwise.  ``error`` (argparse's ``parser.error``: it does not return)
+    gets the reason when it cannot run there: a device that is neither, CUDA with a CPU-only build
+    of diffkv, or CUDA that torch does not see."""
     if requested is None:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     try:
