@@ -187,6 +187,43 @@ def test_sm80_fp8_nan_codes_reach_the_rows_that_read_them(attention_kernel):
     _check(out[100:], exact[100:], sm80=True)
 
 
+@pytest.mark.parametrize("choice", ["auto", "sm80"])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize(
+    ("size", "block", "layout"),
+    [(128, 16, "contiguous"), (128, 16, "hnd"), (128, 8, "contiguous"), (64, 16, "contiguous")],
+)
+def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size, block, layout):
+    """e4m3 NaN codes in every cache slot that no query of the call reads -- the unused blocks, a
+    row's last block past its seq_len and, under key limits, the keys at and past the row's
+    largest limit (inside seq_len: a tile a CTA reads only in part) -- leave every output finite
+    and equal to the reference over the clean cache (0 * nan is nan: a kernel must zero, not
+    weigh, the keys past what its rows see)."""
+    attention_kernel(choice)
+    sm80 = choice == "sm80"
+    rows = [(150, 700), (300, 1000), (64, 333)]
+    prob = _problem(rows, 8, 2, size, block, layout, True, torch.bfloat16, seed=31)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    limits = None
+    if mask == "limits":  # every row's largest limit well inside its seq_len
+        gen = torch.Generator().manual_seed(31)
+        limits = torch.cat([torch.randint(s // 2, s - 90, (q,), generator=gen) for q, s in rows]).int().cuda()
+    scale = size**-0.5
+    exact = _expected(*prob, _visible(mask, limits), scale, round_q=not sm80)
+    read = torch.zeros(cache.shape[1], block, dtype=torch.bool)
+    for r, (q, seq_len) in enumerate(rows):
+        lo = int(starts[r])
+        end = seq_len if limits is None else int(limits[lo : lo + q].clamp(max=seq_len).max())
+        keys = torch.arange(end)
+        read[table[r].long()[keys // block], keys % block] = True
+    blk, tok = (~read).nonzero(as_tuple=True)
+    assert len(blk) > 0
+    codes = cache.view(torch.uint8)
+    codes[:, blk.cuda(), tok.cuda()] = 0x7F
+    out = _run(query, cache, table, starts, lens, k_scale, v_scale, MODES[mask], scale, limits)
+    _check(out, exact, sm80)
+
+
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_both_producers_compute_the_same_bits(mask):
     """The TMA producer (16-key blocks) and the cp.async one (the same cache seen as 8-key
