@@ -85,7 +85,8 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
                                 float scale_log2, bool neg_q, bool q_vec, bool o_vec,
                                 cudaStream_t s);
 
-/* attention_sm90_persist.cu: the persistent form of the ws kernel over min(items, sms) CTAs:
+/* attention_sm90_persist.cu: the persistent form of the ws kernel over cdiv(items,
+ * cdiv(items, sms)) CTAs (at most sms, each with the same number of items or one fewer):
  * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), the query's and
  * the output's maps q and o (h90_persist_maps), 128-key tiles, mask none, rows of
  * a->uniform_query_len queries over a->uniform_seq_len keys, or each over its a->row_seq_lens. */

@@ -465,8 +465,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
 #endif
 }
 
-/* Launches the kernel for dtype T over min(items, SMs) CTAs (attn_sm90_persist_launch's
- * contract).  The shared-memory attribute is set once per (dtype, device). */
+/* Launches the kernel for dtype T over as few CTAs as take the items in cdiv(items, SMs)
+ * rounds (attn_sm90_persist_launch's contract).  The shared-memory attribute is set once per (dtype, device). */
 template <typename T>
 static cudaError_t
 hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, const CUtensorMap &o,
@@ -483,7 +483,11 @@ hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, c
     }
     int64_t tiles_per_row = dk_cdiv(a->uniform_query_len, HP_BM);
     int64_t items = a->num_heads * a->num_rows * tiles_per_row;
-    const unsigned blocks = (unsigned)(items < sms ? items : sms);
+    /* as few CTAs as take the items in the same number of rounds (128, not 132, for 512-2048
+     * items on an H200): the same makespan in items, every CTA as many, the SMs left idle
+     * instead of idling at the end (0.3-1.5 % faster at 2-4k tokens, docs/hopper-kernels.md) */
+    const int64_t rounds = items > 0 ? dk_cdiv(items, sms) : 1;
+    const unsigned blocks = (unsigned)dk_cdiv(items, rounds);
     bool hnd = m.dims.k_groups == 2;
     void *args[] = {(void *)&m.k,   (void *)&m.v, (void *)&q,  (void *)&o, (void *)a, &items,
                     &tiles_per_row, &head_group,  &scale_log2, &neg_q,     &hnd};
