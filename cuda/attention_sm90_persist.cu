@@ -466,7 +466,8 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
 }
 
 /* Launches the kernel for dtype T over as few CTAs as take the items in cdiv(items, SMs)
- * rounds (attn_sm90_persist_launch's contract).  The shared-memory attribute is set once per (dtype, device). */
+ * rounds (attn_sm90_persist_launch's contract).  The shared-memory attribute is set once per
+ * (dtype, device). */
 template <typename T>
 static cudaError_t
 hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, const CUtensorMap &o,
