@@ -199,7 +199,7 @@ attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cuda
             return false;
         }
     }
-    const int64_t items = a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
+    const int64_t items = attn_persist_items(a);
     /* A last query tile under half full (4097 queries: one row) measured 4-5 % slower than one
      * CTA per tile, for a reason not found (hopper-kernels.md, *The persistent form*). */
     const int64_t tail = a->uniform_query_len % ATTN_BM;

@@ -12,6 +12,7 @@
 #ifndef DIFFKV_ATTENTION_INTERNAL_CUH
 #define DIFFKV_ATTENTION_INTERNAL_CUH
 
+#include "cuda_common.cuh"
 #include "diffkv.h"
 #include "sm90_tma_map.cuh"
 
@@ -90,6 +91,14 @@ cudaError_t attn_sm90_ws_launch(const dk_attention_args *a, const h90_maps &m, i
  * head 128, the per-chunk TMA maps of m (m.dims.k_groups 1 or 2, one source), the query's and
  * the output's maps q and o (h90_persist_maps), 128-key tiles, mask none, rows of
  * a->uniform_query_len queries over a->uniform_seq_len keys, or each over its a->row_seq_lens. */
+/* The persistent kernel's work items: one per ATTN_BM-row query tile of every row and head --
+ * what attn_persist_ok bounds and what the launch spreads over its CTAs. */
+static inline int64_t
+attn_persist_items(const dk_attention_args *a)
+{
+    return a->num_heads * a->num_rows * dk_cdiv(a->uniform_query_len, ATTN_BM);
+}
+
 cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps &m,
                                      const CUtensorMap &q, const CUtensorMap &o, int64_t head_group,
                                      float scale_log2, bool neg_q, int64_t sms, cudaStream_t s);

@@ -62,6 +62,8 @@
 #define HP_ST 2   /* K slots */
 #define HP_SV 3   /* V slots */
 
+static_assert(HP_BM == ATTN_BM, "attn_persist_items counts ATTN_BM-row items");
+
 #ifdef H90_DEVICE_CODE
 /* One work item: its head, batch row, first query row q0 (of the batch row) and the batch row's
  * first packed token. */
@@ -483,7 +485,7 @@ hp_launch(const dk_attention_args *a, const h90_maps &m, const CUtensorMap &q, c
         return e;
     }
     int64_t tiles_per_row = dk_cdiv(a->uniform_query_len, HP_BM);
-    int64_t items = a->num_heads * a->num_rows * tiles_per_row;
+    int64_t items = attn_persist_items(a);
     /* as few CTAs as take the items in the same number of rounds (128, not 132, for 512-2048
      * items on an H200): the same makespan in items, every CTA as many, the SMs left idle
      * instead of idling at the end (0.3-1.5 % faster at 2-4k tokens, docs/hopper-kernels.md) */
