@@ -130,15 +130,23 @@ def sums_header(prefix: str, words: int) -> str:
 
 def stamp_copy(dest: Path, kernel_file: Path, edits) -> None:
     """copy_tree, then each (anchor, text, where) of edits in the copy's kernel_file: text put
-    "before" or "after" its anchor, which must occur there exactly once (fp8_phases.py,
-    persist_phases.py)."""
+    "before" or "after" its anchor, or before its last line ("before_last_line": an anchor of
+    several lines that makes one line unique); the anchor must occur there exactly once
+    (fp8_phases.py, persist_phases.py)."""
     copy_tree(dest)
     path = dest / kernel_file
     src = path.read_text()
     for anchor, text, where in edits:
         if src.count(anchor) != 1:
             sys.exit(f"{kernel_file}: anchor found {src.count(anchor)} times (the kernel changed):\n{anchor}")
-        src = src.replace(anchor, anchor + text if where == "after" else text + anchor, 1)
+        at = src.index(anchor)
+        if where == "after":
+            pos = at + len(anchor)
+        elif where == "before_last_line":
+            pos = at + anchor.rstrip("\n").rfind("\n") + 1
+        else:
+            pos = at
+        src = src[:pos] + text + src[pos:]
     path.write_text(src)
 
 

@@ -8,7 +8,11 @@ of a launch into a `__device__` array that the copy's extension exports (`dk_hps
 128, bf16, block 16 in random order, the CLI bench's shapes) and prints per item: the key loop's
 cycles per 128-key tile, the tail's (the last P V, the next item's first Q K^T issued, the
 epilogue), and the share of a warpgroup's pass outside its items (docs/hopper-kernels.md, *The
-persistent form*, has what it showed):
+persistent form*, has what it showed).  The tails of items followed by another (the next item's
+first Q K^T issued with the last P V) are split further: the waits before the last P V (its V
+slot, its zeroing, the next item's Q and first K, the turn), the last P V (until
+`wgmma_wait_1`, the next item's Q K^T issued beside it), the epilogue's store of O
+(`hp_store_o`) and the rest (the next item's Q K^T done, the slots released):
 
     python benchmarks/persist_phases.py patch /tmp/ps          # stamped copy of this tree
     (cd /tmp/ps && DIFFKV_CUDA_ARCHS=90a python setup.py -q build_ext --inplace)
@@ -28,7 +32,8 @@ from pathlib import Path
 from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
-WORDS = 8  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes
+WORDS = 12  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
+# 6..9 the split tails' waits, last P V, store of O and rest, 10 split tails
 
 HEADER = sums_header("hps", WORDS)
 
@@ -38,7 +43,26 @@ EDITS = (
     ("    regs::consumer();\n", "    const unsigned long long hps_pass = hps_clk();\n", "after"),
     (
         "        const bool was_ahead = ahead;\n        ahead = false;\n",
-        "        const unsigned long long hps_c0 = hps_clk();\n        unsigned long long hps_c1 = hps_c0;\n",
+        "        const unsigned long long hps_c0 = hps_clk();\n        unsigned long long hps_c1 = hps_c0;\n"
+        "        unsigned long long hps_t1 = 0, hps_t2 = 0, hps_t3 = 0;\n",
+        "after",
+    ),
+    (
+        "                named_barrier(8u + (uint32_t)cw, 256u);\n"
+        "            }\n"
+        "            fence_regs(o);\n",
+        "            hps_t1 = hps_clk();\n",
+        "before_last_line",
+    ),
+    (
+        "wgmma_wait_1(); /* this item's P V done; the next item's S may still run */\n",
+        "                hps_t2 = hps_clk();\n",
+        "after",
+    ),
+    (
+        "                /* the epilogue under the next item's first Q K^T */\n"
+        "                hp_store_o<T>(a, &tmo, sq, cw, wt, cur, query_len, l, m, scale_log2, o);\n",
+        "                hps_t3 = hps_clk();\n",
         "after",
     ),
     (
@@ -54,6 +78,13 @@ EDITS = (
         "            atomicAdd(&hps_sum[1], hps_c2 - hps_c1);\n"
         "            atomicAdd(&hps_sum[2], 1ull);\n"
         "            atomicAdd(&hps_sum[3], (unsigned long long)n_tiles);\n"
+        "            if (hps_t3 != 0) {\n"
+        "                atomicAdd(&hps_sum[6], hps_t1 - hps_c1);\n"
+        "                atomicAdd(&hps_sum[7], hps_t2 - hps_t1);\n"
+        "                atomicAdd(&hps_sum[8], hps_t3 - hps_t2);\n"
+        "                atomicAdd(&hps_sum[9], hps_c2 - hps_t3);\n"
+        "                atomicAdd(&hps_sum[10], 1ull);\n"
+        "            }\n"
         "        }\n",
         "before",
     ),
@@ -82,7 +113,10 @@ def run(shapes: list[tuple[int, int]]) -> None:
     if not hasattr(lib, "dk_hps_dump"):
         sys.exit("this diffkv build has no stamps: build the copy `patch` made and put it on PYTHONPATH")
     heads, kv_heads, head, block = 32, 8, 128, 16
-    print("rows x tokens | kernel | items / warpgroup | cycles / tile | tail cycles / item | outside items")
+    print(
+        "rows x tokens | kernel | items / warpgroup | cycles / tile | tail cycles / item | outside items"
+        " | split tails: waits / last P V / store O / rest"
+    )
     for rows, n in shapes:
         gen = torch.Generator().manual_seed(rows * n)
         blocks = rows * (n // block)
@@ -105,13 +139,15 @@ def run(shapes: list[tuple[int, int]]) -> None:
         if lib.dk_hps_dump(sums) != 0:
             sys.exit("dk_hps_dump failed")
         loop, tail, items, tiles, pas, passes = (sums[i] for i in range(6))
+        waits, last_pv, store, rest, split = (sums[i] for i in range(6, 11))
         if not items:
             print(f"{rows} x {n} | {_C.last_attention_kernel()} | no items stamped")
             continue
         outside = 1.0 - (loop + tail) / pas
+        pieces = " / ".join(f"{x / split:.0f}" for x in (waits, last_pv, store, rest)) if split else "none"
         print(
             f"{rows} x {n} | {_C.last_attention_kernel()} | {items / passes:.2f} | {loop / tiles:.0f} | "
-            f"{tail / items:.0f} | {100 * outside:.1f} %"
+            f"{tail / items:.0f} | {100 * outside:.1f} % | {pieces} ({split} items)"
         )
 
 
