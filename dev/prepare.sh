@@ -2,7 +2,7 @@
 # Builds what the device calls of dev/README.md carry, on this machine (no GPU needed): main's
 # extension in place (sm_90a only: half the binary, and the mma.sync kernels are in the sm_90a
 # code too), each pending patch's tree under devrun/<name>/ (its python/ with its own build,
-# and its tests/), the stamped persistent kernel (benchmarks/persist_phases.py) under
+# its tests/ and benchmarks/), the stamped persistent kernel (benchmarks/persist_phases.py) under
 # devrun/ps/, and cudnn-frontend's wheel (cuDNN's fp8 SDPA for bench_fp8.py) in .whl/.
 # devrun/ and .whl/ are ignored by git; a worktree per patch goes to /tmp/dk-<name>.
 # Usage (repo root): bash dev/prepare.sh [patch names, default: every dev/pending/*.patch]
@@ -24,7 +24,7 @@ for name in "${names[@]}"; do
     fi
     (cd "$tree" && DIFFKV_WERROR=1 python3 setup.py -q build_ext --inplace)
     rm -rf "devrun/$name" && mkdir -p "devrun/$name"
-    cp -r "$tree/python" "$tree/tests" "devrun/$name/"
+    cp -r "$tree/python" "$tree/tests" "$tree/benchmarks" "devrun/$name/"
     echo "devrun/$name: $(ls devrun/"$name"/python/diffkv/_C*.so)"
 done
 rm -rf /tmp/dk-ps
