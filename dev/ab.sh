@@ -24,7 +24,7 @@ for round in $(seq 1 "$ROUNDS"); do
     for side in A B; do
         path=$A
         [ $side = B ] && path=$B
-        echo "== round $round, $side ($path): $*" | tee "$OUT/ab_${round}_${side}.log"
+        echo "== round $round, $side ($path): $*" > "$OUT/ab_${round}_${side}.log"
         PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$@" >> "$OUT/ab_${round}_${side}.log" 2>&1
         tail -12 "$OUT/ab_${round}_${side}.log"
     done
