@@ -32,8 +32,9 @@ from pathlib import Path
 from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
-WORDS = 12  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
-# 6..9 the split tails' waits, last P V, store of O and rest, 10 split tails
+WORDS = 16  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
+# 6..9 the split tails' waits, last P V, store of O and rest, 10 split tails, 11..13 the waits'
+# parts: the last V (and its zeroing), the next item's Q, its first K (the turn: the rest)
 
 HEADER = sums_header("hps", WORDS)
 
@@ -44,7 +45,23 @@ EDITS = (
     (
         "        const bool was_ahead = ahead;\n        ahead = false;\n",
         "        const unsigned long long hps_c0 = hps_clk();\n        unsigned long long hps_c1 = hps_c0;\n"
-        "        unsigned long long hps_t1 = 0, hps_t2 = 0, hps_t3 = 0;\n",
+        "        unsigned long long hps_t1 = 0, hps_t2 = 0, hps_t3 = 0;\n"
+        "        unsigned long long hps_tv = 0, hps_tq = 0, hps_tk = 0;\n",
+        "after",
+    ),
+    (
+        "            /* The next item's first Q K^T goes with this last P V (one turn), so that it runs",
+        "            hps_tv = hps_clk();\n",
+        "before",
+    ),
+    (
+        "                mbar_wait(full_q + 8u * (uint32_t)((n + 1) & 1), (uint32_t)(((n + 1) >> 1) & 1));\n",
+        "                hps_tq = hps_clk();\n",
+        "after",
+    ),
+    (
+        "                mbar_wait(full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));\n",
+        "                hps_tk = hps_clk();\n",
         "after",
     ),
     (
@@ -84,6 +101,9 @@ EDITS = (
         "                atomicAdd(&hps_sum[8], hps_t3 - hps_t2);\n"
         "                atomicAdd(&hps_sum[9], hps_c2 - hps_t3);\n"
         "                atomicAdd(&hps_sum[10], 1ull);\n"
+        "                atomicAdd(&hps_sum[11], hps_tv - hps_c1);\n"
+        "                atomicAdd(&hps_sum[12], hps_tq - hps_tv);\n"
+        "                atomicAdd(&hps_sum[13], hps_tk - hps_tq);\n"
         "            }\n"
         "        }\n",
         "before",
@@ -115,7 +135,7 @@ def run(shapes: list[tuple[int, int]]) -> None:
     heads, kv_heads, head, block = 32, 8, 128, 16
     print(
         "rows x tokens | kernel | items / warpgroup | cycles / tile | tail cycles / item | outside items"
-        " | split tails: waits / last P V / store O / rest"
+        " | split tails: waits (V, next Q, next K, turn) / last P V / store O / rest"
     )
     for rows, n in shapes:
         gen = torch.Generator().manual_seed(rows * n)
@@ -139,12 +159,16 @@ def run(shapes: list[tuple[int, int]]) -> None:
         if lib.dk_hps_dump(sums) != 0:
             sys.exit("dk_hps_dump failed")
         loop, tail, items, tiles, pas, passes = (sums[i] for i in range(6))
-        waits, last_pv, store, rest, split = (sums[i] for i in range(6, 11))
+        waits, last_pv, store, rest, split, w_v, w_q, w_k = (sums[i] for i in range(6, 14))
         if not items:
             print(f"{rows} x {n} | {_C.last_attention_kernel()} | no items stamped")
             continue
         outside = 1.0 - (loop + tail) / pas
-        pieces = " / ".join(f"{x / split:.0f}" for x in (waits, last_pv, store, rest)) if split else "none"
+        pieces = "none"
+        if split:
+            parts = ", ".join(f"{x / split:.0f}" for x in (w_v, w_q, w_k, waits - w_v - w_q - w_k))
+            pieces = " / ".join(f"{x / split:.0f}" for x in (waits, last_pv, store, rest))
+            pieces = pieces.replace(" / ", f" ({parts}) / ", 1)
         print(
             f"{rows} x {n} | {_C.last_attention_kernel()} | {items / passes:.2f} | {loop / tiles:.0f} | "
             f"{tail / items:.0f} | {100 * outside:.1f} % | {pieces} ({split} items)"

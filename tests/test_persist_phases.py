@@ -8,7 +8,7 @@ def test_patch_places_every_stamp(tmp_path):
     src, original = stamped_kernel("persist_phases.py", "attention_sm90_persist.cu", tmp_path / "ps")
     assert "hps_" not in original
     assert "dk_hps_dump" in src and "dk_hps_reset" in src
-    # the pass's, the item's three stamps, the split tail's three and the eleven sums
+    # the pass's, the item's three stamps, the split tail's six and the sums
     for name in (
         "const unsigned long long hps_pass = hps_clk();",
         "const unsigned long long hps_c0 = hps_clk();",
@@ -17,6 +17,9 @@ def test_patch_places_every_stamp(tmp_path):
         "hps_t1 = hps_clk();\n",
         "hps_t2 = hps_clk();\n",
         "hps_t3 = hps_clk();\n",
+        "hps_tv = hps_clk();\n",
+        "hps_tq = hps_clk();\n",
+        "hps_tk = hps_clk();\n",
         "atomicAdd(&hps_sum[0], hps_c1 - hps_c0);",
         "atomicAdd(&hps_sum[1], hps_c2 - hps_c1);",
         "atomicAdd(&hps_sum[3], (unsigned long long)n_tiles);",
@@ -24,20 +27,25 @@ def test_patch_places_every_stamp(tmp_path):
         "atomicAdd(&hps_sum[6], hps_t1 - hps_c1);",
         "atomicAdd(&hps_sum[9], hps_c2 - hps_t3);",
         "atomicAdd(&hps_sum[10], 1ull);",
+        "atomicAdd(&hps_sum[13], hps_tk - hps_tq);",
     ):
         assert src.count(name) == 1, name
-    # the split tail's stamps in order: waits, then the last P V, then the store of O
-    t1, pv, t2, store, t3 = (
+    # the split tail's stamps in order: the waits (V, the next Q, its first K, the turn), then
+    # the last P V, then the store of O
+    stamps = [
         src.index(x)
         for x in (
+            "hps_tv = hps_clk();",
+            "hps_tq = hps_clk();",
+            "hps_tk = hps_clk();",
             "hps_t1 = hps_clk();",
             "h90_pv<T, D, BN, true, D / 64>(o, pa, sv);",
             "hps_t2 = hps_clk();",
             "/* the epilogue under the next item's first Q K^T */",
             "hps_t3 = hps_clk();",
         )
-    )
-    assert t1 < pv < t2 < store < t3
+    ]
+    assert stamps == sorted(stamps)
     # only lines were added: the stamped kernel is the original one plus the stamps
     kept = set(original.splitlines())
     added = [line for line in src.splitlines() if line not in kept]
