@@ -32,7 +32,7 @@ from pathlib import Path
 from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
-WORDS = 16  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
+WORDS = 14  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
 # 6..9 the split tails' waits, last P V, store of O and rest, 10 split tails, 11..13 the waits'
 # parts: the last V (and its zeroing), the next item's Q, its first K (the turn: the rest)
 
@@ -167,8 +167,8 @@ def run(shapes: list[tuple[int, int]]) -> None:
         pieces = "none"
         if split:
             parts = ", ".join(f"{x / split:.0f}" for x in (w_v, w_q, w_k, waits - w_v - w_q - w_k))
-            pieces = " / ".join(f"{x / split:.0f}" for x in (waits, last_pv, store, rest))
-            pieces = pieces.replace(" / ", f" ({parts}) / ", 1)
+            after = " / ".join(f"{x / split:.0f}" for x in (last_pv, store, rest))
+            pieces = f"{waits / split:.0f} ({parts}) / {after}"
         print(
             f"{rows} x {n} | {_C.last_attention_kernel()} | {items / passes:.2f} | {loop / tiles:.0f} | "
             f"{tail / items:.0f} | {100 * outside:.1f} % | {pieces} ({split} items)"

@@ -15,15 +15,13 @@ A=$1 B=$2 ROUNDS=$3
 shift 4
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+declare -A PATHS=([A]=$A [B]=$B)
 for side in A B; do
-    path=$A
-    [ $side = B ] && path=$B
-    ls "$path"/diffkv/_C*.so > /dev/null 2>&1 || { echo "no diffkv/_C*.so under $path" >&2; exit 2; }
+    ls "${PATHS[$side]}"/diffkv/_C*.so > /dev/null 2>&1 || { echo "no diffkv/_C*.so under ${PATHS[$side]}" >&2; exit 2; }
 done
 for round in $(seq 1 "$ROUNDS"); do
     for side in A B; do
-        path=$A
-        [ $side = B ] && path=$B
+        path=${PATHS[$side]}
         echo "== round $round, $side ($path): $*" > "$OUT/ab_${round}_${side}.log"
         PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$@" >> "$OUT/ab_${round}_${side}.log" 2>&1
         tail -12 "$OUT/ab_${round}_${side}.log"
