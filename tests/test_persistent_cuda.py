@@ -121,43 +121,23 @@ def test_a_cfg_pair_runs_persistent(query_len):
         ([1524, 2524, 3524, 4524], 1024, 32),  # two CFG pairs of different prompts
         ([2100, 700, 1500, 1300, 2900, 900, 1700, 2500], 640, 8),  # 8 rows: every row's seq_len
         ([1000, 200, 3000], 1000, 32),  # a row with fewer keys than queries; half-full tiles
+        ([100, 100, 100, 100], 1024, 32),  # 1,024 items of one partial key tile, ~8 a CTA
+        ([100, 1000, 128, 300], 1024, 32),  # one-tile items between longer ones, both orders
+        ([300, 64, 1200, 128], 1024, 32),
     ],
 )
 def test_rows_of_one_query_length_over_different_keys(seq_lens, query_len, heads):
     """Up to 8 rows of one query length over different seq_lens run persistent, each item taking
     its own row's keys (the rows' seq_lens passed by value, the row found from the item's
-    index): outputs and LSE meet the reference, NaN in every slot no row reads staying out."""
+    index): outputs and LSE meet the reference, NaN in every slot no row reads staying out.
+    With one-key-tile rows a one-tile item's only Q K^T comes in the tail of the item before and
+    its only P V in its own tail, so the Q buffers and the ring's slots turn over once a tile."""
     if not _persist_built():
         pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
     rows = len(seq_lens)
     query_lens = [query_len] * rows
     q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, heads, 8, 128, 16, torch.bfloat16, rows)
     lse = torch.full((q.shape[0], heads), float("nan"), device="cuda")
-    out = _call(q, cache, table, qsl, seq, _C.MASK_NONE, lse=lse)
-    assert _C.last_attention_kernel() == "sm90-persist"
-    _check(out, q, qsl, dense, _limits(seq_lens, query_lens, "none"), 128**-0.5, lse)
-
-
-@pytest.mark.parametrize(
-    "seq_lens",
-    [
-        [100, 100, 100, 100],  # 1,024 items of one partial key tile, about 8 a CTA
-        [100, 1000, 128, 300],  # one-tile items between longer ones, in both orders
-        [300, 64, 1200, 128],
-    ],
-)
-def test_items_of_one_key_tile_several_a_cta(seq_lens):
-    """Four rows of 1,024 queries, 32 heads (1,024 items, about 8 a CTA on 132 SMs) where some or
-    all rows have one key tile: a one-tile item's only Q K^T comes in the tail of the item before
-    and its only P V in its own tail, with the next item's Q K^T beside it, so the Q buffers and
-    the ring's slots turn over once a tile; every output and LSE still meets the reference, NaN
-    in the slots no row reads staying out."""
-    if not _persist_built():
-        pytest.skip("needs the TMA kernels (Hopper, sm_90a build)")
-    rows = len(seq_lens)
-    query_lens = [1024] * rows
-    q, cache, table, qsl, seq, dense = _problem(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, 41)
-    lse = torch.full((q.shape[0], 32), float("nan"), device="cuda")
     out = _call(q, cache, table, qsl, seq, _C.MASK_NONE, lse=lse)
     assert _C.last_attention_kernel() == "sm90-persist"
     _check(out, q, qsl, dense, _limits(seq_lens, query_lens, "none"), 128**-0.5, lse)
