@@ -1,8 +1,9 @@
 """Where a tile's time goes in the Hopper e4m3 kernel (cuda/attention_sm90_fp8.cu), per warp.
 
 Makes a stamped copy of the source tree (nothing in the package changes): clock64 stamps around
-each phase of a consumer warp's key tile -- K's wait, V^T's wait, Q K^T's wait, the softmax, then
-P V's wait, the rescale and P's packing -- and around the transposing warps' waits and
+each phase of a consumer warp's key tile -- the wait for K and V^T (one `mbar_wait2`), Q K^T
+issued (after cp.async's proxy fence), P V issued and Q K^T's wait, the softmax, then P V's
+wait, the rescale and P's packing -- and around the transposing warps' waits and
 transposes, summed over every warp of a launch into a `__device__` array that the copy's
 extension exports (`dk_h8s_dump`, `dk_h8s_reset`). Then, with that copy built, it runs the fp8
 benchmark's cases once each (bench_fp8.py's inputs) and prints each phase's mean cycles per warp
@@ -48,14 +49,14 @@ EDITS = (
         "after",
     ),
     (
-        "        mbar_wait(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */\n",
-        "        q1c = h8s_clk();\n",
+        "                       ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));\n",
+        "            q1c = h8s_clk();\n",
         "after",
     ),
     (
-        "            mbar_wait(ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));\n",
+        "            }\n            qk(slot);\n            wgmma_commit();\n            h8_pv<D, BN>(",
         "            q2c = h8s_clk();\n",
-        "after",
+        "before_last_line",
     ),
     (
         "            wgmma_wait_1(); /* S_kt done; P_{kt-1} V_{kt-1} may still run */\n"
@@ -118,7 +119,7 @@ EDITS = (
         "after",
     ),
 )
-PHASES = ("K wait", "V^T wait", "Q K^T wait", "softmax", "P V wait, rescale, pack")
+PHASES = ("K and V^T waits", "Q K^T issued", "P V issued, Q K^T wait", "softmax", "P V wait, rescale, pack")
 
 
 def patch(dest: Path) -> None:

@@ -10,7 +10,8 @@ cycles per 128-key tile, the tail's (the last P V, the next item's first Q K^T i
 epilogue), and the share of a warpgroup's pass outside its items (docs/hopper-kernels.md, *The
 persistent form*, has what it showed).  The tails of items followed by another (the next item's
 first Q K^T issued with the last P V) are split further: the waits before the last P V (its V
-slot, its zeroing, the next item's Q and first K, the turn), the last P V (until
+slot and its zeroing; the next item's Q and first K, tested together; the next Q's negation
+for a negative scale; the turn), the last P V (until
 `wgmma_wait_1`, the next item's Q K^T issued beside it), the epilogue's store of O
 (`hp_store_o`) and the rest (the next item's Q K^T done, the slots released):
 
@@ -34,7 +35,8 @@ from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 KERNEL_FILE = Path("cuda") / "attention_sm90_persist.cu"
 WORDS = 14  # 0 loop cycles, 1 tail cycles, 2 items, 3 tiles, 4 pass cycles, 5 passes,
 # 6..9 the split tails' waits, last P V, store of O and rest, 10 split tails, 11..13 the waits'
-# parts: the last V (and its zeroing), the next item's Q, its first K (the turn: the rest)
+# parts: the last V (and its zeroing), the next item's Q and first K (one mbar_wait2), the
+# next Q's negation for a negative scale (the turn: the rest)
 
 HEADER = sums_header("hps", WORDS)
 
@@ -55,12 +57,15 @@ EDITS = (
         "before",
     ),
     (
-        "                mbar_wait(full_q + 8u * (uint32_t)((n + 1) & 1), (uint32_t)(((n + 1) >> 1) & 1));\n",
+        "                           full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));\n",
         "                hps_tq = hps_clk();\n",
         "after",
     ),
     (
-        "                mbar_wait(full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));\n",
+        "                    h90_negate_q<D, BM, 128, 64>(nsq, wt, cw * 64);\n"
+        "                    fence_proxy_async();\n"
+        "                    named_barrier(1u + (uint32_t)cw, 128u);\n"
+        "                }\n",
         "                hps_tk = hps_clk();\n",
         "after",
     ),
@@ -135,7 +140,7 @@ def run(shapes: list[tuple[int, int]]) -> None:
     heads, kv_heads, head, block = 32, 8, 128, 16
     print(
         "rows x tokens | kernel | items / warpgroup | cycles / tile | tail cycles / item | outside items"
-        " | split tails: waits (V, next Q, next K, turn) / last P V / store O / rest"
+        " | split tails: waits (V, next Q and K, negate Q, turn) / last P V / store O / rest"
     )
     for rows, n in shapes:
         gen = torch.Generator().manual_seed(rows * n)

@@ -718,12 +718,12 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&l)[2], float (&lm)[2],
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t j0 = kt * BN;
         const uint32_t slot = (uint32_t)(kt % ST);
-        mbar_wait(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
-        if (!TMA) {
-            fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
-        }
         float alpha[2];
         if (kt == 0) {
+            mbar_wait(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+            if (!TMA) {
+                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+            }
             qk(slot);
             wgmma_commit();
             wgmma_wait_all();
@@ -735,7 +735,12 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&l)[2], float (&lm)[2],
         }
         else {
             const uint32_t pslot = (uint32_t)((kt - 1) % H8_SVT);
-            mbar_wait(ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
+            /* K_kt landed, V^T_{kt-1}: both tests issued before either is waited on */
+            mbar_wait2(ring.full_k + 8u * slot, (uint32_t)((kt / ST) & 1),
+                       ring.full_vt + 8u * pslot, (uint32_t)(((kt - 1) / H8_SVT) & 1));
+            if (!TMA) {
+                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+            }
             qk(slot);
             wgmma_commit();
             h8_pv<D, BN>(o, pa, ring.dv0 + pslot * (VTB >> 4)); /* O += P V of the tile before */

@@ -335,9 +335,10 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
                     }
                 }
                 else {
-                    mbar_wait(full_k + 8u * slot, (uint32_t)((pos / ST) & 1)); /* K_kt landed */
                     const uint32_t pslot = (uint32_t)((pos - 1) % SV);
-                    mbar_wait(full_v + 8u * pslot, (uint32_t)(((pos - 1) / SV) & 1)); /* V_kt-1 */
+                    /* K_kt landed, V_kt-1 */
+                    mbar_wait2(full_k + 8u * slot, (uint32_t)((pos / ST) & 1), full_v + 8u * pslot,
+                               (uint32_t)(((pos - 1) / SV) & 1));
                     named_barrier(8u + (uint32_t)cw, 256u);
                     h90_qk<T, D, BN, BM>(s, rows.q_slab, sk0 + slot * KVB, khalf, ksbo);
                     wgmma_commit();
@@ -389,13 +390,13 @@ attention_sm90_persist_kernel(const __grid_constant__ CUtensorMap tmk,
             const int32_t npos = base + n_tiles;
             const uint32_t nslot = (uint32_t)(npos % ST);
             if (ahead) {
-                mbar_wait(full_q + 8u * (uint32_t)((n + 1) & 1), (uint32_t)(((n + 1) >> 1) & 1));
+                mbar_wait2(full_q + 8u * (uint32_t)((n + 1) & 1), (uint32_t)(((n + 1) >> 1) & 1),
+                           full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));
                 if (neg_q) {
                     h90_negate_q<D, BM, 128, 64>(nsq, wt, cw * 64);
                     fence_proxy_async();
                     named_barrier(1u + (uint32_t)cw, 128u);
                 }
-                mbar_wait(full_k + 8u * nslot, (uint32_t)((npos / ST) & 1));
                 named_barrier(8u + (uint32_t)cw, 256u);
             }
             fence_regs(o);

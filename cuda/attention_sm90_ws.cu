@@ -404,12 +404,12 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
         for (int32_t kt = 0; kt < n_tiles; kt++) {
             const int32_t j0 = kt * BN;
             const uint32_t slot = (uint32_t)(kt % ST);
-            mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
-            if (!VG && dims.box == 0) {
-                fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
-            }
             float alpha[2];
             if (kt == 0) {
+                mbar_wait(full_k + 8u * slot, (uint32_t)((kt / ST) & 1)); /* K_kt landed */
+                if (!VG && dims.box == 0) {
+                    fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
+                }
                 named_barrier(8u + (uint32_t)cw, 256u);
                 issue_qk(sk0);
                 wgmma_commit();
@@ -423,9 +423,11 @@ attention_sm90_ws_kernel(const __grid_constant__ CUtensorMap tmk,
             }
             else {
                 const uint32_t pslot = (uint32_t)((kt - 1) % SV);
-                mbar_wait(full_v + 8u * pslot, (uint32_t)(((kt - 1) / SV) & 1)); /* V_{kt-1} */
+                /* K_kt landed, V_{kt-1}: both tests issued before either is waited on */
+                mbar_wait2(full_k + 8u * slot, (uint32_t)((kt / ST) & 1), full_v + 8u * pslot,
+                           (uint32_t)(((kt - 1) / SV) & 1));
                 if (!VG && dims.box == 0) {
-                    fence_proxy_async();
+                    fence_proxy_async(); /* cp.async (generic proxy) writes, for wgmma */
                 }
                 named_barrier(8u + (uint32_t)cw, 256u);
                 issue_qk(sk0 + slot * KVB);

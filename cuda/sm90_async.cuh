@@ -54,6 +54,28 @@ mbar_wait(uint32_t bar, uint32_t parity)
                  : "memory");
 }
 
+/* mbar_wait on two barriers at once: both phases tested back to back (their tests' latencies
+ * overlap), then whichever is not complete waited for. */
+static __device__ __forceinline__ void
+mbar_wait2(uint32_t bar0, uint32_t parity0, uint32_t bar1, uint32_t parity1)
+{
+    asm volatile("{\n.reg .pred d0, d1;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 d0, [%0], %1;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 d1, [%2], %3;\n"
+                 "@!d0 bra H90_W0_%=;\n"
+                 "@!d1 bra H90_W1_%=;\n"
+                 "bra.uni H90_WD_%=;\n"
+                 "H90_W0_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 d0, [%0], %1;\n"
+                 "@!d0 bra H90_W0_%=;\n"
+                 "H90_W1_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 d1, [%2], %3;\n"
+                 "@!d1 bra H90_W1_%=;\n"
+                 "H90_WD_%=:\n}\n" ::"r"(bar0),
+                 "r"(parity0), "r"(bar1), "r"(parity1)
+                 : "memory");
+}
+
 /* One TMA box of a 4-d tensor map out of shared memory at src (coordinates innermost first), in
  * this thread's bulk group: commit it with tma_store_commit, and wait for its reads of shared
  * memory (tma_store_wait_read) before the tile is written again. */

@@ -30,7 +30,7 @@ def test_patch_places_every_stamp(tmp_path):
         "atomicAdd(&hps_sum[13], hps_tk - hps_tq);",
     ):
         assert src.count(name) == 1, name
-    # the split tail's stamps in order: the waits (V, the next Q, its first K, the turn), then
+    # the split tail's stamps in order: the waits (V, the next Q and K, Q's negation, the turn), then
     # the last P V, then the store of O
     stamps = [
         src.index(x)
