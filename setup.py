@@ -77,6 +77,13 @@ MANYLINUX_PLATFORM = "manylinux_2_28_x86_64"
 ZIG_TARGET = f"x86_64-linux-gnu.{MANYLINUX_GLIBC}"
 # The compiler environment that changes C objects without appearing in our own flags.
 C_COMPILER_ENV = ("CC", "CFLAGS", "CPPFLAGS", "LDSHARED", "LDFLAGS")
+
+# ptxas options for single CUDA files, each measured against the default on the GPU (the file's
+# kernels only change).  attention_sm90_fp8.cu: the e4m3 kernel scheduled with less register
+# reuse (--register-usage-level 0, default 5) ran 1 % faster on the denoise rows and causal
+# (docs/fp8-log.md, 2026-12-06); a ptxas without the option (before CUDA 12.x's) builds the
+# file with its default.
+NVCC_FILE_FLAGS = {"attention_sm90_fp8.cu": ("-Xptxas", "--register-usage-level=0")}
 LINK_STAMP = "diffkv-link.json"
 
 
@@ -145,6 +152,7 @@ class BuildConfig:
     toolchain: str = ""  # what nvcc and its ptxas say of their version (a toolkit changed in place)
     manylinux: bool = False  # DIFFKV_MANYLINUX=1: the release wheel's link (objects unchanged)
     cuda_major: int = 0  # the CUDA major version nvcc compiles for (0: CPU-only)
+    nvcc_file_flags: tuple = ()  # (file name, flags) pairs: NVCC_FILE_FLAGS that ptxas takes
 
     @property
     def cuda(self):
@@ -190,6 +198,25 @@ def toolchain_versions(nvcc):
                 line.strip() for line in out.splitlines() if line.startswith(("Build ", "Cuda compilation"))
             ]
     return "; ".join(lines)
+
+
+def ptxas_options(nvcc):
+    """The options the ptxas beside nvcc lists in its --help ("--register-usage-level", ...)."""
+    ptxas = nvcc.parent / "ptxas"
+    if not ptxas.is_file():
+        return frozenset()
+    out = subprocess.run([str(ptxas), "--help"], check=True, capture_output=True, text=True).stdout
+    return frozenset(re.findall(r"^\s*(--[a-z0-9-]+)", out, flags=re.MULTILINE))
+
+
+def nvcc_file_flags(nvcc):
+    """NVCC_FILE_FLAGS as (file name, flags) pairs, those whose ptxas options ptxas takes."""
+    known = ptxas_options(nvcc)
+    return tuple(
+        (name, flags)
+        for name, flags in sorted(NVCC_FILE_FLAGS.items())
+        if all(f.split("=")[0] in known for f in flags if f.startswith("--"))
+    )
 
 
 def nvcc_major(toolchain, nvcc):
@@ -284,6 +311,7 @@ def decide_build():
         toolchain=toolchain,
         manylinux=manylinux,
         cuda_major=nvcc_major(toolchain, nvcc),
+        nvcc_file_flags=nvcc_file_flags(nvcc),
     )
 
 
@@ -407,7 +435,8 @@ class BuildExt(build_ext):
             depfile = obj.with_suffix(".d")
             depfile.unlink(missing_ok=True)  # no dependency file: rebuilt next time if this fails
             tmp_obj, tmp_dep = obj.with_suffix(".o.tmp"), obj.with_suffix(".d.tmp")
-            cmd = [str(cfg.nvcc), *cfg.nvcc_flags, "-MD", "-MF", str(tmp_dep)]
+            cmd = [str(cfg.nvcc), *cfg.nvcc_flags, *dict(cfg.nvcc_file_flags).get(Path(src).name, ())]
+            cmd += ["-MD", "-MF", str(tmp_dep)]
             cmd += ["-c", str(ROOT / src), "-o", str(tmp_obj)]
             print(" ".join(cmd), file=sys.stderr)
             proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

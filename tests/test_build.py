@@ -128,6 +128,7 @@ class Tree:
             else "diffkv: CPU-only build (DIFFKV_CUDA=0)"
         )
         assert mode == [want]
+        self.nvcc_lines = [line for line in lines if line.startswith(str(NVCC))]
         compiled = sorted(
             str(Path(word).relative_to(self.path))
             for line in lines
@@ -181,6 +182,7 @@ def tree(cpu_tree):
     if NVCC is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda/bin): CUDA cases need it")
     cpu_tree.first_cuda_build = cpu_tree.build(cuda=True)
+    cpu_tree.first_cuda_nvcc_lines = cpu_tree.nvcc_lines
     cpu_tree.first_cuda_info = so_info(cpu_tree.so)
     cpu_tree.second_cuda_build = cpu_tree.build(cuda=True)
     return cpu_tree
@@ -207,6 +209,21 @@ def test_cuda_build_then_cpu_build_gives_cpu_only(tree):
     # Back to CUDA: the objects of that identity are still there and up to date, only a relink.
     assert tree.build(cuda=True) == ([], True)
     assert so_info(tree.so) == (True, ARCHS, tree.probe)
+
+
+def test_file_flags_reach_their_file_only(tree):
+    """setup.py's NVCC_FILE_FLAGS -- attention_sm90_fp8.cu's ptxas --register-usage-level=0, where
+    ptxas lists the option -- are on that file's nvcc line and on no other's."""
+    assert len(tree.first_cuda_nvcc_lines) == len(list((tree.path / "cuda").glob("*.cu")))
+    ptxas = subprocess.run([str(NVCC.parent / "ptxas"), "--help"], capture_output=True, text=True).stdout
+    flagged = {
+        Path(word).name
+        for line in tree.first_cuda_nvcc_lines
+        if "--register-usage-level=0" in line.split()
+        for word in line.split()
+        if word.endswith(".cu")
+    }
+    assert flagged == ({"attention_sm90_fp8.cu"} if "--register-usage-level" in ptxas else set())
 
 
 def test_cu_edit_recompiles_that_file_only_and_reaches_the_so(tree):

@@ -10,52 +10,15 @@ persistent form*).  This is the static check for it; no GPU needed, the CUDA bui
 
 from __future__ import annotations
 
-import os
-import pathlib
-import re
-import shutil
 import subprocess
 
 import pytest
 
 from diffkv import _C
+from toolchain import sass_functions, sass_tools
 
 KERNELS = ("attention_sm90_ws_kernel", "attention_sm90_persist_kernel", "attention_sm90_fp8_kernel")
 WINDOW = 6  # instructions before a wgmma in which an R2UR means it waits on one
-
-
-def _tools() -> tuple[str, dict[str, str]] | None:
-    """cuobjdump and the environment it finds nvdisasm in: the CUDA toolkit's, else the
-    nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels' (make deps installs them)."""
-    env = dict(os.environ)
-    exe = shutil.which("cuobjdump")
-    if exe and shutil.which("nvdisasm"):
-        return exe, env
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for path in sorted(pathlib.Path(root).glob("cu*/bin/cuobjdump")):
-            if (path.parent / "nvdisasm").exists():
-                env["PATH"] = f"{path.parent}{os.pathsep}{env.get('PATH', '')}"
-                return str(path), env
-    return None
-
-
-def _functions(sass: str) -> dict[str, list[str]]:
-    """Function name -> its instructions (opcode and operands), in order."""
-    out: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in sass.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            current = out.setdefault(m.group(1), [])
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line)
-        if m and current is not None:
-            current.append(m.group(1))
-    return out
 
 
 def _waiting_wgmmas(instructions: list[str]) -> int:
@@ -82,7 +45,7 @@ def test_the_checker_sees_a_wait():
         /*0090*/                   NOP ;
         /*00a0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
     """
-    functions = _functions(listing)
+    functions = sass_functions(listing)
     assert list(functions) == ["k"] and len(functions["k"]) == 10
     assert _waiting_wgmmas(functions["k"]) == 1
 
@@ -90,7 +53,7 @@ def test_the_checker_sees_a_wait():
 def test_no_wgmma_waits_on_a_register_move():
     if not _C.build_info()["cuda_compiled"] or "90a" not in _C.build_info()["archs"].split(";"):
         pytest.skip("needs a CUDA build with sm_90a code")
-    tools = _tools()
+    tools = sass_tools()
     if tools is None:
         pytest.skip("no cuobjdump + nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     exe, env = tools
@@ -99,7 +62,7 @@ def test_no_wgmma_waits_on_a_register_move():
     )
     assert run.returncode == 0, run.stderr
     sass = run.stdout
-    functions = _functions(sass)
+    functions = sass_functions(sass)
     checked = {name: ins for name, ins in functions.items() if any(k in name for k in KERNELS)}
     for k in KERNELS:  # every kernel family found: the check cannot pass on an empty listing
         assert any(k in name for name in checked), f"{k} not in the extension's sm_90a SASS"

@@ -1,9 +1,12 @@
 """The CUDA toolchain the tests that compile find: nvcc where setup.py looks for it
-($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin).  No torch import."""
+($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin), and cuobjdump for the SASS checks
+(tests/test_sass.py, dev/sass_diff.py).  No torch import."""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import shutil
 from pathlib import Path
 
@@ -15,3 +18,37 @@ def find_nvcc() -> Path | None:
         candidates.append(Path(shutil.which("nvcc")))
     candidates.append(Path("/usr/local/cuda/bin/nvcc"))
     return next((p.resolve() for p in candidates if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def sass_tools() -> tuple[str, dict[str, str]] | None:
+    """cuobjdump and the environment it finds nvdisasm in: the CUDA toolkit's, else the
+    nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels' (make deps installs them)."""
+    env = dict(os.environ)
+    exe = shutil.which("cuobjdump")
+    if exe and shutil.which("nvdisasm"):
+        return exe, env
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for path in sorted(pathlib.Path(root).glob("cu*/bin/cuobjdump")):
+            if (path.parent / "nvdisasm").exists():
+                env["PATH"] = f"{path.parent}{os.pathsep}{env.get('PATH', '')}"
+                return str(path), env
+    return None
+
+
+def sass_functions(sass: str) -> dict[str, list[str]]:
+    """Function name -> its instructions (opcode and operands), in order."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line)
+        if m and current is not None:
+            current.append(m.group(1))
+    return out

@@ -1,0 +1,87 @@
+"""How much of each kernel's sm_90a SASS two builds schedule differently.
+
+ptxas schedules a kernel's key loop anew when code elsewhere in the kernel changes: a change to
+the persistent kernel's tail (the source of its key loop untouched) moved 300-380 of the loop's
+~1,430 instructions, and those builds ran 1-3 % slower on every shape, as did main's own source
+built with another ptxas register-usage level (docs/hopper-kernels.md, *The key loop's schedule
+moves with the rest of the kernel*).  So before an A/B says what a change did, this says whether
+the loop it did not touch kept its schedule:
+
+    python3 dev/sass_diff.py python/diffkv/_C.abi3.so devrun/NAME/python/diffkv/_C.abi3.so \
+        [--match persist_kernelI13__nv_bfloat16] [--loop]
+
+Per function that differs (name filtered by --match): the instructions in the longest common
+subsequence's complement over the two, registers, predicates and immediates masked (a renamed
+register is not a change; a moved or added instruction is), and the function's length.  --loop
+compares only the window from the first two back-to-back barrier tests (the key loop's top,
+`mbar_wait2`) over the next 1,420 instructions.  Builds are .so or .o files; cuobjdump as
+tests/test_sass.py finds it (`make deps` installs it here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from toolchain import sass_functions, sass_tools  # noqa: E402
+
+MASK = re.compile(r"\bU?R\d+\b|\bU?P\d\b|\bPT\b|0x[0-9a-f]+|\.reuse")
+
+
+def functions(build: Path) -> dict[str, list[str]]:
+    tools = sass_tools()
+    if tools is None:
+        sys.exit("no cuobjdump + nvdisasm (make deps installs them)")
+    exe, env = tools
+    sass = subprocess.run(
+        [exe, "-sass", str(build)], check=True, capture_output=True, text=True, env=env
+    ).stdout
+    return sass_functions(sass)
+
+
+def loop_window(code: list[str]) -> list[str]:
+    tops = [i for i in range(len(code) - 1) if "TRYWAIT" in code[i] and "TRYWAIT" in code[i + 1]]
+    return code[tops[0] : tops[0] + 1420] if tops else []
+
+
+def changed(a: list[str], b: list[str]) -> int:
+    na, nb = [MASK.sub("X", x) for x in a], [MASK.sub("X", x) for x in b]
+    sm = difflib.SequenceMatcher(a=na, b=nb, autojunk=False)
+    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--match", default="", help="a regular expression the function names must match")
+    parser.add_argument("--loop", action="store_true", help="the key loop's window only")
+    args = parser.parse_args(argv)
+    fa, fb = functions(args.a), functions(args.b)
+    pick = re.compile(args.match)
+    rows = []
+    for name in sorted(set(fa) | set(fb)):
+        if not pick.search(name):
+            continue
+        if name not in fa or name not in fb:
+            rows.append((-1, 0, name))
+            continue
+        a, b = (loop_window(fa[name]), loop_window(fb[name])) if args.loop else (fa[name], fb[name])
+        if a != b:
+            rows.append((changed(a, b), max(len(a), len(b)), name))
+    for n, total, name in sorted(rows, reverse=True):
+        print(f"{'only in one' if n < 0 else f'{n:6d} of {total:6d}'}  {name}")
+    if not rows:
+        print("the same SASS" + (" in the key loop" if args.loop else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
