@@ -78,12 +78,12 @@ ZIG_TARGET = f"x86_64-linux-gnu.{MANYLINUX_GLIBC}"
 # The compiler environment that changes C objects without appearing in our own flags.
 C_COMPILER_ENV = ("CC", "CFLAGS", "CPPFLAGS", "LDSHARED", "LDFLAGS")
 
-# ptxas options for single CUDA files, each measured against the default on the GPU (the file's
-# kernels only change).  attention_sm90_fp8.cu: the e4m3 kernel scheduled with less register
-# reuse (--register-usage-level 0, default 5) ran 1 % faster on the denoise rows and causal
-# (docs/fp8-log.md, 2026-12-06); a ptxas without the option (before CUDA 12.x's) builds the
-# file with its default.
-NVCC_FILE_FLAGS = {"attention_sm90_fp8.cu": ("-Xptxas", "--register-usage-level=0")}
+# ptxas options for single CUDA files, each measured against the default on the GPU (only the
+# file's kernels change).  attention_sm90_fp8_tma.cu: the e4m3 kernel's TMA forms scheduled at
+# --register-usage-level 0 (default 5) ran ~1 % faster on every case of bench_fp8.py, where its
+# cp.async forms (attention_sm90_fp8.cu) ran 1-2 % slower (docs/fp8-log.md, 2026-12-06).  A
+# ptxas that does not list an option builds the file with its default.
+NVCC_FILE_FLAGS = {"attention_sm90_fp8_tma.cu": ("-Xptxas", "--register-usage-level=0")}
 LINK_STAMP = "diffkv-link.json"
 
 

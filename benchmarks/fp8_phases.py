@@ -1,4 +1,4 @@
-"""Where a tile's time goes in the Hopper e4m3 kernel (cuda/attention_sm90_fp8.cu), per warp.
+"""Where a tile's time goes in the Hopper e4m3 kernel (cuda/attention_sm90_fp8.cuh), per warp.
 
 Makes a stamped copy of the source tree (nothing in the package changes): clock64 stamps around
 each phase of a consumer warp's key tile -- the wait for K and V^T (one `mbar_wait2`), Q K^T
@@ -13,7 +13,10 @@ and 256-key tile (docs/fp8-log.md has what it showed):
     (cd /tmp/f8 && DIFFKV_CUDA_ARCHS=90a python setup.py -q build_ext --inplace)
     PYTHONPATH=/tmp/f8/python python benchmarks/fp8_phases.py run
 
-Only the first tile of each warpgroup's pass is left out (it has no P V to wait for). The
+The sums are the TMA producer's forms' (attention_sm90_fp8_tma.cu, the forms bench_fp8.py's
+cases run): the cp.async forms, compiled apart (attention_sm90_fp8.cu), stamp an array of their
+own that nothing reads. Only the first tile of each warpgroup's pass is left out (it has no P V
+to wait for). The
 stamps cost a few registers: compare the TFLOP/s it prints with the unstamped kernel's. The
 patch anchors on the source text and stops with an error if that text moved.
 """
@@ -29,10 +32,28 @@ from pathlib import Path
 from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cu"
+KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cuh"
+HOME_FILE = Path("cuda") / "attention_sm90_fp8_tma.cu"  # the file whose forms' sums are read
+HOME_INCLUDE = '#include "attention_sm90_fp8.cuh"\n'
 WORDS = 16  # the stamps' sums: 0-5 consumer phases and tiles, 8-11 the transposing warps'
 
-HEADER = sums_header("h8s", WORDS)
+
+def _header() -> str:
+    """sums_header's sums and exported functions in HOME_FILE's object only (both .cu files
+    include the kernel's header: one definition each would clash at the link); the other file's
+    stamps add into a static array of its own."""
+    text = sums_header("h8s", WORDS)
+    home, clk = text.split("static __device__", 1)
+    return (
+        "#ifdef DK_H8S_HOME\n"
+        + home
+        + f"#else\nstatic __device__ unsigned long long h8s_sum[{WORDS}];\n#endif\n"
+        + "static __device__"
+        + clk
+    )
+
+
+HEADER = _header()
 
 CONSUMER_LOOP = (
     "    for (int32_t kt = 0; kt < n_tiles; kt++) {\n"
@@ -124,6 +145,11 @@ PHASES = ("K and V^T waits", "Q K^T issued", "P V issued, Q K^T wait", "softmax"
 
 def patch(dest: Path) -> None:
     stamp_copy(dest, KERNEL_FILE, EDITS)
+    home = dest / HOME_FILE
+    text = home.read_text()
+    if text.count(HOME_INCLUDE) != 1:
+        sys.exit(f"{HOME_FILE}: {HOME_INCLUDE.strip()!r} not found once (the file changed)")
+    home.write_text(text.replace(HOME_INCLUDE, "#define DK_H8S_HOME 1\n" + HOME_INCLUDE))
     print(f"stamped copy in {dest}: build it there, then `run` with {dest / 'python'} on PYTHONPATH")
 
 

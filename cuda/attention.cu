@@ -24,7 +24,7 @@
  *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
  *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
- *     (attention_sm90_fp8.cu), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": head 128,
+ *     (attention_sm90_fp8.cuh), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": head 128,
  *     blocks of a multiple of 16 keys) or cp.async rows ("sm90-fp8"); elsewhere (and with the
  *     kernel choice sm80) the mma.sync kernel with the cache widened to fp16 in shared memory
  *     ("sm80-fp8"); anything else over an fp8 cache is refused (NotImplementedError) before it
@@ -329,7 +329,7 @@ aligned4(int64_t bytes)
  * Launches a checked fp16/bf16 call over a float8_e4m3fn cache, or refuses it with
  * DK_ERR_NOT_IMPLEMENTED before anything runs (K/V rows not in 16-byte chunks): on the Hopper
  * kernels (compute capability 9.x, sm_90a code, kernel choice not sm80) the e4m3 wgmma kernel
- * (attention_sm90_fp8.cu), elsewhere the mma.sync kernel's fp8 form (attention_sm80.cu,
+ * (attention_sm90_fp8.cuh), elsewhere the mma.sync kernel's fp8 form (attention_sm80.cu,
  * "sm80-fp8": e4m3 widened to fp16 in shared memory).  Returns DK_ERR_CUDA with the launch's
  * error in err, else DK_OK.
  */

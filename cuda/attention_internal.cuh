@@ -103,7 +103,7 @@ cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps 
                                      const CUtensorMap &q, const CUtensorMap &o, int64_t head_group,
                                      float scale_log2, bool neg_q, int64_t sms, cudaStream_t s);
 
-/* attention_sm90_fp8.cu: the e4m3 wgmma kernel over a float8_e4m3fn cache (a->kv_fp8), head 64
+/* attention_sm90_fp8.cu(h): the e4m3 wgmma kernel over a float8_e4m3fn cache (a->kv_fp8), head 64
  * or 128, fp16/bf16 queries, K/V rows in 16-byte chunks; 128 query rows per CTA.  *tma: whether
  * its TMA producer ran (else cp.async rows). */
 cudaError_t attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2,

@@ -268,7 +268,7 @@ H90_WGMMA_RS(wgmma_rs_m64n64_f16, 64, "f16", H90_R32, H90_D32, "%32", "%33", "%3
              "%37")
 
 /* The e4m3 forms (m64nNk32, fp32 accumulators): both operands K-major -- wgmma has no
- * transposed 8-bit operand, so V comes in transposed (attention_sm90_fp8.cu) -- and no
+ * transposed 8-bit operand, so V comes in transposed (attention_sm90_fp8.cuh) -- and no
  * transpose immediates.  SS: d = A B + (scale_d ? d : 0) from two descriptors; RS: d += A B,
  * A (m64 x k32) from registers (4 bytes per register, the lowest byte the lowest k). */
 #define H90_WGMMA_SS8(NAME, N, REGS, OUTS, IA, IB, IP)                                             \
@@ -337,8 +337,8 @@ wgmma_rs_e4m3_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, in
     wgmma_rs_m64n256_e4m3_f16(d, a, desc_b, scale_d);
 }
 
-/* O (m64 x D + 8) += P V in e4m3, D 128 or 64: 8 columns past the head dims (attention_sm90_fp8.cu:
- * V^T's row of ones, so that O's column D is P's row sum). */
+/* O (m64 x D + 8) += P V in e4m3, D 128 or 64: 8 columns past the head dims
+ * (attention_sm90_fp8.cuh: V^T's row of ones, so that O's column D is P's row sum). */
 static __device__ __forceinline__ void
 h90_pv_e4m3(float (&o)[68], const uint32_t (&p)[4], uint64_t b)
 {

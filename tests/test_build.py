@@ -212,8 +212,8 @@ def test_cuda_build_then_cpu_build_gives_cpu_only(tree):
 
 
 def test_file_flags_reach_their_file_only(tree):
-    """setup.py's NVCC_FILE_FLAGS -- attention_sm90_fp8.cu's ptxas --register-usage-level=0, where
-    ptxas lists the option -- are on that file's nvcc line and on no other's."""
+    """setup.py's NVCC_FILE_FLAGS -- attention_sm90_fp8_tma.cu's ptxas --register-usage-level=0,
+    where ptxas lists the option -- are on that file's nvcc line and on no other's."""
     assert len(tree.first_cuda_nvcc_lines) == len(list((tree.path / "cuda").glob("*.cu")))
     ptxas = subprocess.run([str(NVCC.parent / "ptxas"), "--help"], capture_output=True, text=True).stdout
     flagged = {
@@ -223,7 +223,7 @@ def test_file_flags_reach_their_file_only(tree):
         for word in line.split()
         if word.endswith(".cu")
     }
-    assert flagged == ({"attention_sm90_fp8.cu"} if "--register-usage-level" in ptxas else set())
+    assert flagged == ({"attention_sm90_fp8_tma.cu"} if "--register-usage-level" in ptxas else set())
 
 
 def test_cu_edit_recompiles_that_file_only_and_reaches_the_so(tree):
