@@ -81,7 +81,7 @@ C_COMPILER_ENV = ("CC", "CFLAGS", "CPPFLAGS", "LDSHARED", "LDFLAGS")
 # ptxas options for single CUDA files, each measured against the default on the GPU (only the
 # file's kernels change).  attention_sm90_fp8_tma.cu: the e4m3 kernel's TMA forms scheduled at
 # --register-usage-level 0 (default 5) ran ~1 % faster on every case of bench_fp8.py, where its
-# cp.async forms (attention_sm90_fp8.cu) ran 1-2 % slower (docs/fp8-log.md, 2026-12-06).  A
+# cp.async forms (attention_sm90_fp8.cu) ran 0-2 % slower (docs/fp8-log.md, 2026-12-06).  A
 # ptxas that does not list an option builds the file with its default.
 NVCC_FILE_FLAGS = {"attention_sm90_fp8_tma.cu": ("-Xptxas", "--register-usage-level=0")}
 LINK_STAMP = "diffkv-link.json"

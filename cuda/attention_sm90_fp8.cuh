@@ -5,7 +5,7 @@
  * (h8_launch): attention_sm90_fp8_tma.cu the TMA producer's, attention_sm90_fp8.cu the cp.async
  * producer's and the entry point.  They are compiled apart because ptxas schedules them best at
  * different register-usage levels (setup.py's NVCC_FILE_FLAGS: level 0 for the TMA forms, ~1 %
- * faster there and 1-2 % slower for the cp.async forms; docs/fp8-log.md, 2026-12-06).
+ * faster there and 0-2 % slower for the cp.async forms; docs/fp8-log.md, 2026-12-06).
  *
  * Three warpgroups, one CTA per SM: warpgroup 0 the producer, warpgroups 1 and 2 the consumers,
  * 64 query rows each (128 per CTA), key tiles of 256 keys (cuDNN's fp8 SDPA's width on Hopper:

@@ -2,7 +2,7 @@
  * attention_sm90_fp8_tma.cu -- the TMA producer's forms of the e4m3 kernel
  * (attention_sm90_fp8.cuh), for attn_sm90_fp8_launch (attention_sm90_fp8.cu).  A file of its own
  * so that setup.py can build it at ptxas register-usage level 0 (NVCC_FILE_FLAGS), which
- * schedules these forms ~1 % faster and the cp.async ones 1-2 % slower (docs/fp8-log.md,
+ * schedules these forms ~1 % faster and the cp.async ones 0-2 % slower (docs/fp8-log.md,
  * 2026-12-06).
  */
 #include "attention_sm90_fp8.cuh"
