@@ -112,20 +112,29 @@ def copy_tree(dest: Path) -> None:
         shutil.copy2(ROOT / name, dest / name)
 
 
-def sums_header(prefix: str, words: int) -> str:
+def sums_header(prefix: str, words: int, home: str | None = None) -> str:
     """The device code a stamped kernel's file starts with (after HEADER_ANCHOR): `words` 64-bit
     sums `{prefix}_sum`, the exported dk_{prefix}_dump / dk_{prefix}_reset that read and clear
-    them, and the clock read {prefix}_clk (fp8_phases.py, persist_phases.py)."""
-    return (
+    them, and the clock read {prefix}_clk (fp8_phases.py, persist_phases.py).  home: for a
+    header that several .cu files include, the macro that the one whose sums are read defines:
+    the sums and their readers are defined there only (one definition each would clash at the
+    link), the other files' stamps add into a static array of their own."""
+    sums = (
         f"__device__ unsigned long long {prefix}_sum[{words}];\n"
         f'extern "C" __attribute__((visibility("default"))) int dk_{prefix}_dump(void *a)\n'
         f"{{ return (int)cudaMemcpyFromSymbol(a, {prefix}_sum, sizeof({prefix}_sum)); }}\n"
         f'extern "C" __attribute__((visibility("default"))) int dk_{prefix}_reset(void)\n'
         f"{{ unsigned long long z[{words}] = {{0}}; "
         f"return (int)cudaMemcpyToSymbol({prefix}_sum, z, sizeof(z)); }}\n"
+    )
+    if home is not None:
+        other = f"static __device__ unsigned long long {prefix}_sum[{words}];\n"
+        sums = f"#ifdef {home}\n{sums}#else\n{other}#endif\n"
+    clk = (
         f"static __device__ __forceinline__ __attribute__((unused)) unsigned long long {prefix}_clk(void)\n"
         '{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }\n'
     )
+    return sums + clk
 
 
 def stamp_copy(dest: Path, kernel_file: Path, edits) -> None:

@@ -37,23 +37,8 @@ HOME_FILE = Path("cuda") / "attention_sm90_fp8_tma.cu"  # the file whose forms' 
 HOME_INCLUDE = '#include "attention_sm90_fp8.cuh"\n'
 WORDS = 16  # the stamps' sums: 0-5 consumer phases and tiles, 8-11 the transposing warps'
 
-
-def _header() -> str:
-    """sums_header's sums and exported functions in HOME_FILE's object only (both .cu files
-    include the kernel's header: one definition each would clash at the link); the other file's
-    stamps add into a static array of its own."""
-    text = sums_header("h8s", WORDS)
-    home, clk = text.split("static __device__", 1)
-    return (
-        "#ifdef DK_H8S_HOME\n"
-        + home
-        + f"#else\nstatic __device__ unsigned long long h8s_sum[{WORDS}];\n#endif\n"
-        + "static __device__"
-        + clk
-    )
-
-
-HEADER = _header()
+# both .cu files include the kernel's header: the sums are defined in HOME_FILE's object only
+HEADER = sums_header("h8s", WORDS, home="DK_H8S_HOME")
 
 CONSUMER_LOOP = (
     "    for (int32_t kt = 0; kt < n_tiles; kt++) {\n"

@@ -23,25 +23,22 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from toolchain import sass_functions, sass_tools  # noqa: E402
+from toolchain import sass_functions, sass_sm90a  # noqa: E402
 
 MASK = re.compile(r"\bU?R\d+\b|\bU?P\d\b|\bPT\b|0x[0-9a-f]+|\.reuse")
 
 
 def functions(build: Path) -> dict[str, list[str]]:
-    tools = sass_tools()
-    if tools is None:
+    run = sass_sm90a(build)
+    if run is None:
         sys.exit("no cuobjdump + nvdisasm (make deps installs them)")
-    exe, env = tools
-    sass = subprocess.run(
-        [exe, "-sass", str(build)], check=True, capture_output=True, text=True, env=env
-    ).stdout
-    return sass_functions(sass)
+    if run.returncode != 0:
+        sys.exit(f"cuobjdump -sass -arch sm_90a {build}: {run.stderr.strip()}")
+    return sass_functions(run.stdout)
 
 
 def loop_window(code: list[str]) -> list[str]:

@@ -10,12 +10,10 @@ persistent form*).  This is the static check for it; no GPU needed, the CUDA bui
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from diffkv import _C
-from toolchain import sass_functions, sass_tools
+from toolchain import sass_functions, sass_sm90a
 
 KERNELS = ("attention_sm90_ws_kernel", "attention_sm90_persist_kernel", "attention_sm90_fp8_kernel")
 WINDOW = 6  # instructions before a wgmma in which an R2UR means it waits on one
@@ -53,13 +51,9 @@ def test_the_checker_sees_a_wait():
 def test_no_wgmma_waits_on_a_register_move():
     if not _C.build_info()["cuda_compiled"] or "90a" not in _C.build_info()["archs"].split(";"):
         pytest.skip("needs a CUDA build with sm_90a code")
-    tools = sass_tools()
-    if tools is None:
+    run = sass_sm90a(_C.__file__)
+    if run is None:
         pytest.skip("no cuobjdump + nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    exe, env = tools
-    run = subprocess.run(
-        [exe, "-sass", "-arch", "sm_90a", _C.__file__], capture_output=True, text=True, env=env
-    )
     assert run.returncode == 0, run.stderr
     sass = run.stdout
     functions = sass_functions(sass)

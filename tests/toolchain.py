@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 
@@ -37,6 +38,18 @@ def sass_tools() -> tuple[str, dict[str, str]] | None:
                 env["PATH"] = f"{path.parent}{os.pathsep}{env.get('PATH', '')}"
                 return str(path), env
     return None
+
+
+def sass_sm90a(build: str | Path) -> subprocess.CompletedProcess | None:
+    """cuobjdump's sm_90a SASS listing of a built extension or object (its stdout; the process,
+    so that the caller sees a failure); None without cuobjdump + nvdisasm."""
+    tools = sass_tools()
+    if tools is None:
+        return None
+    exe, env = tools
+    return subprocess.run(
+        [exe, "-sass", "-arch", "sm_90a", str(build)], capture_output=True, text=True, env=env
+    )
 
 
 def sass_functions(sass: str) -> dict[str, list[str]]:
