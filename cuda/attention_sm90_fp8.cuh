@@ -404,7 +404,7 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
  * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
  * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
- * fetched.  The block ids come a tile ahead.  Warps 1 .. 3 transpose: per tile they wait for
+ * fetched.  The block ids come two tiles ahead (below).  Warps 1 .. 3 transpose: per tile they wait for
  * its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one
  * arrive per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing
  * warp runs ahead by the slots it has.
@@ -438,19 +438,32 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     const int32_t *const bt = a.block_table + row * a.bt_stride_row;
     const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
     const uint32_t bs = (uint32_t)a.block_size;
-    /* this lane's chunk of tile kt: its block (dk_safe_block's clamp), -1 past kv_end */
-    const auto block_of = [&](int32_t kt) -> int32_t {
-        const int32_t key = kt * BN + 16 * lane;
-        if (lane >= BN / 16 || key >= kv_end) {
-            return -1;
-        }
-        const int32_t b = bt[(uint32_t)key / bs];
-        return (uint32_t)b < nblocks ? b : 0;
+    /* This lane's chunk of a tile: key kt BN + 16 lane, at block-table column col and token tok
+     * of its block, stepped a tile at a time (no division in the loop).  Its block id is loaded
+     * two tiles ahead and clamped (dk_safe_block's) an iteration later, so that the warp never
+     * waits for a load between a slot's release and the copies into it. */
+    struct pos {
+        uint32_t col, tok;
     };
-    int32_t blk = block_of(0);
+    const uint32_t step_q = (uint32_t)BN / bs, step_r = (uint32_t)BN % bs;
+    const auto advance = [&](pos p) -> pos {
+        const uint32_t t = p.tok + step_r;
+        return t >= bs ? pos{p.col + step_q + 1u, t - bs} : pos{p.col + step_q, t};
+    };
+    const auto has = [&](int32_t kt) { /* the lane has a chunk of tile kt (before kv_end) */
+        return lane < BN / 16 && kt * BN + 16 * lane < kv_end;
+    };
+    const auto load = [&](int32_t kt, pos p) -> int32_t { return has(kt) ? bt[p.col] : 0; };
+    /* the block to fetch from tile kt's loaded entry; -1: none */
+    const auto clamp = [&](int32_t kt, int32_t b) -> int32_t {
+        return !has(kt) ? -1 : (uint32_t)b < nblocks ? b : 0;
+    };
+    pos p0 = {16u * (uint32_t)lane / bs, 16u * (uint32_t)lane % bs}; /* tile kt's */
+    pos p2 = advance(advance(p0));                                     /* tile kt + 2's */
+    int32_t blk = clamp(0, load(0, p0));
+    int32_t raw1 = load(1, advance(p0)); /* tile kt + 1's entry, not yet clamped */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
-        const int32_t next = kt + 1 < n_tiles ? block_of(kt + 1) : -1;
-        const int32_t tok = (int32_t)((uint32_t)(kt * BN + 16 * lane) % bs);
+        const int32_t raw2 = load(kt + 2, p2);
         const uint32_t bytes = (uint32_t)min(BN / 16, (kv_end - kt * BN + 15) / 16) * CHUNK;
         /* K into slot kt % ST, then V into staging slot kt % SR, each once its slot is free */
         const auto issue = [&](int stages, uint32_t dst0, uint32_t full, uint32_t empty,
@@ -465,12 +478,15 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
             __syncwarp();
             if (blk >= 0) {
                 tma_load_4d(dst0 + slot * (BN * H8_ROW) + (uint32_t)lane * CHUNK, map,
-                            full + 8u * slot, 0, tok, kvh, blk);
+                            full + 8u * slot, 0, (int32_t)p0.tok, kvh, blk);
             }
         };
         issue(ST, sk0, full_k, empty_k, tmk);
         issue(SR, sr0, full_s, empty_s, tmv);
-        blk = next;
+        blk = clamp(kt + 1, raw1);
+        raw1 = raw2;
+        p0 = advance(p0);
+        p2 = advance(p2);
     }
 }
 

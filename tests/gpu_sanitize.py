@@ -66,13 +66,14 @@ def _attention_case(
     assert err < 3e-2, f"attention {dtype} d{head} b{block} mask{mask}: {err}"
 
 
-def _fp8_attention_case(dtype, head, block, mask):
+def _fp8_attention_case(dtype, head, block, mask, seq_lens=(37, 150)):
     """Attention over a float8_e4m3fn cache (per-head scales): on Hopper the e4m3 kernel, its TMA
-    producer at head 128 with 16-key blocks, cp.async otherwise; rows ending mid-chunk.  The CPU
+    producer at head 128 with blocks of a multiple of 16 keys, cp.async otherwise; rows ending
+    mid-chunk (and, with longer seq_lens, blocks that straddle the 256-key tiles).  The CPU
     reference reads the same cache but keeps Q and P unrounded: a relative L2 of 0.1 bounds
     their e4m3 rounding with room."""
     g = torch.Generator().manual_seed(head + block + mask + 7)
-    seq_lens, query_lens, heads, kv_heads = [37, 150], [20, 70], 4, 2
+    seq_lens, query_lens, heads, kv_heads = list(seq_lens), [20, 70], 4, 2
     cols = -(-max(seq_lens) // block)
     nb = 2 * cols + 3
     table = torch.randperm(nb, generator=g)[: 2 * cols].view(2, cols).int()
@@ -280,6 +281,8 @@ def main():
         for dtype, head, block in fp8_cases:
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _fp8_attention_case(dtype, head, block, mask)
+        for mask in (_C.MASK_NONE, _C.MASK_CAUSAL):  # 48-key blocks across three tiles
+            _fp8_attention_case(torch.bfloat16, 128, 48, mask, seq_lens=(37, 700))
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     _dense_long_rows_case()

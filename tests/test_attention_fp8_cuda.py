@@ -225,17 +225,21 @@ def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_both_producers_compute_the_same_bits(mask):
-    """The TMA producer (16-key blocks) and the cp.async one (the same cache seen as 8-key
-    blocks) feed the same tiles: the outputs are equal bit for bit."""
-    rows = [(300, 1000), (77, 333)]
-    prob = _problem(rows, 8, 2, 128, 16, "contiguous", True, torch.bfloat16, seed=12)
+@pytest.mark.parametrize("block", [16, 48, 80, 272, 512])
+def test_both_producers_compute_the_same_bits(mask, block):
+    """The TMA producer (blocks of a multiple of 16 keys) and the cp.async one (the same cache
+    seen as 8-key blocks) feed the same tiles: the outputs are equal bit for bit.  Blocks of 48,
+    80 and 272 keys do not divide the 256-key tiles and 512 spans two, so the TMA producer's
+    block-table column and token, stepped a tile at a time, cross blocks at every offset."""
+    rows = [(300, 1000), (77, 333), (5, 1300)]
+    prob = _problem(rows, 8, 2, 128, block, "contiguous", True, torch.bfloat16, seed=12)
     query, cache, table, starts, lens, k_scale, v_scale = prob
     out16 = _run(*prob, MODES[mask], 0.1)
     assert _C.last_attention_kernel() == "sm90-fp8-tma"
-    halves = cache.view(2, cache.shape[1] * 2, 8, *cache.shape[3:])
-    table8 = torch.stack([2 * table, 2 * table + 1], dim=-1).flatten(1).int()
-    out8 = _run(query, halves, table8, starts, lens, k_scale, v_scale, MODES[mask], 0.1)
+    n = block // 8
+    parts = cache.view(2, cache.shape[1] * n, 8, *cache.shape[3:])
+    table8 = (n * table.unsqueeze(-1) + torch.arange(n, dtype=table.dtype)).flatten(1).int()
+    out8 = _run(query, parts, table8, starts, lens, k_scale, v_scale, MODES[mask], 0.1)
     assert _C.last_attention_kernel() == "sm90-fp8"
     assert torch.equal(out16, out8)
 

@@ -29,6 +29,34 @@ def test_attention_device_table_disagrees_with_host_copy(dtype, head):
     assert out.isfinite().all()
 
 
+@pytest.mark.parametrize("bad", [2**30, -1])
+@pytest.mark.parametrize("block", [16, 48, 8])
+def test_fp8_attention_device_table_disagrees_with_host_copy(bad, block):
+    """The e4m3 kernel's producers (TMA boxes at blocks of 16 and 48 keys, cp.async at 8) clamp a
+    device block id outside the cache, negative ones included, to block 0 and still fetch the
+    chunk: every slot's expected bytes arrive, the call ends and its outputs are finite."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the e4m3 kernel runs on Hopper")
+    nb, seq_len, head = 8, 100, 128
+    cols = -(-seq_len // block)
+    codes = (torch.randn(2, nb + cols, block, 2, head) * 60).clamp(-448, 448)
+    cache = codes.to(torch.float8_e4m3fn).cuda()
+    host_table = torch.arange(cols, dtype=torch.int32).reshape(1, cols)
+    device_table = torch.full((1, cols), bad, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, seq_len], dtype=torch.int32)
+    sl = torch.tensor([seq_len], dtype=torch.int32)
+    q = torch.randn(seq_len, 4, head, device="cuda").to(torch.bfloat16)
+    scale = torch.tensor([0.01], device="cuda")
+    out = torch.empty_like(q)
+    _C.paged_attention(
+        q, cache, device_table, qsl.cuda(), sl.cuda(), None, _C.MASK_NONE, 0.1, out, host_table, qsl, sl,
+        scale, scale,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert _C.last_attention_kernel() == ("sm90-fp8" if block == 8 else "sm90-fp8-tma")
+    assert out.isfinite().all()
+
+
 def test_slots_device_rows_outside_the_table():
     table = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32, device="cuda")
     row_indices = torch.tensor([5, -3], dtype=torch.int32, device="cuda")  # no such table rows
