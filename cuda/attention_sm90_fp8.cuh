@@ -404,10 +404,10 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
  * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
  * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
- * fetched.  The block ids come two tiles ahead (below).  Warps 1 .. 3 transpose: per tile they wait for
- * its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one
- * arrive per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing
- * warp runs ahead by the slots it has.
+ * fetched.  The block ids come two tiles ahead (below).  Warps 1 .. 3 transpose: per tile they wait
+ * for its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one arrive
+ * per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs
+ * ahead by the slots it has.
  */
 template <int D>
 static __device__ __forceinline__ void
@@ -450,16 +450,15 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
         const uint32_t t = p.tok + step_r;
         return t >= bs ? pos{p.col + step_q + 1u, t - bs} : pos{p.col + step_q, t};
     };
-    const auto has = [&](int32_t kt) { /* the lane has a chunk of tile kt (before kv_end) */
-        return lane < BN / 16 && kt * BN + 16 * lane < kv_end;
-    };
+    /* whether the lane has a chunk of tile kt (one before kv_end) */
+    const auto has = [&](int32_t kt) { return lane < BN / 16 && kt * BN + 16 * lane < kv_end; };
     const auto load = [&](int32_t kt, pos p) -> int32_t { return has(kt) ? bt[p.col] : 0; };
     /* the block to fetch from tile kt's loaded entry; -1: none */
     const auto clamp = [&](int32_t kt, int32_t b) -> int32_t {
         return !has(kt) ? -1 : (uint32_t)b < nblocks ? b : 0;
     };
     pos p0 = {16u * (uint32_t)lane / bs, 16u * (uint32_t)lane % bs}; /* tile kt's */
-    pos p2 = advance(advance(p0));                                     /* tile kt + 2's */
+    pos p2 = advance(advance(p0));                                   /* tile kt + 2's */
     int32_t blk = clamp(0, load(0, p0));
     int32_t raw1 = load(1, advance(p0)); /* tile kt + 1's entry, not yet clamped */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
