@@ -404,7 +404,9 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
  * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
  * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
- * fetched.  The block ids come two tiles ahead (below).  Warps 1 .. 3 transpose: per tile they wait
+ * fetched.  The block ids come two tiles ahead (below); tile 0's, raw0 (this lane's entry, or
+ * anything where the lane has no chunk of tile 0), the kernel loads before its key limits.
+ * Warps 1 .. 3 transpose: per tile they wait
  * for its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one arrive
  * per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs
  * ahead by the slots it has.
@@ -412,9 +414,9 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 template <int D>
 static __device__ __forceinline__ void
 h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, int32_t n_tiles,
-               uint32_t sk0, uint32_t sr0, uint32_t svt0, uint32_t full_k, uint32_t full_s,
-               uint32_t full_vt, uint32_t empty_k, uint32_t empty_s, uint32_t empty_vt,
-               const CUtensorMap *tmk, const CUtensorMap *tmv)
+               int32_t raw0, uint32_t sk0, uint32_t sr0, uint32_t svt0, uint32_t full_k,
+               uint32_t full_s, uint32_t full_vt, uint32_t empty_k, uint32_t empty_s,
+               uint32_t empty_vt, const CUtensorMap *tmk, const CUtensorMap *tmv)
 {
     constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR, BN = h8_stages<true>::BN;
     constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
@@ -459,7 +461,7 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     };
     pos p0 = {16u * (uint32_t)lane / bs, 16u * (uint32_t)lane % bs}; /* tile kt's */
     pos p2 = advance(advance(p0));                                   /* tile kt + 2's */
-    int32_t blk = clamp(0, load(0, p0));
+    int32_t blk = clamp(0, raw0);
     int32_t raw1 = load(1, advance(p0)); /* tile kt + 1's entry, not yet clamped */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t raw2 = load(kt + 2, p2);
@@ -853,6 +855,10 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const uint32_t full_s = empty_vt + 8u * H8_SVT;
     const uint32_t empty_s = full_s + 8u * SR;
 
+    if (TMA && threadIdx.x == 0) { /* the maps' descriptors ahead of the first boxes */
+        tma_prefetch_map(&tmk);
+        tma_prefetch_map(&tmv);
+    }
     attn_cta cta;
     if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
         return;
@@ -862,6 +868,21 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const int tid = (int)threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
     const int lane = tid % 32;
+    /* A CTA's first S waits for its Q and its first K tile; both start before the key limits
+     * (docs/fp8-log.md, *The CTA's prologue*): each consumer thread's half Q row (h8_load_q's)
+     * into L2, and the TMA warp's block-table entry of its chunk of tile 0 (h8_produce_tma's;
+     * a key of the row, so a column of the table) */
+    int32_t bt0 = 0;
+    if (tid >= 128) {
+        const int64_t r = (tid - 128) / 2;
+        if (q0 + r < query_len) {
+            prefetch_l2((const uint16_t *)a.query + (q_start + q0 + r) * a.q_stride_token +
+                        h * a.q_stride_head + (int64_t)(tid & 1) * (D / 2) * a.q_stride_dim);
+        }
+    }
+    else if (TMA && tid < h8_stages<TMA>::BN / 16 && 16 * tid < seq_len) {
+        bt0 = a.block_table[row * a.bt_stride_row + 16 * tid / a.block_size];
+    }
 
     /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
     if (tid < BM) {
@@ -906,8 +927,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     if (wg == 0) {
         regs::producer();
         if constexpr (TMA) {
-            h8_produce_tma<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_s, full_vt,
-                              empty_k, empty_s, empty_vt, &tmk, &tmv);
+            h8_produce_tma<D>(a, h, row, kv_end, n_tiles, bt0, sk0, sr0, svt0, full_k, full_s,
+                              full_vt, empty_k, empty_s, empty_vt, &tmk, &tmv);
         }
         else {
             h8_produce<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_vt, empty_k,
@@ -955,11 +976,11 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                           smem_addr(&s_sink[tid - 128])};
     /* a multiplier past 32,752 anywhere in the warpgroup (its 64 rows' scales, the same
      * product as sl2's): the softmax's fp32 form for the whole warpgroup (wgmma wants every
-     * thread of it in the same code) */
-    bool big = false;
-    for (int r = 64 * cw; r < 64 * cw + 64; r++) {
-        big = big || scale_log2 * k_scale * s_qs[r] > 32752.0f;
-    }
+     * thread of it in the same code).  Each warp reads the 64 rows, two a lane, and votes: a
+     * loop over the rows here was a chain of 64 shared loads, ~1.8 us of every CTA. */
+    const bool big =
+        __any_sync(0xffffffffu, scale_log2 * k_scale * s_qs[64 * cw + lane] > 32752.0f ||
+                                    scale_log2 * k_scale * s_qs[64 * cw + 32 + lane] > 32752.0f);
     h8_consume<D, TMA>(o, l, lm, qa, ring, n_tiles, lim0, lim1, g_min, tq, lane, sl2, big);
 
     /* Epilogue: O v_scale / l (l: thread tq = 0's, the row stores add the quad's); O and l both

@@ -109,6 +109,13 @@ tma_store_wait(void)
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
+/* Brings the 128-byte line holding p into L2 ahead of a load (no register written). */
+static __device__ __forceinline__ void
+prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 /* Brings a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's descriptor
  * cache ahead of its first box. */
 static __device__ __forceinline__ void

@@ -320,6 +320,31 @@ def test_multipliers_past_f16s_range_take_the_big_softmax_form(ties, k_scale):
     assert ((out - exact).abs() <= 2.0**-8 * exact.abs() + 1e-6).all()
 
 
+def test_one_row_past_f16s_range_takes_its_warpgroup_to_the_big_form():
+    """The BIG form is a warpgroup's choice (wgmma wants every thread of it in the same code), made
+    by a vote of each warp over the warpgroup's 64 rows, two a lane.  Here one row of each
+    warpgroup has a multiplier past 32,752 -- rows 40 and 100, the second rows that lanes 8 and
+    4 read -- and the other rows' are ~300: a vote that missed them would leave those rows to the
+    f16 form, whose 2 sc is infinite there (nan outputs).  Keys and tolerance as in the test
+    above (one-hot Q at 1000 on dim 0, keys' dim 0 at 1 / 64 .. 100 / 64)."""
+    prob = _problem([(128, 200)], 4, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=22)
+    query, cache, table, starts, lens, _, v_scale = prob
+    big = [40, 100]
+    query.mul_(0.01)
+    query[big] = 0.0
+    query[big, :, 0] = 1000.0
+    keys = cache[0].float().cpu()
+    for j in range(int(lens[0])):
+        keys[int(table[0, j // 16]), j % 16, :, 0] = (((j * 37) % 100) + 1) / 64.0
+    cache[0] = keys.to(F8).cuda()
+    k_scale = torch.full((1,), 4096.0, device="cuda")
+    out = _run(query, cache, table, starts, lens, k_scale, v_scale, _C.MASK_NONE, 1.0)
+    exact = _expected(query, cache, table, starts, lens, k_scale, v_scale, _visible("none", None), 1.0)
+    out = out.double().cpu()
+    assert torch.isfinite(out).all()
+    assert ((out[big] - exact[big]).abs() <= 2.0**-8 * exact[big].abs() + 1e-6).all()
+
+
 @pytest.mark.parametrize("size", [64, 128])
 def test_every_key_weighs_its_probability_rounded_to_e4m3(size):
     """Each key's weight in the output is its probability 2^8 p rounded to e4m3, within one e4m3
