@@ -152,6 +152,25 @@ def test_fp8_attention_matches_the_reference(
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
+def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel):
+    """The TMA form may bring a CTA's first K and V tile in for the row's keys before the key
+    limits say which the CTA's rows see.  A CTA whose 128 rows see no key has no tile to wait
+    for: it must still let such copies land before it ends, and keep them out of its output rows
+    (zeros, through the staging slots).  Rows 0-127 see nothing, the others their limits; the
+    call twice (copies landing after a CTA's end would corrupt a later CTA's shared memory)."""
+    attention_kernel("auto")
+    rows = [(300, 700)]
+    prob = _problem(rows, 8, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=31)
+    limits = _limits(rows, 6)
+    limits[:128] = 0
+    exact = _expected(*prob, _visible("limits", limits), 128**-0.5)
+    for _ in range(2):
+        out = _run(*prob, _C.MASK_LIMITS, 128**-0.5, limits)
+        assert _C.last_attention_kernel() == "sm90-fp8-tma"
+        assert (out[:128] == 0).all()
+        _check(out, exact)
+
+
 @pytest.mark.parametrize("factor", [1e5, 1e-25])
 def test_sm80_fp8_takes_bf16_queries_outside_fp16s_range(attention_kernel, factor):
     """bf16 queries 1e5 times larger (fp16 overflows at 65504) or 1e-25 times smaller (fp16
