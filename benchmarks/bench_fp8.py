@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +268,18 @@ def _attention_call(
         _C.paged_attention(*args)
 
     return run
+
+
+def warm_attention_calls(device: torch.device) -> Iterator[tuple[Case, Callable[[], None]]]:
+    """Each case's fp8 attention call on Gaussian data, called three times first: what the
+    stamping scripts time (fp8_phases.py, fp8_timeline.py)."""
+    for case in _cases(False):
+        inp = _make_inputs(case, "gaussian", device, 0)
+        out = torch.empty_like(inp.query)
+        call = _attention_call(case, inp, _cache(inp, F8), out, True)
+        for _ in range(3):
+            call()
+        yield case, call
 
 
 def _reason(exc: BaseException) -> str:

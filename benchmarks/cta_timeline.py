@@ -159,6 +159,46 @@ def stamp_copy(dest: Path, kernel_file: Path, edits) -> None:
     path.write_text(src)
 
 
+def stamp_copy_home(dest: Path, kernel_file: Path, edits, home_file: Path, macro: str) -> None:
+    """stamp_copy, then `#define <macro> 1` ahead of home_file's include of the kernel's header:
+    the one .cu file of those including it whose stamps are read (sums_header's home;
+    fp8_phases.py, fp8_timeline.py)."""
+    stamp_copy(dest, kernel_file, edits)
+    home = dest / home_file
+    include = f'#include "{kernel_file.name}"\n'
+    text = home.read_text()
+    if text.count(include) != 1:
+        sys.exit(f"{home_file}: {include.strip()!r} not found once (the file changed)")
+    home.write_text(text.replace(include, f"#define {macro} 1\n" + include))
+    print(f"stamped copy in {dest}: build it there, then `run` with {dest / 'python'} on PYTHONPATH")
+
+
+def stamped_lib(symbol: str) -> ctypes.CDLL:
+    """The imported diffkv extension as a library, or exit where it lacks `symbol` (a build
+    without the stamps)."""
+    from diffkv import _C
+
+    lib = ctypes.CDLL(_C.__file__)
+    if not hasattr(lib, symbol):
+        sys.exit("this diffkv build has no stamps: build the copy `patch` made and put it on PYTHONPATH")
+    return lib
+
+
+def patch_run_main(doc: str, patch_fn, run_fn, run_help: str, argv: list[str] | None) -> int:
+    """The command line of a stamping script whose `run` takes no options: `patch DEST`, `run`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("patch", help="make a stamped copy of this tree")
+    p.add_argument("dest", type=Path)
+    sub.add_parser("run", help=run_help)
+    args = parser.parse_args(argv)
+    if args.cmd == "patch":
+        patch_fn(args.dest)
+    else:
+        run_fn()
+    return 0
+
+
 def patch(dest: Path) -> None:
     copy_tree(dest)
     path = dest / KERNEL_FILE
@@ -226,9 +266,7 @@ def run(seq_lens: list[int], heads: int, kv_heads: int) -> None:
     from diffkv import _C
     from diffkv import _bench as bench
 
-    lib = ctypes.CDLL(_C.__file__)
-    if not hasattr(lib, "dk_tl_dump"):
-        sys.exit("this diffkv build has no stamps: build the copy `patch` made and put it on PYTHONPATH")
+    lib = stamped_lib("dk_tl_dump")
     buf = (ctypes.c_ulonglong * (TL_MAX * TL_E))()
     device = torch.device("cuda")
     print(

@@ -23,18 +23,16 @@ patch anchors on the source text and stops with an error if that text moved.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import sys
 from pathlib import Path
 
 # benchmarks/ is sys.path[0] when run as a script
-from cta_timeline import HEADER_ANCHOR, stamp_copy, sums_header
+from cta_timeline import HEADER_ANCHOR, patch_run_main, stamp_copy_home, stamped_lib, sums_header
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cuh"
 HOME_FILE = Path("cuda") / "attention_sm90_fp8_tma.cu"  # the file whose forms' sums are read
-HOME_INCLUDE = '#include "attention_sm90_fp8.cuh"\n'
 WORDS = 16  # the stamps' sums: 0-5 consumer phases and tiles, 8-11 the transposing warps'
 
 # both .cu files include the kernel's header: the sums are defined in HOME_FILE's object only
@@ -129,13 +127,7 @@ PHASES = ("K and V^T waits", "Q K^T issued", "P V issued, Q K^T wait", "softmax"
 
 
 def patch(dest: Path) -> None:
-    stamp_copy(dest, KERNEL_FILE, EDITS)
-    home = dest / HOME_FILE
-    text = home.read_text()
-    if text.count(HOME_INCLUDE) != 1:
-        sys.exit(f"{HOME_FILE}: {HOME_INCLUDE.strip()!r} not found once (the file changed)")
-    home.write_text(text.replace(HOME_INCLUDE, "#define DK_H8S_HOME 1\n" + HOME_INCLUDE))
-    print(f"stamped copy in {dest}: build it there, then `run` with {dest / 'python'} on PYTHONPATH")
+    stamp_copy_home(dest, KERNEL_FILE, EDITS, HOME_FILE, "DK_H8S_HOME")
 
 
 def run() -> None:
@@ -143,19 +135,10 @@ def run() -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_fp8 as bench
-    from diffkv import _C
 
-    lib = ctypes.CDLL(_C.__file__)
-    if not hasattr(lib, "dk_h8s_dump"):
-        sys.exit("this diffkv build has no stamps: build the copy `patch` made and put it on PYTHONPATH")
+    lib = stamped_lib("dk_h8s_dump")
     device = torch.device("cuda")
-    for case in bench._cases(False):
-        inp = bench._make_inputs(case, "gaussian", device, 0)
-        cache = bench._cache(inp, torch.float8_e4m3fn)
-        out = torch.empty_like(inp.query)
-        call = bench._attention_call(case, inp, cache, out, True)
-        for _ in range(3):
-            call()
+    for case, call in bench.warm_attention_calls(device):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if lib.dk_h8s_reset() != 0:
@@ -184,19 +167,13 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("patch", help="make a stamped copy of this tree")
-    p.add_argument("dest", type=Path)
-    sub.add_parser(
-        "run", help="run the fp8 cases and print the phases (with the stamped build on PYTHONPATH)"
+    return patch_run_main(
+        __doc__,
+        patch,
+        run,
+        "run the fp8 cases and print the phases (with the stamped build on PYTHONPATH)",
+        argv,
     )
-    args = parser.parse_args(argv)
-    if args.cmd == "patch":
-        patch(args.dest)
-    else:
-        run()
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ The patch anchors on the source text and stops with an error if that text moved.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import ctypes
 import statistics
@@ -28,12 +27,11 @@ import sys
 from pathlib import Path
 
 # benchmarks/ is sys.path[0] when run as a script
-from cta_timeline import HEADER_ANCHOR, TL_MAX, _phases, stamp_copy
+from cta_timeline import HEADER_ANCHOR, TL_MAX, _phases, patch_run_main, stamp_copy_home, stamped_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cuh"
 HOME_FILE = Path("cuda") / "attention_sm90_fp8_tma.cu"  # the file whose stamps are read
-HOME_INCLUDE = '#include "attention_sm90_fp8.cuh"\n'
 
 TL_E = 16  # words of a CTA's row: cta_timeline.py's 0-10 (entry, limits, Q in, first S, loop
 # end, stores of warpgroups 0 and 1, producer done, smid, %globaltimer at entry and at the
@@ -129,13 +127,7 @@ EDITS = (
 
 
 def patch(dest: Path) -> None:
-    stamp_copy(dest, KERNEL_FILE, EDITS)
-    home = dest / HOME_FILE
-    text = home.read_text()
-    if text.count(HOME_INCLUDE) != 1:
-        sys.exit(f"{HOME_FILE}: {HOME_INCLUDE.strip()!r} not found once (the file changed)")
-    home.write_text(text.replace(HOME_INCLUDE, "#define DK_TL_HOME 1\n" + HOME_INCLUDE))
-    print(f"stamped copy in {dest}: build it there, then `run` with {dest / 'python'} on PYTHONPATH")
+    stamp_copy_home(dest, KERNEL_FILE, EDITS, HOME_FILE, "DK_TL_HOME")
 
 
 def _occupancy(stamps, per_us: float) -> dict[str, float]:
@@ -164,12 +156,9 @@ def run() -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_fp8 as bench
-    from diffkv import _C
     from diffkv._bench import flush_l2
 
-    lib = ctypes.CDLL(_C.__file__)
-    if not hasattr(lib, "dk_tl_dump"):
-        sys.exit("this diffkv build has no stamps: build the copy `patch` made and put it on PYTHONPATH")
+    lib = stamped_lib("dk_tl_dump")
     buf = (ctypes.c_ulonglong * (TL_MAX * TL_E))()
     device = torch.device("cuda")
     print(
@@ -180,13 +169,7 @@ def run() -> None:
         f"{'case':>13} {'CTAs':>5} {'MHz':>5} {'limits':>6} {'Q in':>5} {'K0 in':>5} {'1st S':>5} "
         f"{'loop':>7} {'epilog':>6} {'CTA':>7} {'gap':>5} | {'span':>7} {'gaps%':>5} {'tail%':>5}"
     )
-    for case in bench._cases(False):
-        inp = bench._make_inputs(case, "gaussian", device, 0)
-        cache = bench._cache(inp, torch.float8_e4m3fn)
-        out = torch.empty_like(inp.query)
-        call = bench._attention_call(case, inp, cache, out, True)
-        for _ in range(3):
-            call()
+    for case, call in bench.warm_attention_calls(device):
         if lib.dk_tl_clear() != 0:
             sys.exit("dk_tl_clear failed")
         flush_l2(device)
@@ -219,19 +202,13 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("patch", help="make a stamped copy of this tree")
-    p.add_argument("dest", type=Path)
-    sub.add_parser(
-        "run", help="run the fp8 cases and print the timeline (with the stamped build on PYTHONPATH)"
+    return patch_run_main(
+        __doc__,
+        patch,
+        run,
+        "run the fp8 cases and print the timeline (with the stamped build on PYTHONPATH)",
+        argv,
     )
-    args = parser.parse_args(argv)
-    if args.cmd == "patch":
-        patch(args.dest)
-    else:
-        run()
-    return 0
 
 
 if __name__ == "__main__":
