@@ -13,9 +13,11 @@ the loop it did not touch kept its schedule:
 Per function that differs (name filtered by --match): the instructions in the longest common
 subsequence's complement over the two, registers, predicates and immediates masked (a renamed
 register is not a change; a moved or added instruction is), and the function's length.  --loop
-compares only the window from the first two back-to-back barrier tests (the key loop's top,
-`mbar_wait2`) over the next 1,420 instructions.  Builds are .so or .o files; cuobjdump as
-tests/test_sass.py finds it (`make deps` installs it here).
+compares only the key loop's body (loop_window: the first loop closing over wgmma instructions;
+about 3,000 instructions in the e4m3 kernel's forms, both softmax forms included).  Until
+2026-12-06 it compared 1,420 instructions from the first two back-to-back barrier tests, which
+some forms do not have (the docs' "N of 1,420" figures are that window's).  Builds are .so or .o
+files; cuobjdump as tests/test_sass.py finds it (`make deps` installs it here).
 """
 
 from __future__ import annotations
@@ -41,9 +43,22 @@ def functions(build: Path) -> dict[str, list[str]]:
     return sass_functions(run.stdout)
 
 
+BRANCH = re.compile(r"\bBRA\b[^;]*?\b0x([0-9a-f]+)")
+
+
 def loop_window(code: list[str]) -> list[str]:
-    tops = [i for i in range(len(code) - 1) if "TRYWAIT" in code[i] and "TRYWAIT" in code[i + 1]]
-    return code[tops[0] : tops[0] + 1420] if tops else []
+    """The key loop's body: from the target of the first backward branch that closes over tensor
+    instructions (wgmma: HGMMA / QGMMA) to that branch.  Instruction i sits at byte 16 i of the
+    function, which is what branch targets count in; the retry paths of the barrier tests, placed
+    after the function's last EXIT, branch back too, but from further on."""
+    for i, line in enumerate(code):
+        m = BRANCH.search(line)
+        if m is None:
+            continue
+        top = int(m.group(1), 16) // 16
+        if top < i and any("GMMA" in x for x in code[top:i]):
+            return code[top : i + 1]
+    return []
 
 
 def changed(a: list[str], b: list[str]) -> int:
