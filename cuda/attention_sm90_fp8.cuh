@@ -406,10 +406,9 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
  * fetched.  The block ids come two tiles ahead (below); tile 0's, raw0 (this lane's entry, or
  * anything where the lane has no chunk of tile 0), the kernel loads before its key limits.
- * Warps 1 .. 3 transpose: per tile they wait
- * for its staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one arrive
- * per warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs
- * ahead by the slots it has.
+ * Warps 1 .. 3 transpose: per tile they wait for its staging, transpose it (h8_transpose, 96
+ * threads) and release the staging slot (one arrive per warp).  No thread of this warpgroup
+ * waits for a copy it issued, so the issuing warp runs ahead by the slots it has.
  */
 template <int D>
 static __device__ __forceinline__ void
