@@ -35,21 +35,40 @@ EVENTS = ("entry", "limits", "q_ready", "first_s", "loop_end", "stores_wg0", "st
 KERNEL_FILE = Path("cuda") / "attention_sm90_ws.cu"
 # the stamps' buffer and its exporters go in after this line of the kernel's file
 HEADER_ANCHOR = "#include <cuda.h> /* CUtensorMap */\n"
-HEADER = r"""#define TL_MAX 16384
-#define TL_E 12
-__device__ unsigned long long tl_buf[TL_MAX][TL_E];
-extern "C" __attribute__((visibility("default"))) int dk_tl_dump(void *dst)
-{ return (int)cudaMemcpyFromSymbol(dst, tl_buf, sizeof(tl_buf)); }
-extern "C" __attribute__((visibility("default"))) int dk_tl_clear(void)
-{ static unsigned long long z[TL_MAX][TL_E]; return (int)cudaMemcpyToSymbol(tl_buf, z, sizeof(z)); }
-static __device__ __forceinline__ unsigned long long tl_clk(void)
-{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)); return c; }
-static __device__ __forceinline__ unsigned long long tl_gt(void)
-{ unsigned long long c; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c)); return c; }
-static __device__ __forceinline__ unsigned tl_smid(void)
-{ unsigned r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }
-#define TL(e) do { if (blockIdx.x < TL_MAX) tl_buf[blockIdx.x][e] = tl_clk(); } while (0)
-"""
+
+
+def timeline_header(words: int, home: str | None = None) -> str:
+    """The device code a timeline-stamped kernel's file starts with (after HEADER_ANCHOR):
+    `tl_buf`, TL_MAX CTAs' rows of `words` 64-bit stamps, its exported dk_tl_dump / dk_tl_clear,
+    the reads of %clock64, %globaltimer and %smid, and TL(e), which stamps word e of the CTA's
+    row.  home: as sums_header's, for a header that several .cu files include
+    (fp8_timeline.py)."""
+    buf = "__device__ unsigned long long tl_buf[TL_MAX][TL_E];\n"
+    exports = (
+        'extern "C" __attribute__((visibility("default"))) int dk_tl_dump(void *dst)\n'
+        "{ return (int)cudaMemcpyFromSymbol(dst, tl_buf, sizeof(tl_buf)); }\n"
+        'extern "C" __attribute__((visibility("default"))) int dk_tl_clear(void)\n'
+        "{ static unsigned long long z[TL_MAX][TL_E]; "
+        "return (int)cudaMemcpyToSymbol(tl_buf, z, sizeof(z)); }\n"
+    )
+    sums = buf + exports
+    if home is not None:
+        sums = f"#ifdef {home}\n{sums}#else\nstatic {buf}#endif\n"
+    return (
+        f"#define TL_MAX {TL_MAX}\n#define TL_E {words}\n"
+        + sums
+        + "static __device__ __forceinline__ __attribute__((unused)) unsigned long long tl_clk(void)\n"
+        '{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }\n'
+        "static __device__ __forceinline__ __attribute__((unused)) unsigned long long tl_gt(void)\n"
+        '{ unsigned long long c; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c) :: "memory");'
+        " return c; }\n"
+        "static __device__ __forceinline__ __attribute__((unused)) unsigned tl_smid(void)\n"
+        '{ unsigned r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }\n'
+        "#define TL(e) do { if (blockIdx.x < TL_MAX) tl_buf[blockIdx.x][e] = tl_clk(); } while (0)\n"
+    )
+
+
+HEADER = timeline_header(TL_E)
 
 # (anchor in attention_sm90_ws_kernel, text inserted before it or after it)
 STAMPS = (

@@ -27,7 +27,15 @@ import sys
 from pathlib import Path
 
 # benchmarks/ is sys.path[0] when run as a script
-from cta_timeline import HEADER_ANCHOR, TL_MAX, _phases, patch_run_main, stamp_copy_home, stamped_lib
+from cta_timeline import (
+    HEADER_ANCHOR,
+    TL_MAX,
+    _phases,
+    patch_run_main,
+    stamp_copy_home,
+    stamped_lib,
+    timeline_header,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILE = Path("cuda") / "attention_sm90_fp8.cuh"
@@ -38,24 +46,7 @@ TL_E = 16  # words of a CTA's row: cta_timeline.py's 0-10 (entry, limits, Q in, 
 # stores), then K's first tile landed for the consumers (11), the producer warp's start (12) and
 # its first K box issued (13), the consumers at their key loop (14), V's first tile in the
 # staging slot for the transposers (15)
-HEADER = rf"""#define TL_MAX {TL_MAX}
-#ifdef DK_TL_HOME
-__device__ unsigned long long tl_buf[{TL_MAX}][{TL_E}];
-extern "C" __attribute__((visibility("default"))) int dk_tl_dump(void *dst)
-{{ return (int)cudaMemcpyFromSymbol(dst, tl_buf, sizeof(tl_buf)); }}
-extern "C" __attribute__((visibility("default"))) int dk_tl_clear(void)
-{{ static unsigned long long z[{TL_MAX}][{TL_E}]; return (int)cudaMemcpyToSymbol(tl_buf, z, sizeof(z)); }}
-#else
-static __device__ unsigned long long tl_buf[{TL_MAX}][{TL_E}];
-#endif
-static __device__ __forceinline__ unsigned long long tl_clk(void)
-{{ unsigned long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c; }}
-static __device__ __forceinline__ unsigned long long tl_gt(void)
-{{ unsigned long long c; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c) :: "memory"); return c; }}
-static __device__ __forceinline__ unsigned tl_smid(void)
-{{ unsigned r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }}
-#define TL(e) do {{ if (blockIdx.x < {TL_MAX}) tl_buf[blockIdx.x][e] = tl_clk(); }} while (0)
-"""
+HEADER = timeline_header(TL_E, home="DK_TL_HOME")
 
 # (anchor, text, where): each anchor must occur exactly once in the kernel's file
 EDITS = (
