@@ -8,9 +8,10 @@
  * faster there and 0-2 % slower for the cp.async forms; docs/fp8-log.md, 2026-12-06).
  *
  * Three warpgroups, one CTA per SM: warpgroup 0 the producer, warpgroups 1 and 2 the consumers,
- * 64 query rows each (128 per CTA), key tiles of 256 keys (cuDNN's fp8 SDPA's width on Hopper:
- * the fixed costs of a tile -- barrier waits, the maxima's shuffles, O's rescale -- spread over
- * twice the keys of a 128-key tile; docs/fp8.md, *What is left*).
+ * 64 query rows each (128 per CTA; a tile of at most 64 rows, warpgroup 1 alone), key tiles of
+ * 256 keys (cuDNN's fp8 SDPA's width on Hopper: the fixed costs of a tile -- barrier waits, the
+ * maxima's shuffles, O's rescale -- spread over twice the keys of a 128-key tile; docs/fp8.md,
+ * *What is left*).
  *
  *   - Q: each consumer warpgroup loads its 64 rows once and rounds them to e4m3 with one scale
  *     per row, qs = max(L1 norm / 128, largest magnitude / 448), into a 128-byte swizzled tile
@@ -400,22 +401,69 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 }
 
 /*
+ * The TMA warp's lane state before its first tile (h8_produce_tma's t0), computed before the
+ * CTA's key limits are known: the lane's chunk positions of tiles 0 and 2 (key 16 lane of the
+ * tile, at block-table column col and token tok of its block) and the block-table entries of
+ * its chunks of tiles 0 and 1 -- those within the row's seq_len keys, a bound of the key limits'
+ * kv_end (h8_produce_tma clamps with kv_end).  After the limits the warp goes straight to its
+ * first boxes: done after them, this setup put the first K box 2.2 us after the warp's start
+ * (docs/fp8-log.md, *The TMA warp's setup before the key limits*).
+ */
+struct h8_tma_lane {
+    const int32_t *bt;
+    uint32_t nblocks, bs, step_q, step_r;
+    uint32_t col0, tok0, col2, tok2;
+    int32_t kvh, raw0, raw1;
+};
+
+static __device__ __forceinline__ h8_tma_lane
+h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len)
+{
+    constexpr uint32_t BN = (uint32_t)h8_stages<true>::BN;
+    const uint32_t lane = threadIdx.x & 31u;
+    h8_tma_lane t;
+    t.kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
+    t.bt = a.block_table + row * a.bt_stride_row;
+    t.nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
+    t.bs = (uint32_t)a.block_size;
+    t.step_q = BN / t.bs;
+    t.step_r = BN % t.bs;
+    t.col0 = 16u * lane / t.bs;
+    t.tok0 = 16u * lane % t.bs;
+    uint32_t c1 = t.col0 + t.step_q, k1 = t.tok0 + t.step_r;
+    if (k1 >= t.bs) {
+        c1++;
+        k1 -= t.bs;
+    }
+    t.col2 = c1 + t.step_q;
+    t.tok2 = k1 + t.step_r;
+    if (t.tok2 >= t.bs) {
+        t.col2++;
+        t.tok2 -= t.bs;
+    }
+    const bool in0 = lane < BN / 16u && 16 * (int64_t)lane < seq_len;
+    const bool in1 = lane < BN / 16u && (int64_t)(BN + 16u * lane) < seq_len;
+    t.raw0 = in0 ? t.bt[t.col0] : 0;
+    t.raw1 = in1 ? t.bt[c1] : 0;
+    return t;
+}
+
+/*
  * The TMA producer warpgroup (head 128, blocks of a multiple of 16 keys, every block's rows in
  * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
  * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
  * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
- * fetched.  The block ids come two tiles ahead (below); tile 0's, raw0 (this lane's entry, or
- * anything where the lane has no chunk of tile 0), the kernel loads before its key limits.
+ * fetched.  The block ids come two tiles ahead (below); tiles 0 and 1's, with the lane's
+ * positions, come from h8_tma_begin (t0), which the kernel runs before its key limits.
  * Warps 1 .. 3 transpose: per tile they wait for its staging, transpose it (h8_transpose, 96
  * threads) and release the staging slot (one arrive per warp).  No thread of this warpgroup
  * waits for a copy it issued, so the issuing warp runs ahead by the slots it has.
  */
 template <int D>
 static __device__ __forceinline__ void
-h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, int32_t n_tiles,
-               int32_t raw0, uint32_t sk0, uint32_t sr0, uint32_t svt0, uint32_t full_k,
-               uint32_t full_s, uint32_t full_vt, uint32_t empty_k, uint32_t empty_s,
-               uint32_t empty_vt, const CUtensorMap *tmk, const CUtensorMap *tmv)
+h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t sk0, uint32_t sr0,
+               uint32_t svt0, uint32_t full_k, uint32_t full_s, uint32_t full_vt, uint32_t empty_k,
+               uint32_t empty_s, uint32_t empty_vt, const CUtensorMap *tmk, const CUtensorMap *tmv)
 {
     constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR, BN = h8_stages<true>::BN;
     constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
@@ -435,10 +483,10 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
         }
         return;
     }
-    const int32_t kvh = (int32_t)(h / (a.num_heads / a.num_kv_heads));
-    const int32_t *const bt = a.block_table + row * a.bt_stride_row;
-    const uint32_t nblocks = (uint32_t)min(a.num_blocks, (int64_t)INT32_MAX);
-    const uint32_t bs = (uint32_t)a.block_size;
+    const int32_t kvh = t0.kvh;
+    const int32_t *const bt = t0.bt;
+    const uint32_t nblocks = t0.nblocks;
+    const uint32_t bs = t0.bs;
     /* This lane's chunk of a tile: key kt BN + 16 lane, at block-table column col and token tok
      * of its block, stepped a tile at a time (no division in the loop).  Its block id is loaded
      * two tiles ahead and clamped (dk_safe_block's) an iteration later, so that the warp never
@@ -446,7 +494,7 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     struct pos {
         uint32_t col, tok;
     };
-    const uint32_t step_q = (uint32_t)BN / bs, step_r = (uint32_t)BN % bs;
+    const uint32_t step_q = t0.step_q, step_r = t0.step_r;
     const auto advance = [&](pos p) -> pos {
         const uint32_t t = p.tok + step_r;
         return t >= bs ? pos{p.col + step_q + 1u, t - bs} : pos{p.col + step_q, t};
@@ -458,10 +506,10 @@ h8_produce_tma(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_en
     const auto clamp = [&](int32_t kt, int32_t b) -> int32_t {
         return !has(kt) ? -1 : (uint32_t)b < nblocks ? b : 0;
     };
-    pos p0 = {16u * (uint32_t)lane / bs, 16u * (uint32_t)lane % bs}; /* tile kt's */
-    pos p2 = advance(advance(p0));                                   /* tile kt + 2's */
-    int32_t blk = clamp(0, raw0);
-    int32_t raw1 = load(1, advance(p0)); /* tile kt + 1's entry, not yet clamped */
+    pos p0 = {t0.col0, t0.tok0}; /* tile kt's */
+    pos p2 = {t0.col2, t0.tok2}; /* tile kt + 2's */
+    int32_t blk = clamp(0, t0.raw0);
+    int32_t raw1 = t0.raw1; /* tile kt + 1's entry, not yet clamped */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t raw2 = load(kt + 2, p2);
         const uint32_t bytes = (uint32_t)min(BN / 16, (kv_end - kt * BN + 15) / 16) * CHUNK;
@@ -869,9 +917,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     const int lane = tid % 32;
     /* A CTA's first S waits for its Q and its first K tile; both start before the key limits
      * (docs/fp8-log.md, *The CTA's prologue*): each consumer thread's half Q row (h8_load_q's)
-     * into L2, and the TMA warp's block-table entry of its chunk of tile 0 (h8_produce_tma's;
-     * a key of the row, so a column of the table) */
-    int32_t bt0 = 0;
+     * into L2, and the TMA warp's setup (h8_tma_begin), whose key limits warp 4 takes */
+    h8_tma_lane tl{};
     if (tid >= 128) {
         const int64_t r = (tid - 128) / 2;
         if (q0 + r < query_len) {
@@ -879,25 +926,40 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                         h * a.q_stride_head + (int64_t)(tid & 1) * (D / 2) * a.q_stride_dim);
         }
     }
-    else if (TMA && tid < h8_stages<TMA>::BN / 16 && 16 * tid < seq_len) {
-        bt0 = a.block_table[row * a.bt_stride_row + 16 * tid / a.block_size];
+    else if (TMA && tid < 32) {
+        tl = h8_tma_begin(a, h, row, seq_len);
     }
 
-    /* Key limits of the BM query rows (threads 0 .. BM - 1), barriers. */
+    /* The consumer warpgroups with rows in the tile: the second has none where the tile's rows
+     * end within the first's 64 (a row's last tile: 4,097 queries leave one row), and leaves at
+     * once instead of running the key loop over masked rows; the empties count the first's
+     * warps alone.  The first then has the tensor cores and the MUFU to itself. */
+    const uint32_t ncw = query_len - q0 > 64 ? 2u : 1u;
+    /* Key limits of the BM query rows (row r by thread r, but rows 0 .. 31 by warp 4 where warp
+     * 0 is the TMA warp), barriers. */
+    {
+        const int lr = tid < 32           ? (TMA ? -1 : tid)
+                       : tid < 128        ? tid
+                       : TMA && tid < 160 ? tid - 128
+                                          : -1;
+        if (lr >= 0) {
+            attn_warp_limits(a, lr, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
+        }
+    }
     if (tid < BM) {
-        attn_warp_limits(a, tid, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
         if (tid == 0) {
             /* K's full: the TMA warp's expect_tx, or the cp.async threads' arrivals; V^T's full:
-             * the transposing threads' arrivals; empties: the consumers' warps */
+             * the transposing threads' arrivals; empties: the warps of the ncw consumer
+             * warpgroups */
 #pragma unroll
             for (int i = 0; i < ST; i++) {
                 mbar_init(full_k + 8u * (uint32_t)i, TMA ? 1u : 128u);
-                mbar_init(empty_k + 8u * (uint32_t)i, 4u * NC);
+                mbar_init(empty_k + 8u * (uint32_t)i, 4u * ncw);
             }
 #pragma unroll
             for (int i = 0; i < H8_SVT; i++) {
                 mbar_init(full_vt + 8u * (uint32_t)i, (uint32_t)h8_stages<TMA>::TRANSPOSERS);
-                mbar_init(empty_vt + 8u * (uint32_t)i, 4u * NC);
+                mbar_init(empty_vt + 8u * (uint32_t)i, 4u * ncw);
             }
 #pragma unroll
             for (int i = 0; i < (TMA ? SR : 0); i++) { /* the TMA warp; the 3 transposing warps */
@@ -926,8 +988,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     if (wg == 0) {
         regs::producer();
         if constexpr (TMA) {
-            h8_produce_tma<D>(a, h, row, kv_end, n_tiles, bt0, sk0, sr0, svt0, full_k, full_s,
-                              full_vt, empty_k, empty_s, empty_vt, &tmk, &tmv);
+            h8_produce_tma<D>(kv_end, n_tiles, tl, sk0, sr0, svt0, full_k, full_s, full_vt, empty_k,
+                              empty_s, empty_vt, &tmk, &tmv);
         }
         else {
             h8_produce<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_vt, empty_k,
@@ -937,8 +999,11 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     }
 
     /* ---------------- consumers ---------------- */
+    const int cw = wg - 1; /* query rows 64 cw .. 64 cw + 63 */
+    if ((uint32_t)cw >= ncw) {
+        return;
+    }
     regs::consumer();
-    const int cw = wg - 1;         /* query rows 64 cw .. 64 cw + 63 */
     const int wt = tid - 128 * wg; /* thread within the warpgroup */
     const int w4 = wt / 32;
     const int g = lane >> 2;

@@ -171,6 +171,23 @@ def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel):
         _check(out, exact)
 
 
+@pytest.mark.parametrize("block", [16, 8])
+def test_a_query_tile_of_at_most_64_rows_runs_one_consumer_warpgroup(attention_kernel, block):
+    """A CTA's 128 query rows go to two consumer warpgroups of 64; where the tile's rows end
+    within the first 64 (a row's last tile: 4,097 queries leave one row) the second warpgroup
+    has nothing to compute and leaves at once, and the producer's slots are released by the
+    first alone.  Rows ending at 64 and 65 into a tile, in a row's only tile and its third, both
+    producers (blocks of 16: TMA boxes; of 8: cp.async), called twice."""
+    attention_kernel("auto")
+    rows = [(64, 500), (65, 500), (192, 700), (193, 300), (1, 260)]
+    prob = _problem(rows, 8, 2, 128, block, "contiguous", False, torch.bfloat16, seed=41 + block)
+    exact = _expected(*prob, _visible("causal", None), 128**-0.5)
+    for _ in range(2):
+        out = _run(*prob, _C.MASK_CAUSAL, 128**-0.5)
+        assert _C.last_attention_kernel() == ("sm90-fp8-tma" if block == 16 else "sm90-fp8")
+        _check(out, exact)
+
+
 @pytest.mark.parametrize("factor", [1e5, 1e-25])
 def test_sm80_fp8_takes_bf16_queries_outside_fp16s_range(attention_kernel, factor):
     """bf16 queries 1e5 times larger (fp16 overflows at 65504) or 1e-25 times smaller (fp16
