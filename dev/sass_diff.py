@@ -46,19 +46,26 @@ def functions(build: Path) -> dict[str, list[str]]:
 BRANCH = re.compile(r"\bBRA\b[^;]*?\b0x([0-9a-f]+)")
 
 
-def loop_window(code: list[str]) -> list[str]:
-    """The key loop's body: from the target of the first backward branch that closes over tensor
-    instructions (wgmma: HGMMA / QGMMA) to that branch.  Instruction i sits at byte 16 i of the
-    function, which is what branch targets count in; the retry paths of the barrier tests, placed
-    after the function's last EXIT, branch back too, but from further on."""
+def loop_bounds(code: list[str]) -> tuple[int, int] | None:
+    """The key loop's body as instruction indices [top, end]: from the target of the first
+    backward branch that closes over tensor instructions (wgmma: HGMMA / QGMMA) to that branch.
+    Instruction i sits at byte 16 i of the function, which is what branch targets count in; the
+    retry paths of the barrier tests, placed after the function's last EXIT, branch back too, but
+    from further on."""
     for i, line in enumerate(code):
         m = BRANCH.search(line)
         if m is None:
             continue
         top = int(m.group(1), 16) // 16
         if top < i and any("GMMA" in x for x in code[top:i]):
-            return code[top : i + 1]
-    return []
+            return top, i
+    return None
+
+
+def loop_window(code: list[str]) -> list[str]:
+    """The key loop's body (loop_bounds), or nothing."""
+    b = loop_bounds(code)
+    return [] if b is None else code[b[0] : b[1] + 1]
 
 
 def changed(a: list[str], b: list[str]) -> int:
