@@ -73,7 +73,7 @@ def read_source(text: str) -> tuple[int, list[Instr]]:
             v = r[at[c]].strip()
             return int(v) if v.isdigit() else 0
 
-        stalls = {c[len("stall_") :]: num(c) for c in reasons if num(c)}
+        stalls = {c[len("stall_") :]: n for c in reasons if (n := num(c))}
         out.append(Instr(addr - base, r[at["Source"]].strip(), num(SAMPLES), stalls))
     if base is None:
         raise ValueError("no instruction rows in the export")
