@@ -46,7 +46,7 @@ bf16, and to e4m3 with cuDNN's scale_o).
                                    [--data gaussian,outlier]
                                    [--baselines diffkv_bf16,cudnn_fp8,cudnn_fp8_paged,cudnn_bf16]
                                    [--no-layer] [--no-accuracy] [--no-profile] [--json out.json]
-                                   [--kernel auto|sm80|sm90]
+                                   [--kernel auto|sm80|sm90] [--head 64|128]
 
 cuDNN fp8 needs the ``cudnn`` module of ``nvidia-cudnn-frontend`` (``pip install --no-deps
 nvidia-cudnn-frontend``: the backend path needs neither cutlass-dsl nor tvm-ffi); without it, or
@@ -54,7 +54,8 @@ when its graph does not build, cuDNN fp8 is reported n/a with the reason and the
 --quick: smaller shapes (2048 tokens; HunyuanImage rows of 1025 queries after the same 500 /
 3500-token prefixes).  --kernel sm80 runs diffkv's fp8 and bf16 calls on the mma.sync kernels
 (what an A100 runs; on Hopper, the sm80 fp8 form against the sm80 bf16 kernel on the same
-shapes).  --device cpu runs diffkv only (the CPU reference), for a smoke test.
+shapes).  --head 64 runs every case at head 64 (default 128).  --device cpu runs diffkv only
+(the CPU reference), for a smoke test.
 """
 
 from __future__ import annotations
@@ -1056,6 +1057,7 @@ def _write(args, env: dict[str, Any], results: list[dict[str, Any]], failed: lis
 
 
 def main(argv: list[str] | None = None) -> int:
+    global HEAD  # --head sets the module's head size, which every case and reference reads
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes (2048 tokens; 1025-query rows)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -1076,12 +1078,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument(
+        "--head",
+        type=int,
+        default=HEAD,
+        choices=(64, 128),
+        help="head size of every case (the e4m3 kernel's sizes; default %(default)s)",
+    )
+    parser.add_argument(
         "--kernel",
         default="auto",
         choices=("auto", "sm80", "sm90"),
         help="diffkv's attention kernel choice for its fp8 and bf16 calls (sm80: the mma.sync kernels)",
     )
     args = parser.parse_args(argv)
+    HEAD = args.head
 
     cases = _cases(args.quick)
     if args.list:

@@ -7,26 +7,16 @@
 #include "attention_sm90_fp8.cuh"
 
 /* attention_internal.cuh's contract: the TMA producer where h8_tma_chunk_maps encodes the
- * cache's maps (head 128, blocks of a multiple of 16 keys, one source), else cp.async. */
+ * cache's maps (head 64 or 128, blocks of a multiple of 16 keys, one source), else cp.async. */
 cudaError_t
 attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2, bool neg_q,
                      bool q_vec, bool o_vec, cudaStream_t s, bool *tma)
 {
     CUtensorMap maps[2];
     memset(maps, 0, sizeof(maps));
-    const bool bf16 = a->dtype == DK_BF16;
-    *tma = a->head_size == 128 && h8_tma_chunk_maps(a, &maps[0], &maps[1]);
+    *tma = h8_tma_chunk_maps(a, &maps[0], &maps[1]);
     if (*tma) {
         return attn_sm90_fp8_launch_tma(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
     }
-    if (a->head_size == 128) {
-        return bf16 ? h8_launch<__nv_bfloat16, 128, false>(a, maps, head_group, scale_log2, neg_q,
-                                                           q_vec, o_vec, s)
-                    : h8_launch<__half, 128, false>(a, maps, head_group, scale_log2, neg_q, q_vec,
-                                                    o_vec, s);
-    }
-    return bf16 ? h8_launch<__nv_bfloat16, 64, false>(a, maps, head_group, scale_log2, neg_q, q_vec,
-                                                      o_vec, s)
-                : h8_launch<__half, 64, false>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec,
-                                               s);
+    return h8_launch_form<false>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
 }

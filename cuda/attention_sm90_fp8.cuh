@@ -45,7 +45,7 @@
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
  * Producers ("sm90-fp8-tma" / "sm90-fp8", attention.cu): TMA boxes of 16-key chunks where the
- * cache's per-chunk maps exist (h8_produce_tma: head 128, blocks of a multiple of 16 keys), else
+ * cache's per-chunk maps exist (h8_produce_tma: blocks of a multiple of 16 keys), else
  * cp.async rows (h8_produce); both fill the same 256-key tiles, so they compute the same bits.
  * Two K, two staging and two V^T slots (208 KB at head 128); every slot has a "full" and an
  * "empty" mbarrier.  Each consumer warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
@@ -254,7 +254,10 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
                 __byte_perm(x[2], x[3], sel0), __byte_perm(x[2], x[3], sel1));
     };
     static_assert(BN == 256, "two V^T panels of 128 keys a tile (h8_stages)");
-    if (valid >= BN) {
+    /* the fixed split below: four warps at either head size, three (the TMA form's) over four
+     * dim groups (head 128); three warps at head 64 take the general loop */
+    constexpr bool FIXED = NW == 4 || D / 32 == 4;
+    if (FIXED && valid >= BN) {
         /* A whole tile (every tile but a row's last): each warp a fixed set of steps whose
          * addresses are its lane's two bases plus constants -- ldmatrix, two byte permutes a
          * pair and stmatrix a step (the general loop below spends ~20 instructions a step on
@@ -263,7 +266,7 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
          * fourth dim group's 16 halves go 6 / 6 / 4. */
         constexpr int G = D / 32, HALVES = BN / 16;
         constexpr int PER = NW == 3 ? HALVES : HALVES * G / NW;
-        static_assert(NW == 4 || (NW == 3 && G == 4), "the step split");
+        static_assert(!FIXED || NW == 4 || (NW == 3 && G == 4), "the step split");
         const auto group = [&](uint32_t dgp, uint32_t h0) {
             const uint32_t sa = src + h0 * (16u * H8_ROW) + (((2u * dgp + (m >> 1)) ^ r) << 4);
             /* dst's low 7 bits are 0: adding (dim & 7) 16 then XOR-ing chunk 16 is the swizzle */
@@ -275,7 +278,7 @@ h8_transpose(int32_t kt, int w, int32_t valid, uint32_t sr0, uint32_t svt0, uint
             }
         };
         group((uint32_t)w % G, ((uint32_t)w / G) * PER);
-        if constexpr (NW == 3) {
+        if constexpr (NW == 3 && G == 4) {
             const uint32_t sa = src + (((2u * 3u + (m >> 1)) ^ r) << 4);
             const uint32_t db = dst + 3u * (32u * H8_ROW) + ((dim & 7u) << 4);
 #pragma unroll
@@ -449,15 +452,16 @@ h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len
 }
 
 /*
- * The TMA producer warpgroup (head 128, blocks of a multiple of 16 keys, every block's rows in
- * one map: h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as
- * a TMA box of 16 rows x 128 bytes -- K into K slot kt % ST, V into staging slot kt % SR -- lane 0
- * expecting the tile's bytes on the slot's full barrier; chunks at or past kv_end are not
- * fetched.  The block ids come two tiles ahead (below); tiles 0 and 1's, with the lane's
- * positions, come from h8_tma_begin (t0), which the kernel runs before its key limits.
- * Warps 1 .. 3 transpose: per tile they wait for its staging, transpose it (h8_transpose, 96
- * threads) and release the staging slot (one arrive per warp).  No thread of this warpgroup
- * waits for a copy it issued, so the issuing warp runs ahead by the slots it has.
+ * The TMA producer warpgroup (blocks of a multiple of 16 keys, every block's rows in one map:
+ * h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as a TMA box
+ * of 16 rows x 128 bytes (at head 64 the rows' second halves are zeros, which nothing reads) --
+ * K into K slot kt % ST, V into staging slot kt % SR -- lane 0 expecting the tile's bytes on the
+ * slot's full barrier; chunks at or past kv_end are not fetched.  The block ids come two tiles
+ * ahead (below); tiles 0 and 1's, with the lane's positions, come from h8_tma_begin (t0), which
+ * the kernel runs before its key limits.  Warps 1 .. 3 transpose: per tile they wait for its
+ * staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one arrive per
+ * warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs ahead
+ * by the slots it has.
  */
 template <int D>
 static __device__ __forceinline__ void
@@ -467,7 +471,7 @@ h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t 
 {
     constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR, BN = h8_stages<true>::BN;
     constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
-    static_assert(D == 128, "one 128-byte row per key");
+    static_assert(D == 128 || D == 64, "a 128-byte box row per key (head 64: half zeros)");
     const int warp = (int)(threadIdx.x >> 5);
     const int lane = (int)(threadIdx.x & 31u);
     if (warp != 0) {
@@ -1121,8 +1125,28 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
                            args);
 }
 
-/* The TMA producer's forms of h8_launch (head 128, fp16/bf16 queries), in
- * attention_sm90_fp8_tma.cu; maps: h8_tma_chunk_maps's. */
+/* h8_launch of the call's query dtype (fp16/bf16) and head size (64, 128), with the TMA
+ * producer (maps: h8_tma_chunk_maps's) or cp.async; each form is instantiated in the file that
+ * calls it (the TMA forms in attention_sm90_fp8_tma.cu). */
+template <bool TMA>
+static cudaError_t
+h8_launch_form(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group,
+               float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
+{
+    const bool bf16 = a->dtype == DK_BF16;
+    if (a->head_size == 128) {
+        return bf16 ? h8_launch<__nv_bfloat16, 128, TMA>(a, maps, head_group, scale_log2, neg_q,
+                                                         q_vec, o_vec, s)
+                    : h8_launch<__half, 128, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                  o_vec, s);
+    }
+    return bf16 ? h8_launch<__nv_bfloat16, 64, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                    o_vec, s)
+                : h8_launch<__half, 64, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec,
+                                             s);
+}
+
+/* The TMA producer's forms (h8_launch_form<true>), in attention_sm90_fp8_tma.cu. */
 cudaError_t attn_sm90_fp8_launch_tma(const dk_attention_args *a, const CUtensorMap *maps,
                                      int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
                                      bool o_vec, cudaStream_t s);

@@ -11,8 +11,5 @@ cudaError_t
 attn_sm90_fp8_launch_tma(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group,
                          float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    return a->dtype == DK_BF16 ? h8_launch<__nv_bfloat16, 128, true>(
-                                     a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s)
-                               : h8_launch<__half, 128, true>(a, maps, head_group, scale_log2,
-                                                              neg_q, q_vec, o_vec, s);
+    return h8_launch_form<true>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
 }

@@ -338,20 +338,21 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
     return e.producer;
 }
 
-/* One per-chunk map of an e4m3 cache (h8_tma_chunk_maps): 4 dims -- the 128 bytes of a key
- * row, the token within a block, the kv head, the block, each with its own byte stride (any
- * order: NHD, HND, layer-strided) -- and a box of 128 x 16 x 1 x 1.  Returns whether the driver
- * encoded it. */
+/* One per-chunk map of an e4m3 cache (h8_tma_chunk_maps): 4 dims -- the head_size bytes of a
+ * key row (64 or 128), the token within a block, the kv head, the block, each with its own byte
+ * stride (any order: NHD, HND, layer-strided) -- and a box of 128 x 16 x 1 x 1: at head 64 the
+ * box's second 64 bytes of a row lie past the map's rows and land as zeros (the kernel's slots
+ * keep 128-byte rows at either head size).  Returns whether the driver encoded it. */
 static bool
 h8_chunk_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
 {
     const h90_encode_fn encode = h90_encoder();
     const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
     const int64_t extent[3] = {a->block_size, a->num_kv_heads, a->num_blocks};
-    if (encode == NULL || a->head_size != 128 || a->cache_stride_dim != 1) {
+    if (encode == NULL || (a->head_size != 128 && a->head_size != 64) || a->cache_stride_dim != 1) {
         return false;
     }
-    cuuint64_t gdim[4] = {128, 0, 0, 0};
+    cuuint64_t gdim[4] = {(cuuint64_t)a->head_size, 0, 0, 0};
     cuuint64_t gstride[3];
     for (int k = 0; k < 3; k++) {
         if (stride[k] <= 0 || stride[k] % 16 != 0 || stride[k] >= ((int64_t)1 << 40) ||

@@ -68,7 +68,7 @@ def _attention_case(
 
 def _fp8_attention_case(dtype, head, block, mask, seq_lens=(37, 150)):
     """Attention over a float8_e4m3fn cache (per-head scales): on Hopper the e4m3 kernel, its TMA
-    producer at head 128 with blocks of a multiple of 16 keys, cp.async otherwise; rows ending
+    producer with blocks of a multiple of 16 keys (head 64 and 128), cp.async otherwise; rows ending
     mid-chunk (and, with longer seq_lens, blocks that straddle the 256-key tiles).  The CPU
     reference reads the same cache but keeps Q and P unrounded: a relative L2 of 0.1 bounds
     their e4m3 rounding with room."""

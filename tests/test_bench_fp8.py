@@ -1,0 +1,64 @@
+"""benchmarks/bench_fp8.py on the CPU (the C reference): --head sets every case's head size, and
+the record's accuracy says the fp8 cache cost e4m3's rounding and no more."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_fp8.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--cases",
+            "hunyuan-4597",
+            "--data",
+            "gaussian",
+            "--no-layer",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    return proc, out
+
+
+def test_head_64_runs_every_case_at_head_64(tmp_path):
+    proc, out = _run(tmp_path, "--head", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "head 64," in proc.stdout
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["head_size"] == 64 and r["shape"].endswith("x64")
+    assert r["flops"] == 4 * r["heads"] * 64 * r["pairs"]
+    acc = r["accuracy"]
+    # e4m3 keeps 3 mantissa bits: the fp8 cache's error is a few percent, the bf16 cache's a
+    # tenth of a percent (its output rounding); a wrong scale or head stride would be far above
+    assert 0.01 < acc["diffkv_fp8"]["rel_l2"] < 0.08
+    assert acc["diffkv_bf16"]["rel_l2"] < 0.003
+    assert r["checks"]["kv_write_bytes_equal_torch"] is True
+
+
+@pytest.mark.parametrize("head", ["32", "96"])
+def test_head_outside_the_e4m3_kernels_sizes_is_refused(tmp_path, head):
+    proc, out = _run(tmp_path, "--head", head)
+    assert proc.returncode == 2
+    assert "--head" in proc.stderr and "invalid choice" in proc.stderr
+    assert not out.exists()
