@@ -1080,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--head",
         type=int,
-        default=HEAD,
+        default=128,
         choices=(64, 128),
         help="head size of every case (the e4m3 kernel's sizes; default %(default)s)",
     )
