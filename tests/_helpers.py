@@ -3,12 +3,16 @@
 ``make_adapter(device, ...)`` returns a ``SimpleNamespace`` with the adapter and everything it
 was built from (config, BlockTables, layers, caches, resolver), so a test can inspect or alter
 any collaborator.  ``Resolver`` is a recording ``resolve_row`` callback.  ``free_port`` gives
-the TCP port of a local torch.distributed rendezvous.
+the TCP port of a local torch.distributed rendezvous.  ``run_benchmark`` runs a script of
+benchmarks/ as a user would.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +22,19 @@ import torch
 import diffkv
 
 HEAD_SIZE = 64  # the smallest head size DiffKVAttentionBackend supports
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """benchmarks/<script> with args in a fresh interpreter, its output captured as text; the
+    exit status is the caller's to check."""
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def free_port() -> int:

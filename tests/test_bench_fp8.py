@@ -2,42 +2,19 @@
 the record's accuracy says the fp8 cache cost e4m3's rounding and no more."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import run_benchmark
 
 
 def _run(tmp_path, *extra):
     out = tmp_path / "fp8.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_fp8.py"),
-            "--quick",
-            "--device",
-            "cpu",
-            "--cases",
-            "hunyuan-4597",
-            "--data",
-            "gaussian",
-            "--no-layer",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--json",
-            str(out),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "bench_fp8.py", "--quick", "--device", "cpu", "--cases", "hunyuan-4597", "--data", "gaussian",
+        "--no-layer", "--reps", "1", "--warmup", "0", "--json", str(out), *extra,
         timeout=300,
-        check=False,
-    )
+    )  # fmt: skip
     return proc, out
 
 

@@ -3,11 +3,9 @@ layer calls among them) through the public API, prints the table and writes a JS
 whose figures are positive microseconds."""
 
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import run_benchmark
+
 ROWS = (
     "prepare_batch + activate (per phase)",
     "layer call: prepare_layer_context + forward_paged",
@@ -22,10 +20,10 @@ ROWS = (
 
 def test_bench_host_runs_every_row_and_writes_json(tmp_path):
     out = tmp_path / "host.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_host.py"), "--device", "cpu", "--quick",
-         "--calls", "20", "--samples", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
+    proc = run_benchmark(
+        "bench_host.py", "--device", "cpu", "--quick",
+        "--calls", "20", "--samples", "3", "--json", str(out),
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     for row in ROWS:

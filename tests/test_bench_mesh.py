@@ -5,10 +5,10 @@ only."""
 
 import json
 import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import ROOT, run_benchmark
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_mesh  # noqa: E402
@@ -22,11 +22,11 @@ def test_mesh_shapes_are_the_worlds_factorizations_the_heads_take():
 
 def test_bench_mesh_gloo_four_ranks(tmp_path):
     out = tmp_path / "mesh.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_mesh.py"), "--backend", "gloo",
-         "--world", "4", "--tokens", "96", "--heads", "8", "--kv-heads", "4", "--head-size", "64",
-         "--reps", "2", "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+    proc = run_benchmark(
+        "bench_mesh.py", "--backend", "gloo",
+        "--world", "4", "--tokens", "96", "--heads", "8", "--kv-heads", "4", "--head-size", "64",
+        "--reps", "2", "--warmup", "1", "--json", str(out),
+        timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

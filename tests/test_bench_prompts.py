@@ -2,20 +2,17 @@
 SDPA per row -- every case runs, the outputs agree, and the JSON record holds each case."""
 
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import run_benchmark
 
 
 def test_bench_prompts_runs_every_case_and_writes_json(tmp_path):
     out = tmp_path / "prompts.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_prompts.py"), "--device", "cpu",
-         "--prompts", "16,48", "--prompts", "8,24,40", "--image", "32,40", "--heads", "4", "--kv-heads", "2",
-         "--head-size", "64", "--reps", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+    proc = run_benchmark(
+        "bench_prompts.py", "--device", "cpu",
+        "--prompts", "16,48", "--prompts", "8,24,40", "--image", "32,40", "--heads", "4", "--kv-heads", "2",
+        "--head-size", "64", "--reps", "2", "--json", str(out),
+        timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "16/48" in proc.stdout and "8/24/40" in proc.stdout
@@ -30,10 +27,10 @@ def test_bench_prompts_runs_every_case_and_writes_json(tmp_path):
 
 
 def test_bench_prompts_refuses_a_bad_count():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_prompts.py"), "--device", "cpu",
-         "--prompts", "16,0"],
-        capture_output=True, text=True, timeout=120, check=False,
+    proc = run_benchmark(
+        "bench_prompts.py", "--device", "cpu",
+        "--prompts", "16,0",
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
     assert proc.stderr.strip() == "bench_prompts: token counts must be positive, got '0'"

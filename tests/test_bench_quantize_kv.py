@@ -2,32 +2,16 @@
 bit and writes its JSON record."""
 
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import run_benchmark
 
 
 def test_quick_run_is_bit_exact_and_writes_its_record(tmp_path):
     out = tmp_path / "q.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_quantize_kv.py"),
-            "--quick",
-            "--device",
-            "cpu",
-            "--tokens",
-            "64,200",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "bench_quantize_kv.py", "--quick", "--device", "cpu", "--tokens", "64,200", "--json", str(out),
         timeout=300,
-        check=False,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     assert record["benchmark"] == "quantize_kv" and record["summary"]["all_bit_exact"] is True

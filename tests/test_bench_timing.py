@@ -4,17 +4,13 @@ per round in an order rotated every round, and a case's diffkv call, its contigu
 comparison and its baselines all come back from one command."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _helpers import run_benchmark
 from diffkv import _bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_time_interleaved_rotates_the_order_every_round():
@@ -81,11 +77,11 @@ def test_bench_device_cuda_needs_a_cuda_build_and_a_gpu(monkeypatch):
 
 def test_bench_attention_times_a_case_and_its_comparison_together(tmp_path):
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), "--quick", "--device", "cpu",
-         "--cases", "piecewise_s16k_c1560,paged_b16_s16k", "--reps", "3", "--warmup", "1",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
+    proc = run_benchmark(
+        "bench_attention.py", "--quick", "--device", "cpu",
+        "--cases", "piecewise_s16k_c1560,paged_b16_s16k", "--reps", "3", "--warmup", "1",
+        "--json", str(out),
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     results = {r["case"]: r for r in json.loads(out.read_text())["results"]}
@@ -109,11 +105,11 @@ def test_bench_attention_reads_an_hnd_cache(tmp_path):
     """--kv-layout hnd: the same case through a cache whose blocks are [heads, block, D] in
     memory, checked against the baselines' reference like the default layout."""
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"), "--quick", "--device", "cpu",
-         "--cases", "paged_b16_s16k", "--reps", "2", "--warmup", "1", "--kv-layout", "hnd",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
+    proc = run_benchmark(
+        "bench_attention.py", "--quick", "--device", "cpu",
+        "--cases", "paged_b16_s16k", "--reps", "2", "--warmup", "1", "--kv-layout", "hnd",
+        "--json", str(out),
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     (paged,) = json.loads(out.read_text())["results"]
