@@ -1056,8 +1056,15 @@ def _write(args, env: dict[str, Any], results: list[dict[str, Any]], failed: lis
     write_json(args.json, record)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of keys, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    global HEAD  # --head sets the module's head size, which every case and reference reads
+    global HEAD, BLOCK  # --head and --block set the module's sizes, which every case and reference reads
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes (2048 tokens; 1025-query rows)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -1085,6 +1092,12 @@ def main(argv: list[str] | None = None) -> int:
         help="head size of every case (the e4m3 kernel's sizes; default %(default)s)",
     )
     parser.add_argument(
+        "--block",
+        type=_positive,
+        default=16,
+        help="keys per cache block (default %(default)s: the issue's; 8: the e4m3 kernel's 8-key TMA boxes)",
+    )
+    parser.add_argument(
         "--kernel",
         default="auto",
         choices=("auto", "sm80", "sm90"),
@@ -1092,6 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     HEAD = args.head
+    BLOCK = args.block
 
     cases = _cases(args.quick)
     if args.list:

@@ -110,9 +110,10 @@ cudaError_t attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group,
                                  bool neg_q, bool q_vec, bool o_vec, cudaStream_t s, bool *tma);
 
 /* sm90_tma_map.cu: the per-chunk maps of a float8_e4m3fn cache for the e4m3 kernel's TMA
- * producer (one 16-key x 128-byte box per chunk: head 64 or 128, blocks of a multiple of 16 keys,
- * one source, byte strides under 2^40) into *k and *v, through a per-thread cache like
- * h90_tma_maps's.  Returns whether they exist.  Cannot fail otherwise. */
+ * producer (one 16-key x 128-byte box per chunk -- 8-key at blocks of an odd multiple of 8 keys:
+ * head 64 or 128, blocks of a multiple of 8 keys, one source, byte strides under 2^40) into *k
+ * and *v, through a per-thread cache like h90_tma_maps's.  Returns whether they exist.  Cannot
+ * fail otherwise. */
 bool h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v);
 
 /* sm90_tma_map.cu: encodes (or finds in this host thread's cache of the last 64 caches) the

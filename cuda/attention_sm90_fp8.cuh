@@ -45,7 +45,8 @@
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
  * Producers ("sm90-fp8-tma" / "sm90-fp8", attention.cu): TMA boxes of 16-key chunks where the
- * cache's per-chunk maps exist (h8_produce_tma: blocks of a multiple of 16 keys), else
+ * cache's per-chunk maps exist (h8_produce_tma: blocks of a multiple of 16 keys; 8-key chunks,
+ * CK = 8, at blocks of an odd multiple of 8), else
  * cp.async rows (h8_produce); both fill the same 256-key tiles, so they compute the same bits.
  * Two K, two staging and two V^T slots (208 KB at head 128); every slot has a "full" and an
  * "empty" mbarrier.  Each consumer warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
@@ -405,7 +406,7 @@ h8_produce(const dk_attention_args &a, int64_t h, int64_t row, int32_t kv_end, i
 
 /*
  * The TMA warp's lane state before its first tile (h8_produce_tma's t0), computed before the
- * CTA's key limits are known: the lane's chunk positions of tiles 0 and 2 (key 16 lane of the
+ * CTA's key limits are known: the lane's chunk positions of tiles 0 and 2 (key CK lane of the
  * tile, at block-table column col and token tok of its block) and the block-table entries of
  * its chunks of tiles 0 and 1 -- those within the row's seq_len keys, a bound of the key limits'
  * kv_end (h8_produce_tma clamps with kv_end).  After the limits the warp goes straight to its
@@ -419,6 +420,7 @@ struct h8_tma_lane {
     int32_t kvh, raw0, raw1;
 };
 
+template <int CK>
 static __device__ __forceinline__ h8_tma_lane
 h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len)
 {
@@ -431,8 +433,8 @@ h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len
     t.bs = (uint32_t)a.block_size;
     t.step_q = BN / t.bs;
     t.step_r = BN % t.bs;
-    t.col0 = 16u * lane / t.bs;
-    t.tok0 = 16u * lane % t.bs;
+    t.col0 = CK * lane / t.bs;
+    t.tok0 = CK * lane % t.bs;
     uint32_t c1 = t.col0 + t.step_q, k1 = t.tok0 + t.step_r;
     if (k1 >= t.bs) {
         c1++;
@@ -444,17 +446,19 @@ h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len
         t.col2++;
         t.tok2 -= t.bs;
     }
-    const bool in0 = lane < BN / 16u && 16 * (int64_t)lane < seq_len;
-    const bool in1 = lane < BN / 16u && (int64_t)(BN + 16u * lane) < seq_len;
+    const bool in0 = lane < BN / CK && CK * (int64_t)lane < seq_len;
+    const bool in1 = lane < BN / CK && (int64_t)(BN + CK * lane) < seq_len;
     t.raw0 = in0 ? t.bt[t.col0] : 0;
     t.raw1 = in1 ? t.bt[c1] : 0;
     return t;
 }
 
 /*
- * The TMA producer warpgroup (blocks of a multiple of 16 keys, every block's rows in one map:
- * h8_tma_chunk_maps): warp 0's lanes 0 .. 15 each bring one 16-key chunk of a tile as a TMA box
- * of 16 rows x 128 bytes (at head 64 the rows' second halves are zeros, which nothing reads) --
+ * The TMA producer warpgroup (blocks of a multiple of CK keys, every block's rows in one map:
+ * h8_tma_chunk_maps): warp 0's lanes 0 .. BN / CK - 1 each bring one CK-key chunk of a tile as a
+ * TMA box of CK rows x 128 bytes -- CK = 16, or 8 at blocks of an odd multiple of 8 keys (its
+ * boxes land at 1,024-byte steps, the 128-byte swizzle's period, so the slot holds the same
+ * bytes); at head 64 the rows' second halves are zeros, which nothing reads --
  * K into K slot kt % ST, V into staging slot kt % SR -- lane 0 expecting the tile's bytes on the
  * slot's full barrier; chunks at or past kv_end are not fetched.  The block ids come two tiles
  * ahead (below); tiles 0 and 1's, with the lane's positions, come from h8_tma_begin (t0), which
@@ -463,15 +467,16 @@ h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len
  * warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs ahead
  * by the slots it has.
  */
-template <int D>
+template <int D, int CK>
 static __device__ __forceinline__ void
 h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t sk0, uint32_t sr0,
                uint32_t svt0, uint32_t full_k, uint32_t full_s, uint32_t full_vt, uint32_t empty_k,
                uint32_t empty_s, uint32_t empty_vt, const CUtensorMap *tmk, const CUtensorMap *tmv)
 {
     constexpr int ST = h8_stages<true>::ST, SR = h8_stages<true>::SR, BN = h8_stages<true>::BN;
-    constexpr uint32_t CHUNK = 16u * H8_ROW; /* bytes of a 16-key box */
+    constexpr uint32_t CHUNK = CK * H8_ROW; /* bytes of a CK-key box */
     static_assert(D == 128 || D == 64, "a 128-byte box row per key (head 64: half zeros)");
+    static_assert((CK == 16 || CK == 8) && BN / CK <= 32, "a lane per chunk of a tile");
     const int warp = (int)(threadIdx.x >> 5);
     const int lane = (int)(threadIdx.x & 31u);
     if (warp != 0) {
@@ -491,7 +496,7 @@ h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t 
     const int32_t *const bt = t0.bt;
     const uint32_t nblocks = t0.nblocks;
     const uint32_t bs = t0.bs;
-    /* This lane's chunk of a tile: key kt BN + 16 lane, at block-table column col and token tok
+    /* This lane's chunk of a tile: key kt BN + CK lane, at block-table column col and token tok
      * of its block, stepped a tile at a time (no division in the loop).  Its block id is loaded
      * two tiles ahead and clamped (dk_safe_block's) an iteration later, so that the warp never
      * waits for a load between a slot's release and the copies into it. */
@@ -504,7 +509,7 @@ h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t 
         return t >= bs ? pos{p.col + step_q + 1u, t - bs} : pos{p.col + step_q, t};
     };
     /* whether the lane has a chunk of tile kt (one before kv_end) */
-    const auto has = [&](int32_t kt) { return lane < BN / 16 && kt * BN + 16 * lane < kv_end; };
+    const auto has = [&](int32_t kt) { return lane < BN / CK && kt * BN + CK * lane < kv_end; };
     const auto load = [&](int32_t kt, pos p) -> int32_t { return has(kt) ? bt[p.col] : 0; };
     /* the block to fetch from tile kt's loaded entry; -1: none */
     const auto clamp = [&](int32_t kt, int32_t b) -> int32_t {
@@ -516,7 +521,7 @@ h8_produce_tma(int32_t kv_end, int32_t n_tiles, const h8_tma_lane &t0, uint32_t 
     int32_t raw1 = t0.raw1; /* tile kt + 1's entry, not yet clamped */
     for (int32_t kt = 0; kt < n_tiles; kt++) {
         const int32_t raw2 = load(kt + 2, p2);
-        const uint32_t bytes = (uint32_t)min(BN / 16, (kv_end - kt * BN + 15) / 16) * CHUNK;
+        const uint32_t bytes = (uint32_t)min(BN / CK, (kv_end - kt * BN + CK - 1) / CK) * CHUNK;
         /* K into slot kt % ST, then V into staging slot kt % SR, each once its slot is free */
         const auto issue = [&](int stages, uint32_t dst0, uint32_t full, uint32_t empty,
                                const CUtensorMap *map) {
@@ -867,7 +872,7 @@ h8_consume(float (&o)[D / 2 + H8_VX / 2], float (&l)[2], float (&lm)[2],
 
 #endif /* H90_DEVICE_CODE */
 
-template <typename T, int D, bool TMA>
+template <typename T, int D, bool TMA, int CK>
 /* clang-format off */
 static __global__ void __launch_bounds__(128 * (H8_NC + 1), 1)
 attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
@@ -931,7 +936,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
         }
     }
     else if (TMA && tid < 32) {
-        tl = h8_tma_begin(a, h, row, seq_len);
+        tl = h8_tma_begin<CK>(a, h, row, seq_len);
     }
 
     /* The consumer warpgroups with rows in the tile: the second has none where the tile's rows
@@ -992,8 +997,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     if (wg == 0) {
         regs::producer();
         if constexpr (TMA) {
-            h8_produce_tma<D>(kv_end, n_tiles, tl, sk0, sr0, svt0, full_k, full_s, full_vt, empty_k,
-                              empty_s, empty_vt, &tmk, &tmv);
+            h8_produce_tma<D, CK>(kv_end, n_tiles, tl, sk0, sr0, svt0, full_k, full_s, full_vt,
+                                  empty_k, empty_s, empty_vt, &tmk, &tmv);
         }
         else {
             h8_produce<D>(a, h, row, kv_end, n_tiles, sk0, sr0, svt0, full_k, full_vt, empty_k,
@@ -1093,10 +1098,10 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
 #endif
 }
 
-/* Launches attention_sm90_fp8_kernel<T, D, TMA> (attn_sm90_fp8_launch's contract; maps: the
- * TMA producer's, zeros otherwise).  The shared-memory attribute is set once per
- * (instantiation, device). */
-template <typename T, int D, bool TMA>
+/* Launches attention_sm90_fp8_kernel<T, D, TMA, CK> (attn_sm90_fp8_launch's contract; maps: the
+ * TMA producer's, with boxes of CK keys, zeros otherwise).  The shared-memory attribute is set
+ * once per (instantiation, device). */
+template <typename T, int D, bool TMA, int CK>
 static cudaError_t
 h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group, float scale_log2,
           bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
@@ -1109,7 +1114,7 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
     /* Q, K, staging and V^T slots, alignment slack */
     const size_t smem = (size_t)H8_BM * H8_ROW + (size_t)(ST + SR) * BN * H8_ROW +
                         (size_t)H8_SVT * (D + H8_VX) * BN + 1024;
-    const void *kernel = (const void *)attention_sm90_fp8_kernel<T, D, TMA>;
+    const void *kernel = (const void *)attention_sm90_fp8_kernel<T, D, TMA, CK>;
     const cudaError_t e = attn_allow_smem(kernel, smem, attr_set);
     if (e != cudaSuccess) {
         return e;
@@ -1125,25 +1130,40 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
                            args);
 }
 
-/* h8_launch of the call's query dtype (fp16/bf16) and head size (64, 128), with the TMA
- * producer (maps: h8_tma_chunk_maps's) or cp.async; each form is instantiated in the file that
- * calls it (the TMA forms in attention_sm90_fp8_tma.cu). */
+/* h8_launch of the call's query dtype (fp16/bf16) and head size (64, 128) with boxes of CK keys
+ * (the TMA producer's; CK 16 for cp.async, where nothing reads it). */
+template <bool TMA, int CK>
+static cudaError_t
+h8_launch_head(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group,
+               float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
+{
+    const bool bf16 = a->dtype == DK_BF16;
+    if (a->head_size == 128) {
+        return bf16 ? h8_launch<__nv_bfloat16, 128, TMA, CK>(a, maps, head_group, scale_log2, neg_q,
+                                                             q_vec, o_vec, s)
+                    : h8_launch<__half, 128, TMA, CK>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                      o_vec, s);
+    }
+    return bf16 ? h8_launch<__nv_bfloat16, 64, TMA, CK>(a, maps, head_group, scale_log2, neg_q,
+                                                        q_vec, o_vec, s)
+                : h8_launch<__half, 64, TMA, CK>(a, maps, head_group, scale_log2, neg_q, q_vec,
+                                                 o_vec, s);
+}
+
+/* The e4m3 kernel's form for the call, with the TMA producer (maps: h8_tma_chunk_maps's, boxes
+ * of 16 keys, or 8 at blocks of an odd multiple of 8 keys) or cp.async; each form is
+ * instantiated in the file that calls it (the TMA forms in attention_sm90_fp8_tma.cu). */
 template <bool TMA>
 static cudaError_t
 h8_launch_form(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group,
                float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
-    const bool bf16 = a->dtype == DK_BF16;
-    if (a->head_size == 128) {
-        return bf16 ? h8_launch<__nv_bfloat16, 128, TMA>(a, maps, head_group, scale_log2, neg_q,
-                                                         q_vec, o_vec, s)
-                    : h8_launch<__half, 128, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec,
-                                                  o_vec, s);
+    if constexpr (TMA) {
+        if (a->block_size % 16 != 0) {
+            return h8_launch_head<true, 8>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
+        }
     }
-    return bf16 ? h8_launch<__nv_bfloat16, 64, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec,
-                                                    o_vec, s)
-                : h8_launch<__half, 64, TMA>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec,
-                                             s);
+    return h8_launch_head<TMA, 16>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
 }
 
 /* The TMA producer's forms (h8_launch_form<true>), in attention_sm90_fp8_tma.cu. */

@@ -68,7 +68,8 @@ def _attention_case(
 
 def _fp8_attention_case(dtype, head, block, mask, seq_lens=(37, 150)):
     """Attention over a float8_e4m3fn cache (per-head scales): on Hopper the e4m3 kernel, its TMA
-    producer with blocks of a multiple of 16 keys (head 64 and 128), cp.async otherwise; rows ending
+    producer with blocks of a multiple of 8 keys (boxes of 16 keys, or 8 at blocks of an odd multiple
+    of 8; head 64 and 128), cp.async otherwise; rows ending
     mid-chunk (and, with longer seq_lens, blocks that straddle the 256-key tiles).  The CPU
     reference reads the same cache but keeps Q and P unrounded: a relative L2 of 0.1 bounds
     their e4m3 rounding with room."""
@@ -277,7 +278,13 @@ def main():
     for n in (2240, 4480):
         _attention_case(torch.bfloat16, 128, 16, _C.MASK_NONE, False, seq_lens=(n, n), query_lens=(n, n))
     if torch.cuda.get_device_capability()[0] == 9:  # the e4m3 kernel is Hopper's
-        fp8_cases = ((torch.bfloat16, 128, 16), (torch.float16, 128, 1), (torch.bfloat16, 64, 16))
+        fp8_cases = (
+            (torch.bfloat16, 128, 16),
+            (torch.float16, 128, 1),
+            (torch.bfloat16, 64, 16),
+            (torch.bfloat16, 128, 8),
+            (torch.float16, 64, 24),
+        )
         for dtype, head, block in fp8_cases:
             for mask in (_C.MASK_NONE, _C.MASK_CAUSAL, _C.MASK_LIMITS):
                 _fp8_attention_case(dtype, head, block, mask)

@@ -131,7 +131,14 @@ MODES = {"none": _C.MASK_NONE, "causal": _C.MASK_CAUSAL, "limits": _C.MASK_LIMIT
 @pytest.mark.parametrize("mask", ["none", "causal", "limits"])
 @pytest.mark.parametrize(
     ("block", "layout", "per_head"),
-    [(16, "contiguous", False), (1, "contiguous", True), (16, "hnd", True), (64, "block_major", False)],
+    [
+        (16, "contiguous", False),
+        (1, "contiguous", True),
+        (16, "hnd", True),
+        (64, "block_major", False),
+        (8, "contiguous", False),
+        (24, "hnd", True),
+    ],
 )
 def test_fp8_attention_matches_the_reference(
     attention_kernel, choice, size, dtype, mask, block, layout, per_head
@@ -146,21 +153,24 @@ def test_fp8_attention_matches_the_reference(
     limits = _limits(rows, 5) if mask == "limits" else None
     scale = size**-0.5
     out = _run(*prob, MODES[mask], scale, limits)
-    # Hopper: TMA boxes of 16-key chunks with blocks of a multiple of 16 keys, else cp.async
-    hopper = "sm90-fp8-tma" if block % 16 == 0 else "sm90-fp8"
+    # Hopper: TMA boxes of 16-key chunks with blocks of a multiple of 16 keys, of 8-key chunks
+    # with blocks of an odd multiple of 8, else cp.async
+    hopper = "sm90-fp8-tma" if block % 8 == 0 else "sm90-fp8"
     assert _C.last_attention_kernel() == ("sm80-fp8" if sm80 else hopper)
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
-def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel):
+@pytest.mark.parametrize("block", [16, 8])
+def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel, block):
     """The TMA form may bring a CTA's first K and V tile in for the row's keys before the key
     limits say which the CTA's rows see.  A CTA whose 128 rows see no key has no tile to wait
     for: it must still let such copies land before it ends, and keep them out of its output rows
     (zeros, through the staging slots).  Rows 0-127 see nothing, the others their limits; the
-    call twice (copies landing after a CTA's end would corrupt a later CTA's shared memory)."""
+    call twice (copies landing after a CTA's end would corrupt a later CTA's shared memory); boxes
+    of 16 and of 8 keys."""
     attention_kernel("auto")
     rows = [(300, 700)]
-    prob = _problem(rows, 8, 2, 128, 16, "contiguous", False, torch.bfloat16, seed=31)
+    prob = _problem(rows, 8, 2, 128, block, "contiguous", False, torch.bfloat16, seed=31)
     limits = _limits(rows, 6)
     limits[:128] = 0
     exact = _expected(*prob, _visible("limits", limits), 128**-0.5)
@@ -171,20 +181,20 @@ def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel):
         _check(out, exact)
 
 
-@pytest.mark.parametrize("block", [16, 8])
+@pytest.mark.parametrize("block", [16, 8, 4])
 def test_a_query_tile_of_at_most_64_rows_runs_one_consumer_warpgroup(attention_kernel, block):
     """A CTA's 128 query rows go to two consumer warpgroups of 64; where the tile's rows end
     within the first 64 (a row's last tile: 4,097 queries leave one row) the second warpgroup
     has nothing to compute and leaves at once, and the producer's slots are released by the
     first alone.  Rows ending at 64 and 65 into a tile, in a row's only tile and its third, both
-    producers (blocks of 16: TMA boxes; of 8: cp.async), called twice."""
+    producers (blocks of 16 and 8: TMA boxes of 16 and 8 keys; of 4: cp.async), called twice."""
     attention_kernel("auto")
     rows = [(64, 500), (65, 500), (192, 700), (193, 300), (1, 260)]
     prob = _problem(rows, 8, 2, 128, block, "contiguous", False, torch.bfloat16, seed=41 + block)
     exact = _expected(*prob, _visible("causal", None), 128**-0.5)
     for _ in range(2):
         out = _run(*prob, _C.MASK_CAUSAL, 128**-0.5)
-        assert _C.last_attention_kernel() == ("sm90-fp8-tma" if block == 16 else "sm90-fp8")
+        assert _C.last_attention_kernel() == ("sm90-fp8-tma" if block % 8 == 0 else "sm90-fp8")
         _check(out, exact)
 
 
@@ -227,7 +237,15 @@ def test_sm80_fp8_nan_codes_reach_the_rows_that_read_them(attention_kernel):
 @pytest.mark.parametrize("mask", ["none", "causal", "limits"])
 @pytest.mark.parametrize(
     ("size", "block", "layout"),
-    [(128, 16, "contiguous"), (128, 16, "hnd"), (128, 8, "contiguous"), (64, 16, "contiguous")],
+    [
+        (128, 16, "contiguous"),
+        (128, 16, "hnd"),
+        (128, 8, "contiguous"),
+        (128, 24, "hnd"),
+        (128, 4, "contiguous"),
+        (64, 16, "contiguous"),
+        (64, 8, "contiguous"),
+    ],
 )
 def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size, block, layout):
     """e4m3 NaN codes in every cache slot that no query of the call reads -- the unused blocks, a
@@ -263,21 +281,29 @@ def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("block", [16, 48, 80, 272, 512])
 def test_both_producers_compute_the_same_bits(mask, block):
-    """The TMA producer (blocks of a multiple of 16 keys) and the cp.async one (the same cache
-    seen as 8-key blocks) feed the same tiles: the outputs are equal bit for bit.  Blocks of 48,
-    80 and 272 keys do not divide the 256-key tiles and 512 spans two, so the TMA producer's
-    block-table column and token, stepped a tile at a time, cross blocks at every offset."""
+    """The TMA producer's boxes of 16 keys (blocks of a multiple of 16 keys), its boxes of 8 keys
+    (the same cache seen as 8-key blocks) and the cp.async producer (seen as 4-key blocks) feed
+    the same tiles: the outputs are equal bit for bit.  Blocks of 48, 80 and 272 keys do not
+    divide the 256-key tiles and 512 spans two, so the TMA producer's block-table column and
+    token, stepped a tile at a time, cross blocks at every offset."""
     rows = [(300, 1000), (77, 333), (5, 1300)]
     prob = _problem(rows, 8, 2, 128, block, "contiguous", True, torch.bfloat16, seed=12)
     query, cache, table, starts, lens, k_scale, v_scale = prob
     out16 = _run(*prob, MODES[mask], 0.1)
     assert _C.last_attention_kernel() == "sm90-fp8-tma"
-    n = block // 8
-    parts = cache.view(2, cache.shape[1] * n, 8, *cache.shape[3:])
-    table8 = (n * table.unsqueeze(-1) + torch.arange(n, dtype=table.dtype)).flatten(1).int()
-    out8 = _run(query, parts, table8, starts, lens, k_scale, v_scale, MODES[mask], 0.1)
+
+    def split(keys):  # the cache as blocks of `keys` keys, the table to match
+        n = block // keys
+        parts = cache.view(2, cache.shape[1] * n, keys, *cache.shape[3:])
+        table_n = (n * table.unsqueeze(-1) + torch.arange(n, dtype=table.dtype)).flatten(1).int()
+        return _run(query, parts, table_n, starts, lens, k_scale, v_scale, MODES[mask], 0.1)
+
+    out8 = split(8)
+    assert _C.last_attention_kernel() == "sm90-fp8-tma"
+    out4 = split(4)
     assert _C.last_attention_kernel() == "sm90-fp8"
     assert torch.equal(out16, out8)
+    assert torch.equal(out16, out4)
 
 
 @pytest.mark.parametrize("choice", ["auto", "sm80"])

@@ -1,5 +1,6 @@
-"""benchmarks/bench_fp8.py on the CPU (the C reference): --head sets every case's head size, and
-the record's accuracy says the fp8 cache cost e4m3's rounding and no more."""
+"""benchmarks/bench_fp8.py on the CPU (the C reference): --head sets every case's head size and
+--block its cache's block size, and the record's accuracy says the fp8 cache cost e4m3's rounding
+and no more."""
 
 import json
 
@@ -38,4 +39,21 @@ def test_head_outside_the_e4m3_kernels_sizes_is_refused(tmp_path, head):
     proc, out = _run(tmp_path, "--head", head)
     assert proc.returncode == 2
     assert "--head" in proc.stderr and "invalid choice" in proc.stderr
+    assert not out.exists()
+
+
+def test_block_24_pages_the_cache_in_24_key_blocks(tmp_path):
+    proc, out = _run(tmp_path, "--block", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert "block 24," in proc.stdout
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["block_size"] == 24 and r["head_size"] == 128
+    assert 0.01 < r["accuracy"]["diffkv_fp8"]["rel_l2"] < 0.08
+    assert r["checks"]["kv_write_bytes_equal_torch"] is True
+
+
+def test_block_of_no_keys_is_refused(tmp_path):
+    proc, out = _run(tmp_path, "--block", "0")
+    assert proc.returncode == 2
+    assert "--block" in proc.stderr and "positive" in proc.stderr
     assert not out.exists()
