@@ -25,8 +25,8 @@
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
  *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
  *     (attention_sm90_fp8.cuh), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": blocks of a
- *     multiple of 16 keys; 8-key chunks at blocks of an odd multiple of 8) or cp.async rows
- *     ("sm90-fp8"); elsewhere (and with the
+ *     multiple of 16 keys or one block a row; 8-key chunks at blocks of an odd multiple of 8)
+ *     or cp.async rows ("sm90-fp8"); elsewhere (and with the
  *     kernel choice sm80) the mma.sync kernel with the cache widened to fp16 in shared memory
  *     ("sm80-fp8"); anything else over an fp8 cache is refused (NotImplementedError) before it
  *     runs.

@@ -109,11 +109,24 @@ cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps 
 cudaError_t attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2,
                                  bool neg_q, bool q_vec, bool o_vec, cudaStream_t s, bool *tma);
 
+/* Keys per box of the e4m3 kernel's TMA producer for the call's cache (head 64 or 128, one
+ * source): 16 where the blocks are a multiple of 16 keys or every row has one block of at least
+ * 16 (bt_cols 1: a chunk never crosses into another block, and the last one's keys past the
+ * block arrive as zeros: the dense forward's one block per row), 8 at blocks of an odd multiple
+ * of 8 keys, 0 otherwise (the cp.async producer). */
+static inline int
+h8_box_keys(const dk_attention_args *a)
+{
+    if (a->block_size % 16 == 0 || (a->bt_cols == 1 && a->block_size >= 16)) {
+        return 16;
+    }
+    return a->block_size % 8 == 0 ? 8 : 0;
+}
+
 /* sm90_tma_map.cu: the per-chunk maps of a float8_e4m3fn cache for the e4m3 kernel's TMA
- * producer (one 16-key x 128-byte box per chunk -- 8-key at blocks of an odd multiple of 8 keys:
- * head 64 or 128, blocks of a multiple of 8 keys, one source, byte strides under 2^40) into *k
- * and *v, through a per-thread cache like h90_tma_maps's.  Returns whether they exist.  Cannot
- * fail otherwise. */
+ * producer (one box of h8_box_keys keys x 128 bytes per chunk: head 64 or 128, one source, byte
+ * strides under 2^40) into *k and *v, through a per-thread cache like h90_tma_maps's.  Returns
+ * whether they exist (none where h8_box_keys is 0).  Cannot fail otherwise. */
 bool h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v);
 
 /* sm90_tma_map.cu: encodes (or finds in this host thread's cache of the last 64 caches) the

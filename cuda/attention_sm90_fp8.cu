@@ -7,7 +7,7 @@
 #include "attention_sm90_fp8.cuh"
 
 /* attention_internal.cuh's contract: the TMA producer where h8_tma_chunk_maps encodes the
- * cache's maps (head 64 or 128, blocks of a multiple of 8 keys, one source), else cp.async. */
+ * cache's maps (head 64 or 128, one source, h8_box_keys not 0), else cp.async. */
 cudaError_t
 attn_sm90_fp8_launch(const dk_attention_args *a, int64_t head_group, float scale_log2, bool neg_q,
                      bool q_vec, bool o_vec, cudaStream_t s, bool *tma)

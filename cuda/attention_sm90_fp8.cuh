@@ -45,8 +45,8 @@
  * Scales: k_scale and v_scale of the kv head (scale_stride_head 0: one per tensor), read once.
  *
  * Producers ("sm90-fp8-tma" / "sm90-fp8", attention.cu): TMA boxes of 16-key chunks where the
- * cache's per-chunk maps exist (h8_produce_tma: blocks of a multiple of 16 keys; 8-key chunks,
- * CK = 8, at blocks of an odd multiple of 8), else
+ * cache's per-chunk maps exist (h8_produce_tma: blocks of a multiple of 16 keys, or one block
+ * per row; 8-key chunks, CK = 8, at blocks of an odd multiple of 8), else
  * cp.async rows (h8_produce); both fill the same 256-key tiles, so they compute the same bits.
  * Two K, two staging and two V^T slots (208 KB at head 128); every slot has a "full" and an
  * "empty" mbarrier.  Each consumer warpgroup issues tile kt's Q K^T with tile kt - 1's P V and
@@ -454,18 +454,18 @@ h8_tma_begin(const dk_attention_args &a, int64_t h, int64_t row, int64_t seq_len
 }
 
 /*
- * The TMA producer warpgroup (blocks of a multiple of CK keys, every block's rows in one map:
- * h8_tma_chunk_maps): warp 0's lanes 0 .. BN / CK - 1 each bring one CK-key chunk of a tile as a
- * TMA box of CK rows x 128 bytes -- CK = 16, or 8 at blocks of an odd multiple of 8 keys (its
- * boxes land at 1,024-byte steps, the 128-byte swizzle's period, so the slot holds the same
- * bytes); at head 64 the rows' second halves are zeros, which nothing reads --
- * K into K slot kt % ST, V into staging slot kt % SR -- lane 0 expecting the tile's bytes on the
- * slot's full barrier; chunks at or past kv_end are not fetched.  The block ids come two tiles
- * ahead (below); tiles 0 and 1's, with the lane's positions, come from h8_tma_begin (t0), which
- * the kernel runs before its key limits.  Warps 1 .. 3 transpose: per tile they wait for its
- * staging, transpose it (h8_transpose, 96 threads) and release the staging slot (one arrive per
- * warp).  No thread of this warpgroup waits for a copy it issued, so the issuing warp runs ahead
- * by the slots it has.
+ * The TMA producer warpgroup (blocks of a multiple of CK keys, or one block per row, every
+ * block's rows in one map: h8_tma_chunk_maps): warp 0's lanes 0 .. BN / CK - 1 each bring one
+ * CK-key chunk of a tile as a TMA box of CK rows x 128 bytes -- CK = 16, or 8 at blocks of an
+ * odd multiple of 8 keys (its boxes land at 1,024-byte steps, the 128-byte swizzle's period, so
+ * the slot holds the same bytes); at head 64 the rows' second halves are zeros, which nothing
+ * reads, as are a one-block row's keys past its block -- K into K slot kt % ST, V into
+ * staging slot kt % SR -- lane 0 expecting the tile's bytes on the slot's full barrier; chunks
+ * at or past kv_end are not fetched.  The block ids come two tiles ahead (below); tiles 0 and
+ * 1's, with the lane's positions, come from h8_tma_begin (t0), which the kernel runs before its
+ * key limits.  Warps 1 .. 3 transpose: per tile they wait for its staging, transpose it
+ * (h8_transpose, 96 threads) and release the staging slot (one arrive per warp).  No thread of
+ * this warpgroup waits for a copy it issued, so the issuing warp runs ahead by the slots it has.
  */
 template <int D, int CK>
 static __device__ __forceinline__ void
@@ -1151,7 +1151,7 @@ h8_launch_head(const dk_attention_args *a, const CUtensorMap *maps, int64_t head
 }
 
 /* The e4m3 kernel's form for the call, with the TMA producer (maps: h8_tma_chunk_maps's, boxes
- * of 16 keys, or 8 at blocks of an odd multiple of 8 keys) or cp.async; each form is
+ * of h8_box_keys keys) or cp.async; each form is
  * instantiated in the file that calls it (the TMA forms in attention_sm90_fp8_tma.cu). */
 template <bool TMA>
 static cudaError_t
@@ -1159,7 +1159,7 @@ h8_launch_form(const dk_attention_args *a, const CUtensorMap *maps, int64_t head
                float scale_log2, bool neg_q, bool q_vec, bool o_vec, cudaStream_t s)
 {
     if constexpr (TMA) {
-        if (a->block_size % 16 != 0) {
+        if (h8_box_keys(a) == 8) {
             return h8_launch_head<true, 8>(a, maps, head_group, scale_log2, neg_q, q_vec, o_vec, s);
         }
     }

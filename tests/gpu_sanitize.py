@@ -68,9 +68,9 @@ def _attention_case(
 
 def _fp8_attention_case(dtype, head, block, mask, seq_lens=(37, 150)):
     """Attention over a float8_e4m3fn cache (per-head scales): on Hopper the e4m3 kernel, its TMA
-    producer with blocks of a multiple of 8 keys (boxes of 16 keys, or 8 at blocks of an odd multiple
-    of 8; head 64 and 128), cp.async otherwise; rows ending
-    mid-chunk (and, with longer seq_lens, blocks that straddle the 256-key tiles).  The CPU
+    producer with blocks of a multiple of 8 keys or one block a row (boxes of 16 keys, or 8 at
+    blocks of an odd multiple of 8; head 64 and 128), cp.async otherwise; rows ending mid-chunk
+    (and, with longer seq_lens, blocks that straddle the 256-key tiles).  The CPU
     reference reads the same cache but keeps Q and P unrounded: a relative L2 of 0.1 bounds
     their e4m3 rounding with room."""
     g = torch.Generator().manual_seed(head + block + mask + 7)
@@ -290,6 +290,8 @@ def main():
                 _fp8_attention_case(dtype, head, block, mask)
         for mask in (_C.MASK_NONE, _C.MASK_CAUSAL):  # 48-key blocks across three tiles
             _fp8_attention_case(torch.bfloat16, 128, 48, mask, seq_lens=(37, 700))
+        for mask in (_C.MASK_NONE, _C.MASK_LIMITS):  # one block of 150 keys a row (TMA, zeros past it)
+            _fp8_attention_case(torch.bfloat16, 128, 150, mask)
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     _dense_long_rows_case()

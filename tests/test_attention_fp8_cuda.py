@@ -306,6 +306,28 @@ def test_both_producers_compute_the_same_bits(mask, block):
     assert torch.equal(out16, out4)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize(("head", "block"), [(128, 1003), (64, 150), (128, 20)])
+def test_rows_of_one_block_take_the_tma_producer_at_any_block_size(mask, head, block):
+    """A table of one column (every row one block: the dense forward's rows) takes the TMA
+    producer's 16-key boxes at any block size from 16 -- a chunk never crosses into another block,
+    and the last chunk's keys past the block arrive as zeros -- and computes the bits the cp.async
+    producer computes over the same cache seen as one-key blocks."""
+    rows = [(min(300, block), block), (min(77, block // 2 + 1), block // 2 + 1), (5, 17)]
+    prob = _problem(rows, 8, 2, head, block, "contiguous", True, torch.bfloat16, seed=block + head)
+    query, cache, table, starts, lens, k_scale, v_scale = prob
+    assert table.shape[1] == 1
+    limits = _limits(rows, 7) if mask == "limits" else None
+    out = _run(*prob, MODES[mask], head**-0.5, limits)
+    assert _C.last_attention_kernel() == "sm90-fp8-tma"
+    _check(out, _expected(*prob, _visible(mask, limits), head**-0.5))
+    ones = cache.view(2, cache.shape[1] * block, 1, *cache.shape[3:])
+    table1 = (block * table.long() + torch.arange(block)).int()
+    out1 = _run(query, ones, table1, starts, lens, k_scale, v_scale, MODES[mask], head**-0.5, limits)
+    assert _C.last_attention_kernel() == "sm90-fp8"
+    assert torch.equal(out, out1)
+
+
 @pytest.mark.parametrize("choice", ["auto", "sm80"])
 def test_a_wrong_scale_fails_the_tolerance(attention_kernel, choice):
     """The tolerance is tight enough to see a scale 10 % off."""

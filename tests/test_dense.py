@@ -823,6 +823,10 @@ def test_fp8_dense_forward(device, causal, fields, name):
         visible = torch.stack([mask_spans(range(sq), sk, s) for s in spans])
     out = impl.forward(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == dtype
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        # a row without key padding is one block of its 150 (or 80) keys, which the e4m3
+        # kernel's TMA producer takes; key padding gathers keys one by one (cp.async)
+        assert _C.last_attention_kernel() == ("sm90-fp8" if fields == "attn_mask" else "sm90-fp8-tma")
     _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
 
 

@@ -6,7 +6,8 @@ of a packed varlen batch) gets a row of key indices into ``key``/``value`` viewe
 K or V, and a key-padding mask only reorders indices (the kept keys first, in order).  Rows
 without key padding are one block of all their keys, or on Hopper at head size 128 in-order
 blocks of up to 16 keys vouched consecutive (``_row_blocks``: one TMA box per 16-key chunk,
-flat boxes for smaller blocks).  Every
+flat boxes for smaller blocks; fp8 K/V keep one block per row, which the e4m3 kernel's TMA
+producer takes at any length).  Every
 mask becomes what the kernels take: a row length, causal (bottom-right), or an exclusive key
 limit per query token.
 
@@ -67,14 +68,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HOPPER: dict[int, bool] = {}  # CUDA device index -> compute capability 9.x
 
 
-def _row_blocks(keys_per_row: int, head_size: int, device: torch.device) -> int:
+def _row_blocks(keys_per_row: int, head_size: int, device: torch.device, fp8: bool = False) -> int:
     """Keys per block of an unpadded dense row: on Hopper at head size 128 the largest power
     of two up to 16 dividing the row, so that the row is a flat cache of in-order blocks whose
     keys the binding is told are consecutive: 16-key blocks take one 5-d TMA box per block
     (sm90-tma16, as a paged cache does), smaller ones one flat box per tile over the flat rows
     (1x40x32768x128 on the H200, 618-627 TFLOP/s against 583-584 with the row as one block of a
-    4-d map's per-half boxes); elsewhere one block per row."""
-    if device.type != "cuda" or head_size != 128:
+    4-d map's per-half boxes); elsewhere, and over fp8 K/V everywhere, one block per row (the
+    e4m3 kernel's TMA producer takes a row of one block of any length from 16 keys, where
+    blocks of fewer than 8 keys would run its cp.async producer at half its speed)."""
+    if device.type != "cuda" or head_size != 128 or fp8:
         return keys_per_row
     index = device.index if device.index is not None else torch.cuda.current_device()
     hopper = _HOPPER.get(index)
@@ -555,7 +558,7 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     key_block, consecutive = 1, 0
     if keep is None:
         # each batch row's keys are s_k / key_block in-order blocks (_row_blocks)
-        key_block = _row_blocks(s_k, head, device)
+        key_block = _row_blocks(s_k, head, device, fp8)
         per_row = s_k // key_block
         key_index = rows // key_block + torch.arange(per_row, device=device, dtype=torch.int64)
         seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)

@@ -1,0 +1,49 @@
+"""Times the dense forward over fp8 K/V (``DiffKVAttentionImpl.forward`` with
+``extra["kv_cache_dtype"] = "fp8"``: the rounding of K/V and the attention) on a few shapes,
+printing each one's median of 15 calls, its TFLOP/s and the attention kernel that ran.  For
+A/Bs of builds with dev/ab.sh or by hand (session 45, docs/fp8-log.md):
+
+    PYTHONPATH=python python3 dev/dense_fp8.py
+    PYTHONPATH=devrun/NAME/python python3 dev/dense_fp8.py
+
+The shapes (B x H x S x D): Wan 2.1's 1x40x32760x128 without and with a causal mask (32,760
+keys: 8-key blocks before session 45), HunyuanImage-3.0's 2x32x4097x128 (an odd key count:
+one-key blocks before), and 1x24x16384x64.  CUDA only; no L2 flush (an A/B, not a table).
+"""
+
+import statistics
+
+import torch
+
+from diffkv import _C
+from diffkv.backends.abstract import AttentionMetadata
+from diffkv.backends.diffkv import DiffKVAttentionImpl
+
+SHAPES = ((1, 40, 32760, 128, False), (1, 40, 32760, 128, True), (2, 32, 4097, 128, False), (1, 24, 16384, 64, False))
+
+
+def main() -> None:
+    meta = AttentionMetadata(extra={"kv_cache_dtype": "fp8"})
+    for b, h, s, d, causal in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+        impl = DiffKVAttentionImpl(num_heads=h, head_size=d, softmax_scale=d**-0.5, causal=causal, num_kv_heads=h)
+        for _ in range(3):
+            impl.forward(q, k, v, meta)
+        kernel = _C.last_attention_kernel()
+        times = []
+        for _ in range(15):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            impl.forward(q, k, v, meta)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1000)
+        us = statistics.median(times)
+        pairs = s * s / (2 if causal else 1)
+        tflops = 4 * b * h * d * pairs / us / 1e6
+        print(f"{b}x{h}x{s}x{d} causal={causal}: {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
+
+
+if __name__ == "__main__":
+    main()
