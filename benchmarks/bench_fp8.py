@@ -46,7 +46,7 @@ bf16, and to e4m3 with cuDNN's scale_o).
                                    [--data gaussian,outlier]
                                    [--baselines diffkv_bf16,cudnn_fp8,cudnn_fp8_paged,cudnn_bf16]
                                    [--no-layer] [--no-accuracy] [--no-profile] [--json out.json]
-                                   [--kernel auto|sm80|sm90] [--head 64|128]
+                                   [--kernel auto|sm80|sm90] [--head 64|128] [--block N]
 
 cuDNN fp8 needs the ``cudnn`` module of ``nvidia-cudnn-frontend`` (``pip install --no-deps
 nvidia-cudnn-frontend``: the backend path needs neither cutlass-dsl nor tvm-ffi); without it, or
@@ -54,8 +54,9 @@ when its graph does not build, cuDNN fp8 is reported n/a with the reason and the
 --quick: smaller shapes (2048 tokens; HunyuanImage rows of 1025 queries after the same 500 /
 3500-token prefixes).  --kernel sm80 runs diffkv's fp8 and bf16 calls on the mma.sync kernels
 (what an A100 runs; on Hopper, the sm80 fp8 form against the sm80 bf16 kernel on the same
-shapes).  --head 64 runs every case at head 64 (default 128).  --device cpu runs diffkv only
-(the CPU reference), for a smoke test.
+shapes).  --head 64 runs every case at head 64 (default 128); --block N pages the caches in
+blocks of N keys (default 16).  --device cpu runs diffkv only (the CPU reference), for a smoke
+test.
 """
 
 from __future__ import annotations

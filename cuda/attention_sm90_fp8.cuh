@@ -1151,8 +1151,8 @@ h8_launch_head(const dk_attention_args *a, const CUtensorMap *maps, int64_t head
 }
 
 /* The e4m3 kernel's form for the call, with the TMA producer (maps: h8_tma_chunk_maps's, boxes
- * of h8_box_keys keys) or cp.async; each form is
- * instantiated in the file that calls it (the TMA forms in attention_sm90_fp8_tma.cu). */
+ * of h8_box_keys keys) or cp.async; each form is instantiated in the file that calls it (the TMA
+ * forms in attention_sm90_fp8_tma.cu). */
 template <bool TMA>
 static cudaError_t
 h8_launch_form(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_group,

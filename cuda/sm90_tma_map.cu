@@ -340,12 +340,12 @@ h90_tma_maps(const dk_attention_args *a, int32_t tile, h90_maps *m)
 
 /* One per-chunk map of an e4m3 cache (h8_tma_chunk_maps): 4 dims -- the head_size bytes of a
  * key row (64 or 128), the token within a block, the kv head, the block, each with its own byte
- * stride (any order: NHD, HND, layer-strided) -- and a box of 128 x CK x 1 x 1, CK =
- * h8_box_keys: at head 64 the box's second 64 bytes of a row lie past the map's rows and land as
- * zeros (the kernel's slots keep 128-byte rows at either head size), as do a one-block row's keys
- * past its block.  Returns whether the driver encoded it. */
+ * stride (any order: NHD, HND, layer-strided) -- and a box of 128 x ck x 1 x 1 (ck:
+ * h8_box_keys's answer): at head 64 the box's second 64 bytes of a row lie past the map's rows and
+ * land as zeros (the kernel's slots keep 128-byte rows at either head size), as do a one-block
+ * row's keys past its block.  Returns whether the driver encoded it. */
 static bool
-h8_chunk_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
+h8_chunk_encode(const dk_attention_args *a, CUtensorMap *map, const void *base, int ck)
 {
     const h90_encode_fn encode = h90_encoder();
     const int64_t stride[3] = {a->cache_stride_token, a->cache_stride_head, a->cache_stride_block};
@@ -363,7 +363,7 @@ h8_chunk_encode(const dk_attention_args *a, CUtensorMap *map, const void *base)
         gdim[k + 1] = (cuuint64_t)extent[k];
         gstride[k] = (cuuint64_t)stride[k]; /* one byte per element */
     }
-    const cuuint32_t box[4] = {128, (cuuint32_t)h8_box_keys(a), 1, 1};
+    const cuuint32_t box[4] = {128, (cuuint32_t)ck, 1, 1};
     const cuuint32_t estride[4] = {1, 1, 1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, (void *)base, gdim, gstride, box, estride,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -381,16 +381,18 @@ h8_tma_chunk_maps(const dk_attention_args *a, CUtensorMap *k, CUtensorMap *v)
         bool used, ok;
     };
     static thread_local entry cache[H90_MAPS_CACHE];
-    if (a->key_cache2 != NULL || h8_box_keys(a) == 0) {
+    const int ck = h8_box_keys(a);
+    if (a->key_cache2 != NULL || ck == 0) {
         return false;
     }
     h90_maps_key key = h90_cache_key(a);
-    key.dtype = DK_F8E4M3;     /* the cache's, where the other maps key the query's */
-    key.tile = h8_box_keys(a); /* the box's keys, which bt_cols can change */
+    key.dtype = DK_F8E4M3; /* the cache's, where the other maps key the query's */
+    key.tile = ck;         /* the box's keys, which bt_cols can change */
     const uintptr_t p = (uintptr_t)a->key_cache;
     entry &e = cache[(p >> 8 ^ p >> 20) % H90_MAPS_CACHE];
     if (!(e.used && memcmp(&e.key, &key, sizeof(key)) == 0)) {
-        e.ok = h8_chunk_encode(a, &e.k, a->key_cache) && h8_chunk_encode(a, &e.v, a->value_cache);
+        e.ok = h8_chunk_encode(a, &e.k, a->key_cache, ck) &&
+               h8_chunk_encode(a, &e.v, a->value_cache, ck);
         e.key = key;
         e.used = true;
     }

@@ -34,9 +34,9 @@ def test_attention_device_table_disagrees_with_host_copy(dtype, head):
 @pytest.mark.parametrize("block", [16, 48, 8, 24, 4, 100])
 def test_fp8_attention_device_table_disagrees_with_host_copy(bad, head, block):
     """The e4m3 kernel's producers (TMA boxes of 16 keys at blocks of 16 and 48 keys and at one
-    block of 100 a row, of 8 keys at 8 and 24, cp.async at 4) clamp a
-    device block id outside the cache, negative ones included, to block 0 and still fetch the
-    chunk: every slot's expected bytes arrive, the call ends and its outputs are finite."""
+    block of 100 a row, of 8 keys at 8 and 24, cp.async at 4) clamp a device block id outside the
+    cache, negative ones included, to block 0 and still fetch the chunk: every slot's expected
+    bytes arrive, the call ends and its outputs are finite."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the e4m3 kernel runs on Hopper")
     nb, seq_len = 8, 100
