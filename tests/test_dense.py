@@ -902,11 +902,33 @@ def test_fp8_dense_joint_attention(device, strategy, causal):
     _fp8_close(out, qq, kk, vv, visible, impl.softmax_scale, device)
 
 
+@pytest.mark.parametrize(
+    ("offsets", "total", "block"),
+    [
+        ([0, 48, 176, 192, 256], 256, 16),
+        ([0, 40, 176, 184, 256], 256, 8),
+        ([0, 48, 176, 192, 250], 256, 16),  # the documents need not cover every key
+        ([0, 48, 176, 192, 250], 250, 1),  # 250 keys are no whole number of blocks
+        ([0, 50, 180, 187, 251], 251, 1),
+        ([0, 0], 0, 1),
+    ],
+)
+def test_fp8_packed_documents_block_size(offsets, total, block):
+    """The key tensor's blocks under packed fp8 documents: the largest of 16 and 8 that every
+    document's first key and the key count are multiples of, else one key a block."""
+    from diffkv.dense import _doc_blocks
+
+    assert _doc_blocks(torch.tensor(offsets, dtype=torch.int32), total) == block
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_dense_packed_varlen(device, causal):
+@pytest.mark.parametrize("lens", [[50, 130, 7, 64], [48, 128, 16, 64], [40, 136, 8, 72]])
+def test_fp8_dense_packed_varlen(device, causal, lens):
     """Packed varlen documents over an fp8 K/V (one scale for all the documents' keys, one for
-    the values): each document attends to its own keys only."""
-    lens = [50, 130, 7, 64]
+    the values): each document attends to its own keys only.  Documents starting at multiples of
+    16 or 8 keys read the key tensor as blocks of 16 or 8 (on Hopper the e4m3 kernel's TMA
+    producer; a document's last block runs into the next one's keys, masked); others one key a
+    block (cp.async)."""
     total = sum(lens)
     q, k, v = _qkv(1, total, total, 128, torch.bfloat16, device, seed=9)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -914,11 +936,14 @@ def test_fp8_dense_packed_varlen(device, causal):
         "kv_cache_dtype": "fp8",
         "cu_seqlens_q": cu,
         "cu_seqlens_k": cu,
-        "max_seqlen_q": 130,
-        "max_seqlen_k": 130,
+        "max_seqlen_q": max(lens),
+        "max_seqlen_k": max(lens),
     }
     impl = _impl(128, causal)
     out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        aligned = all(int(c) % 8 == 0 for c in cu)
+        assert _C.last_attention_kernel() == ("sm90-fp8-tma" if aligned else "sm90-fp8")
     visible = torch.zeros(1, total, total, dtype=torch.bool)
     for r in range(len(lens)):
         a, c = int(cu[r]), int(cu[r + 1])

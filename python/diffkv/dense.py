@@ -7,7 +7,8 @@ K or V, and a key-padding mask only reorders indices (the kept keys first, in or
 without key padding are one block of all their keys, or on Hopper at head size 128 in-order
 blocks of up to 16 keys vouched consecutive (``_row_blocks``: one TMA box per 16-key chunk,
 flat boxes for smaller blocks; fp8 K/V keep one block per row, which the e4m3 kernel's TMA
-producer takes at any length).  Every
+producer takes at any length, and packed fp8 documents that start at multiples of 16 or 8 keys
+read the key tensor as blocks of that many).  Every
 mask becomes what the kernels take: a row length, causal (bottom-right), or an exclusive key
 limit per query token.
 
@@ -342,10 +343,20 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
     k, v = _key_value(key, value)
     consecutive = _C.CONSECUTIVE_TILES | (_C.CONSECUTIVE_CHUNKS if chunks else 0)
     scales: tuple[torch.Tensor, ...] = ()
+    key_block = 1
     if fp8:
         # the per-chunk boxes (CONSECUTIVE_CHUNKS) are the bf16 kernels' producer: not asked for
         (k, v), scales = _quantize_kv(k, v)
         consecutive = _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
+        key_block = _doc_blocks(cu_k, total_k) if host_k else 1
+        if key_block > 1:
+            # the key tensor as blocks of key_block rows, each document's from its first: the
+            # e4m3 kernel's TMA producer (16- or 8-key boxes) where one-key blocks would run its
+            # cp.async producer at half the speed; a document's last block may run into the
+            # next one's rows, which its seq_len masks
+            blocks = -(-cols // key_block)
+            first = cuk[:-1, None] // key_block
+            key_index = (first + torch.arange(blocks, device=device)).clamp_(max=total_k // key_block - 1)
     if host_q:
         # host offsets were checked: the kernels write every document token (no memset: it
         # costs ~4 % of a four-document call on an H200)
@@ -355,7 +366,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     _C.dense_attention(
         q, k, v, key_index.to(torch.int32), qsl, seq_lens, key_limits, mask, impl.softmax_scale, out,
-        None, None, None, max_q, None, None, 1, consecutive, *scales,
+        None, None, None, max_q, None, None, key_block, consecutive, *scales,
     )  # fmt: skip
     return out.view(query.shape)
 
@@ -375,6 +386,16 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
             f"{_OP}: host cu_seqlens cannot be captured in a CUDA graph; pass them as device tensors"
         )
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _doc_blocks(cu_k: torch.Tensor, total_k: int) -> int:
+    """Keys per block of packed documents over fp8 K/V (host offsets): 16 or 8 where every
+    document starts at a multiple of it (cu_k but its last entry, the last document's end) and
+    the packed keys are a whole number of blocks, else 1 (one key a block)."""
+    for block in (16, 8):
+        if total_k >= block and total_k % block == 0 and bool((cu_k[:-1] % block == 0).all()):
+            return block
+    return 1
 
 
 def _device_offsets(
