@@ -8,9 +8,11 @@ A/Bs of builds with dev/ab.sh or by hand (session 45, docs/fp8-log.md):
 
 The shapes (B x H x S x D): Wan 2.1's 1x40x32760x128 without and with a causal mask (32,760
 keys: 8-key blocks before session 45), HunyuanImage-3.0's 2x32x4097x128 (an odd key count:
-one-key blocks before), 1x24x16384x64, and packed documents (``cu_seqlens``) of 4,096 and
-4,100 keys, four of each in one row of 24 heads x 128.  CUDA only; no L2 flush (an A/B, not a
-table).
+one-key blocks before), 1x24x16384x64, packed documents (``cu_seqlens``) of 4,096 and
+4,100 keys, four of each in one row of 24 heads x 128, a key-padded 2x32x4097x128 (every
+tenth key masked out), and joint tokens (4,096 image tokens after 512 text tokens, batch 1, and
+after 333, batch 2; 24 heads x 128).  CUDA only; no L2
+flush (an A/B, not a table).
 """
 
 import statistics
@@ -28,6 +30,9 @@ SHAPES = (
     (1, 24, 16384, 64, False),
 )
 DOCS = ((4, 24, 4096, 128), (4, 24, 4100, 128))  # documents x heads x keys each x head size
+# joint tokens: batch x heads x image tokens x text tokens x head size (Flux-like: 512 text
+# tokens; SD3-like: 333, CFG's batch of 2)
+JOINT = ((1, 24, 4096, 512, 128), (2, 24, 4096, 333, 128))
 
 
 def _time(impl, q, k, v, meta) -> tuple[float, str]:
@@ -77,6 +82,32 @@ def main() -> None:
         us, kernel = _time(impl, q, k, v, AttentionMetadata(extra=extra))
         tflops = 4 * n * h * d * s * s / us / 1e6
         print(f"{n} documents x{h}x{s}x{d}: {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
+    # key padding: 2x32x4097x128 with every tenth key of each row masked out (attn_mask)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4097, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3)
+    )
+    keep = torch.ones(2, 4097, dtype=torch.bool, device="cuda")
+    keep[:, ::10] = False
+    impl = DiffKVAttentionImpl(num_heads=32, head_size=128, softmax_scale=128**-0.5, num_kv_heads=32)
+    us, kernel = _time(impl, q, k, v, AttentionMetadata(attn_mask=keep, extra={"kv_cache_dtype": "fp8"}))
+    tflops = 4 * 2 * 32 * 128 * 4097 * int(keep[0].sum()) / us / 1e6
+    print(f"2x32x4097x128 attn_mask (90 % kept): {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
+    for b, h, s, j, d in JOINT:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (
+            torch.randn(b, s, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3)
+        )
+        jq, jk, jv = (
+            torch.randn(b, j, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3)
+        )
+        meta = AttentionMetadata(
+            joint_query=jq, joint_key=jk, joint_value=jv, extra={"kv_cache_dtype": "fp8"}
+        )
+        impl = DiffKVAttentionImpl(num_heads=h, head_size=d, softmax_scale=d**-0.5, num_kv_heads=h)
+        us, kernel = _time(impl, q, k, v, meta)
+        tflops = 4 * b * h * d * (s + j) ** 2 / us / 1e6
+        print(f"joint {b}x{h}x({s}+{j})x{d}: {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
 
 
 if __name__ == "__main__":

@@ -1479,15 +1479,30 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
 
     quant_out = torch.empty(3, HKV, D, dtype=F8)
 
-    def quant(k=dense_k, v=dense_v, ko=None, vo=None, sc=None, joint=False, jk=None):
+    def quant(k=dense_k, v=dense_v, ko=None, vo=None, sc=None, joint=False, jk=None, jo=None):
         ko = torch.empty(3, HKV, D, dtype=F8) if ko is None else ko
         vo = torch.empty(3, HKV, D, dtype=F8) if vo is None else vo
         sc = torch.empty(2) if sc is None else sc
         if not joint:
             return (k, v, ko, vo, sc, None, None, None, None)
         jk = dense_k[:2].clone() if jk is None else jk
-        out2 = [torch.empty(2, HKV, D, dtype=F8) for _ in range(2)]
-        return (k, v, ko, vo, sc, jk, dense_v[:2].clone(), *out2)
+        jv = dense_v[: jk.shape[0]].clone()
+        out2 = [torch.empty(jk.shape[0], HKV, D, dtype=F8) for _ in range(2)] if jo is None else jo
+        return (k, v, ko, vo, sc, jk, jv, *out2)
+
+    # the dense fp8 forward's joint layout: 3 batch rows of one joint key then one key in one
+    # buffer, K's and V's; rows of a [B, S] view 2 rows apart, the main rows at odd positions
+    rows_buf = torch.empty(2, 3, 2, HKV, D, dtype=F8)
+    rows_main = (rows_buf[0, :, 1:], rows_buf[1, :, 1:])
+    rows_joint = [rows_buf[0, :, :1], rows_buf[1, :, :1]]
+
+    rows_flat = torch.empty(2, 10, HKV, D, dtype=F8)
+
+    def rows_at(i: int, first: int) -> torch.Tensor:
+        """A [3, 1] view of rows first, first + 2, first + 4 of rows_flat[i] (K's or V's)."""
+        return rows_flat[i].as_strided(
+            (3, 1, HKV, D), (2 * HKV * D, HKV * D, D, 1), rows_flat[i].storage_offset() + first * HKV * D
+        )
 
     def fwd(k=key, v=value, sm=slots, b=bt, mask=_C.MASK_CAUSAL, kl=None, o=out, c=cache):
         return (q, k, v, c, sm, b, qsl, sl, kl, mask, 0.5, o, b, qsl, sl)
@@ -2057,6 +2072,107 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 "quantize_kv(): joint_key must have shape [num_joint, 1, 2], got [2, 1, 4]",
                 _C.quantize_kv,
                 *quant(joint=True, jk=torch.randn(2, HKV, 2 * D)),
+            ),
+            ok(
+                "quantize_kv 4-d outputs",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(1, 3, HKV, D, dtype=F8), vo=torch.empty(1, 3, HKV, D, dtype=F8)),
+            ),
+            ok(
+                "quantize_kv joint rows of one buffer",
+                _C.quantize_kv,
+                *quant(
+                    *rows_main[:0],
+                    ko=rows_main[0],
+                    vo=rows_main[1],
+                    joint=True,
+                    jk=dense_k.clone(),
+                    jo=rows_joint,
+                ),
+            ),
+            ok(
+                "quantize_kv interleaved rows",
+                _C.quantize_kv,
+                *quant(
+                    ko=rows_at(0, 1),
+                    vo=rows_at(1, 1),
+                    joint=True,
+                    jk=dense_k.clone(),
+                    jo=[rows_at(0, 2), rows_at(1, 2)],
+                ),
+            ),
+            bad(
+                "quantize_kv key_out 4-d shape",
+                ValueError,
+                (
+                    "quantize_kv(): key_out must have shape [B, S, 1, 2] with B * S = 3 (key's tokens), "
+                    "got [2, 2, 1, 2]"
+                ),
+                _C.quantize_kv,
+                *quant(ko=torch.empty(2, 2, HKV, D, dtype=F8)),
+            ),
+            bad(
+                "quantize_kv key_out rank",
+                ValueError,
+                "quantize_kv(): key_out must have 3 dimensions [tokens, Hkv, D] or 4 [B, S, Hkv, D], got 5",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(1, 1, 3, HKV, D, dtype=F8)),
+            ),
+            bad(
+                "quantize_kv value_out 4-d shape",
+                ValueError,
+                "quantize_kv(): value_out must have key_out's shape [1, 3, 1, 2], got [3, 1, 1, 2]",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(1, 3, HKV, D, dtype=F8), vo=torch.empty(3, 1, HKV, D, dtype=F8)),
+            ),
+            bad(
+                "quantize_kv value_out 3-d beside a 4-d key_out",
+                ValueError,
+                "quantize_kv(): value_out must have key_out's shape [1, 3, 1, 2], got [3, 1, 2]",
+                _C.quantize_kv,
+                *quant(ko=torch.empty(1, 3, HKV, D, dtype=F8)),
+            ),
+            bad(
+                "quantize_kv joint rows on the main rows",
+                ValueError,
+                "quantize_kv(): key_out must not overlap joint_key_out in memory, got views sharing bytes",
+                _C.quantize_kv,
+                *quant(
+                    ko=rows_main[0],
+                    vo=rows_main[1],
+                    joint=True,
+                    jk=dense_k.clone(),
+                    jo=[rows_buf[0, :, 1:], rows_buf[1, :, :1]],
+                ),
+            ),
+            bad(
+                "quantize_kv joint rows reaching the next batch row's",
+                ValueError,
+                "quantize_kv(): key_out must not overlap joint_key_out in memory, got views sharing bytes",
+                _C.quantize_kv,
+                *quant(
+                    ko=rows_at(0, 1),
+                    vo=rows_at(1, 1),
+                    joint=True,
+                    jk=dense_k.clone(),
+                    jo=[rows_at(0, 3), rows_at(1, 3)],
+                ),
+            ),
+            bad(
+                "quantize_kv joint value rows on the main value rows",
+                ValueError,
+                (
+                    "quantize_kv(): value_out must not overlap joint_value_out in memory, got views "
+                    "sharing bytes"
+                ),
+                _C.quantize_kv,
+                *quant(
+                    ko=rows_main[0],
+                    vo=rows_main[1],
+                    joint=True,
+                    jk=dense_k.clone(),
+                    jo=[rows_joint[0], rows_buf[1, :, 1:]],
+                ),
             ),
             bad(
                 "quantize_kv scales dtype",

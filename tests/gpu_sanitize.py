@@ -227,6 +227,27 @@ def _dense_long_rows_case():
         raise AssertionError("dense joint forward, 32 + 16392 keys: CUDA and CPU disagree")
 
 
+def _dense_joint_fp8_case():
+    """The dense fp8 forward with joint tokens, batch 2: both sources rounded into their rows of
+    one buffer (quantize_kv's 4-d outputs, rows interleaving batch row by batch row), each row
+    one block of 23 + 90 keys (the e4m3 kernel's TMA producer on Hopper), causal and not: CUDA
+    against the CPU path."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 90, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    jq, jk, jv = (torch.randn(2, 23, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        impl = diffkv.DiffKVAttentionImpl(2, 128, softmax_scale=128**-0.5, causal=causal)
+        outs = []
+        for dev in ("cpu", "cuda"):
+            meta = diffkv.AttentionMetadata(
+                joint_query=jq.to(dev), joint_key=jk.to(dev), joint_value=jv.to(dev),
+                joint_strategy="rear" if causal else "front", extra={"kv_cache_dtype": "fp8"},
+            )  # fmt: skip
+            outs.append(impl.forward(q.to(dev), k.to(dev), v.to(dev), meta).cpu().double())
+        rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+        assert rel < 0.1, f"dense fp8 joint forward, causal={causal}: relative L2 {rel}"
+
+
 def main():
     if not torch.cuda.is_available() or not _C.cuda_compiled():
         print("gpu_sanitize: needs a CUDA device and a CUDA build", file=sys.stderr)
@@ -294,6 +315,8 @@ def main():
             _fp8_attention_case(torch.bfloat16, 128, 150, mask)
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
+    if _C.build_info()["attention_kernel"] == "sm90-tma":
+        _dense_joint_fp8_case()
     _dense_long_rows_case()
     torch.cuda.synchronize()
     print("gpu_sanitize: all kernels ran and matched the CPU path")

@@ -824,9 +824,9 @@ def test_fp8_dense_forward(device, causal, fields, name):
     out = impl.forward(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == dtype
     if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
-        # a row without key padding is one block of its 150 (or 80) keys, which the e4m3
-        # kernel's TMA producer takes; key padding gathers keys one by one (cp.async)
-        assert _C.last_attention_kernel() == ("sm90-fp8" if fields == "attn_mask" else "sm90-fp8-tma")
+        # a row is one block of its 150 (or 80) keys, which the e4m3 kernel's TMA producer
+        # takes; with key padding the rounding copies them kept first
+        assert _C.last_attention_kernel() == "sm90-fp8-tma"
     _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
 
 
@@ -876,29 +876,45 @@ def _e4m3_shared(*xs: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.parametrize("keys", ["all", "valid", "padded"])
 @pytest.mark.parametrize("strategy", ["front", "rear"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_dense_joint_attention(device, strategy, causal):
+def test_fp8_dense_joint_attention(device, strategy, causal, keys):
     """Joint tensors over an fp8 K/V: K and joint K rounded with one scale from their common
     amax (the joint keys, 3x larger here, set it), V and joint V with another; the attention of
-    the concatenated sequences over those values."""
+    the concatenated sequences over those values.  Each batch row's keys are one block of one
+    buffer (all keys, the first valid_kv_length, or with an attn_mask the kept ones first: on
+    Hopper the e4m3 kernel's TMA producer); the scales come from the keys the rows read."""
     b, sq, sk, sj, head = 2, 70, 90, 23, 128
     q, k, v = _qkv(b, sq, sk, head, torch.bfloat16, device, seed=21)
     jq, jk, jv = _qkv(b, sj, sj, head, torch.bfloat16, device, seed=22)
     jk = jk * 3
     impl = _impl(head, causal)
+    extra = {"kv_cache_dtype": "fp8"}
+    kept, mask = sk, None
+    if keys == "valid":
+        kept = extra["valid_kv_length"] = 61
+    elif keys == "padded":
+        mask = torch.ones(b, sk, dtype=torch.bool)
+        mask[0, 5:40] = False
+        mask[1, ::3] = False
+        mask = mask.to(device)
     meta = AttentionMetadata(
-        joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, extra={"kv_cache_dtype": "fp8"}
+        joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy, attn_mask=mask, extra=extra
     )
     out = impl.forward(q, k, v, meta)
     assert out.shape == (b, sj + sq, H, head) and out.dtype == torch.bfloat16
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        assert _C.last_attention_kernel() == "sm90-fp8-tma"
     front = strategy == "front"
     cat = lambda a, c: torch.cat((c, a) if front else (a, c), dim=1)  # noqa: E731
-    kd, jkd = _e4m3_shared(k.cpu(), jk.cpu())
-    vd, jvd = _e4m3_shared(v.cpu(), jv.cpu())
+    kd, jkd = _e4m3_shared(k[:, :kept].cpu(), jk.cpu())
+    vd, jvd = _e4m3_shared(v[:, :kept].cpu(), jv.cpu())
     qq, kk, vv = cat(q.cpu(), jq.cpu()), cat(kd, jkd), cat(vd, jvd)
-    n_q, n_k = sq + sj, sk + sj
+    n_q, n_k = sq + sj, kept + sj
     visible = _causal(b, n_q, n_k) if causal else torch.ones(b, n_q, n_k, dtype=torch.bool)
+    if mask is not None:
+        visible = visible & cat(mask.cpu(), torch.ones(b, sj, dtype=torch.bool))[:, None, :]
     _fp8_close(out, qq, kk, vv, visible, impl.softmax_scale, device)
 
 
@@ -927,8 +943,9 @@ def test_fp8_dense_packed_varlen(device, causal, lens):
     """Packed varlen documents over an fp8 K/V (one scale for all the documents' keys, one for
     the values): each document attends to its own keys only.  Documents starting at multiples of
     16 or 8 keys read the key tensor as blocks of 16 or 8 (on Hopper the e4m3 kernel's TMA
-    producer; a document's last block runs into the next one's keys, masked); others one key a
-    block (cp.async)."""
+    producer; a document's last block runs into the next one's keys, masked); others are
+    gathered, each from a multiple of 16 rows, and read as 16-key blocks (the TMA producer
+    too)."""
     total = sum(lens)
     q, k, v = _qkv(1, total, total, 128, torch.bfloat16, device, seed=9)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -942,10 +959,50 @@ def test_fp8_dense_packed_varlen(device, causal, lens):
     impl = _impl(128, causal)
     out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
     if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
-        aligned = all(int(c) % 8 == 0 for c in cu)
-        assert _C.last_attention_kernel() == ("sm90-fp8-tma" if aligned else "sm90-fp8")
+        assert _C.last_attention_kernel() == "sm90-fp8-tma"
     visible = torch.zeros(1, total, total, dtype=torch.bool)
     for r in range(len(lens)):
         a, c = int(cu[r]), int(cu[r + 1])
         visible[0, a:c, a:c] = _causal(1, c - a, c - a)[0] if causal else True
     _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_dense_packed_keys_inside_a_longer_tensor(device, causal):
+    """Key documents at unaligned offsets that leave keys outside every document (3 before the
+    first, 10 after the last, the largest key among them): the scales are still the whole
+    tensor's (the rounding comes before the documents' keys are gathered; the CPU output within
+    its rounding of the reference over K/V rounded with them); each document attends to its own
+    keys (causal: bottom-right)."""
+    q_lens, k_lens, before, after = [50, 130, 7], [50, 130, 7], 3, 10
+    total_q, total_k = sum(q_lens), before + sum(k_lens) + after
+    q, k, v = _qkv(1, total_q, total_k, 128, torch.bfloat16, device, seed=13)
+    k[0, 1] *= 8  # outside every document: sets K's amax
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([before, *(before + torch.tensor(k_lens).cumsum(0)).tolist()], dtype=torch.int32)
+    extra = {"kv_cache_dtype": "fp8", "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    impl = _impl(128, causal)
+    out = impl.forward(q, k, v, AttentionMetadata(extra=extra))
+    if device.type == "cuda" and _C.build_info()["attention_kernel"] == "sm90-tma":
+        assert _C.last_attention_kernel() == "sm90-fp8-tma"
+    visible = torch.zeros(1, total_q, total_k, dtype=torch.bool)
+    for r in range(len(q_lens)):
+        a, c, ka, kc = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
+        visible[0, a:c, ka:kc] = _causal(1, c - a, kc - ka)[0] if causal else True
+    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+
+
+@pytest.mark.parametrize("offsets", [[0, 50, 180, 187, 251], [3, 53, 183, 190], [0, 0, 5], [4, 20, 36]])
+def test_fp8_packed_documents_gathered_from_multiples_of_16(offsets):
+    """_doc_gather: document d's keys from row first[d] (a multiple of 16), then copies of its
+    last key up to the next multiple of 16."""
+    from diffkv.dense import _doc_gather
+
+    rows, first = _doc_gather(torch.tensor(offsets, dtype=torch.int32))
+    assert rows.shape[0] == int(first[-1]) and bool((first % 16 == 0).all())
+    for d in range(len(offsets) - 1):
+        a, c = offsets[d], offsets[d + 1]
+        f = int(first[d])
+        assert rows[f : f + c - a].tolist() == list(range(a, c))
+        assert set(rows[f + c - a : int(first[d + 1])].tolist()) <= {c - 1}
+        assert int(first[d + 1]) - f == -(-(c - a) // 16) * 16

@@ -101,6 +101,35 @@ def test_layouts_and_joint_pairs(device, dtype, layout):
     _check(k[:0], v[:0], jk, jv)
 
 
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+@pytest.mark.parametrize(("batch", "s", "j"), [(3, 37, 11), (2, 256, 77), (1, 5, 0), (2, 0, 9)])
+def test_joint_rows_of_one_buffer(device, strategy, batch, s, j):
+    """4-d outputs ``[B, S, Hkv, D]``: the main and joint pairs written into their rows of one
+    ``[2, B, J + S, Hkv, D]`` buffer (the dense fp8 forward's joint layout), their rows
+    interleaving batch row by batch row -- every byte torch's, no byte outside the views
+    touched (the buffer's extra row keeps its fill)."""
+    g = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(batch, s, 4, 64, generator=g) * c for c in (2.0, 0.5))
+    jk, jv = (torch.randn(batch, j, 4, 64, generator=g) * c for c in (9.0, 0.1))
+    k, v, jk, jv = (x.to(torch.bfloat16).to(device) for x in (k, v, jk, jv))
+    n = s + j
+    buf = torch.full((2, batch, n + 1, 4, 64), 0x55, dtype=torch.uint8, device=device).view(F8)
+    main, joint = (slice(j, n), slice(0, j)) if strategy == "front" else (slice(0, s), slice(s, n))
+    scales = torch.empty(2, device=device)
+    flat = [x.reshape(-1, 4, 64) for x in (k, v, jk, jv)]
+    _C.quantize_kv(
+        flat[0], flat[1], buf[0, :, main], buf[1, :, main], scales,
+        flat[2], flat[3], buf[0, :, joint], buf[1, :, joint],
+    )  # fmt: skip
+    ks, vs = _torch_scale(k, jk), _torch_scale(v, jv)
+    assert torch.equal(scales.cpu().view(torch.int32), torch.cat([ks, vs]).cpu().view(torch.int32))
+    got = buf.view(torch.uint8)
+    for i, (x, xj, sc) in enumerate(((k, jk, ks), (v, jv, vs))):
+        assert torch.equal(got[i, :, main], _torch_bytes(x, sc))
+        assert torch.equal(got[i, :, joint], _torch_bytes(xj, sc))
+        assert bool((got[i, :, n] == 0x55).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_nan_inf_zeros_and_subnormals(device, dtype):
     g = torch.Generator().manual_seed(1)

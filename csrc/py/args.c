@@ -282,8 +282,9 @@ dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want)
         (want->dtype == DKPY_FLOAT       ? dkpy_want_float(t, op, arg)
          : want->dtype == DKPY_ANY_DTYPE ? 0
                                          : dkpy_want_dtype(t, (dk_dtype)want->dtype, op, arg)) ||
-        (want->ndim == DKPY_VECTOR ? want_vector(t, op, arg)
-                                   : dkpy_want_ndim(t, want->ndim, op, arg)) ||
+        (want->ndim == DKPY_VECTOR     ? want_vector(t, op, arg)
+         : want->ndim == DKPY_ANY_NDIM ? 0
+                                       : dkpy_want_ndim(t, want->ndim, op, arg)) ||
         (want->device != NULL && want->device != DKPY_HOST &&
          dkpy_same_device(want->device, t, op, arg)) ||
         (want->min_len > 0 && dkpy_want_min_len(t, want->min_len, op, arg))) {
@@ -341,6 +342,71 @@ dkpy_no_overlap(const dk_tensor *out, const char *out_name, const dk_tensor *in,
     }
     return 0;
 }
+void
+dkpy_format_dims(char *buf, size_t size, const int64_t *v, int n)
+{
+    size_t used = 0;
+    for (int i = 0; i < n && used < size; i++) {
+        int w = snprintf(buf + used, size - used, "%s%lld", i ? ", " : "[", (long long)v[i]);
+        used += w > 0 ? (size_t)w : 0;
+    }
+    if (used < size) {
+        snprintf(buf + used, size - used, n ? "]" : "[]");
+    }
+}
+
+/* 1 when a and b (4 dimensions, the same positive strides s, elements of es bytes) are row
+ * ranges of one layout that share no byte: each row (dimensions 2 and 3) lies within s[1]
+ * elements, s[0] is a whole number R of rows, b's first row is k rows from a's, and the rows
+ * [0, a's S) and [k, k + b's S) neither meet nor span more than R rows (so entry i's rows of one
+ * never reach entry j's of the other). */
+static int
+rows_disjoint(const dk_tensor *a, const dk_tensor *b)
+{
+    if (a->ndim != 4 || b->ndim != 4 || a->dtype != b->dtype) {
+        return 0;
+    }
+    for (int d = 0; d < 4; d++) {
+        if (a->strides[d] <= 0 || a->strides[d] != b->strides[d]) {
+            return 0;
+        }
+    }
+    const int64_t *s = a->strides;
+    for (int i = 0; i < 2; i++) {
+        const dk_tensor *t = i ? b : a;
+        if ((t->shape[2] - 1) * s[2] + (t->shape[3] - 1) * s[3] + 1 > s[1]) {
+            return 0;
+        }
+    }
+    const int64_t es = (int64_t)dk_dtype_size(a->dtype);
+    const int64_t row = s[1] * (es > 0 ? es : 1);
+    const int64_t diff = (int64_t)((uintptr_t)b->data - (uintptr_t)a->data);
+    if (s[0] % s[1] != 0 || diff % row != 0) {
+        return 0;
+    }
+    const int64_t k = diff / row, rows = s[0] / s[1];
+    const int64_t lo = k < 0 ? k : 0;
+    const int64_t hi = k + b->shape[1] > a->shape[1] ? k + b->shape[1] : a->shape[1];
+    const int64_t apart = k >= a->shape[1] || k + b->shape[1] <= 0;
+    return apart && hi - lo <= rows;
+}
+
+int
+dkpy_no_overlap_rows(const dk_tensor *a, const char *a_name, const dk_tensor *b, const char *b_name,
+                     const char *op)
+{
+    uintptr_t a_lo, a_hi, b_lo, b_hi;
+    if (b->ndim < 0 || a->device_type != b->device_type || a->device_id != b->device_id ||
+        !byte_range(a, &a_lo, &a_hi) || !byte_range(b, &b_lo, &b_hi) ||
+        !(a_lo < b_hi && b_lo < a_hi) || rows_disjoint(a, b)) {
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s(): %s must not overlap %s in memory, got views sharing bytes", op, a_name,
+                 b_name);
+    return -1;
+}
+
 PyObject *
 dkpy_int_tuple(const int64_t *v, int n)
 {

@@ -135,7 +135,7 @@ typedef struct dkpy_want {
     const dk_tensor *device; /* on this tensor's device, DKPY_HOST: a CPU tensor, NULL: any */
 } dkpy_want;
 
-enum { DKPY_FLOAT = -1, DKPY_VECTOR = -1, DKPY_ANY_DTYPE = -2 };
+enum { DKPY_FLOAT = -1, DKPY_VECTOR = -1, DKPY_ANY_DTYPE = -2, DKPY_ANY_NDIM = -2 };
 extern const dk_tensor dkpy_host;
 #define DKPY_HOST (&dkpy_host)
 
@@ -148,6 +148,14 @@ int dkpy_check(const dk_tensor *t, const char *op, const dkpy_want *want);
 /* ValueError when out and in (same device) share a byte: an output must not alias an input. */
 int dkpy_no_overlap(const dk_tensor *out, const char *out_name, const dk_tensor *in,
                     const char *in_name, const char *op);
+/* buf = "[v0, v1, ...]" (n entries), truncated to size. */
+void dkpy_format_dims(char *buf, size_t size, const int64_t *v, int n);
+/* The same for two outputs that may be row ranges of one buffer: views of 4 dimensions [B, S,
+ * ., .] with the same strides, whose rows are disjoint byte ranges and whose row ranges within
+ * each batch entry (stride 0 a whole number of rows) do not meet, pass even where their byte
+ * ranges interleave (quantize_kv's joint and main outputs in one buffer). */
+int dkpy_no_overlap_rows(const dk_tensor *a, const char *a_name, const dk_tensor *b,
+                         const char *b_name, const char *op);
 
 /* ---- launch.c ------------------------------------------------------------------------------ */
 

@@ -215,8 +215,10 @@ launch_quantize_kv(const void *a, void *stream, dk_error *err)
     return dk_cuda_quantize_kv((const dk_quantize_kv_args *)a, stream, err);
 }
 
-/* kv_write's arguments for one pair of quantize_kv: k, v into ko, vo (caches of one-token
- * blocks, no slot mapping), with scales[0] / scales[1]. */
+/* kv_write's arguments for one pair of quantize_kv: k, v into ko, vo, with scales[0] /
+ * scales[1] and no slot mapping -- 3-d outputs as caches of one-token blocks (token t into row
+ * t), 4-d [B, S, ., .] outputs as caches of B blocks of S tokens (token t into entry t / S, row
+ * t % S). */
 static void
 quantize_pair(dk_kv_write_args *w, const dk_tensor *k, const dk_tensor *v, const dk_tensor *ko,
               const dk_tensor *vo, float *scales)
@@ -233,18 +235,19 @@ quantize_pair(dk_kv_write_args *w, const dk_tensor *k, const dk_tensor *v, const
     w->value_stride_token = v->strides[0];
     w->value_stride_head = v->strides[1];
     w->value_stride_dim = v->strides[2];
+    const int r = ko->ndim == 4; /* the token dimensions of ko: [0] or [0, 1] */
     w->key_cache = ko->data;
     w->value_cache = vo->data;
     w->cache_stride_block = ko->strides[0];
-    w->cache_stride_token = ko->strides[0];
-    w->cache_stride_head = ko->strides[1];
-    w->cache_stride_dim = ko->strides[2];
+    w->cache_stride_token = ko->strides[r];
+    w->cache_stride_head = ko->strides[r + 1];
+    w->cache_stride_dim = ko->strides[r + 2];
     w->slot_mapping = NULL;
     w->num_tokens = k->shape[0];
     w->num_kv_heads = k->shape[1];
     w->head_size = k->shape[2];
-    w->block_size = 1;
-    w->num_blocks = k->shape[0];
+    w->block_size = r ? ko->shape[1] : 1;
+    w->num_blocks = ko->shape[0];
     w->dtype = k->dtype;
     w->cache_dtype = DK_F8E4M3;
     w->k_scale = scales;
@@ -256,7 +259,10 @@ quantize_pair(dk_kv_write_args *w, const dk_tensor *k, const dk_tensor *v, const
  * quantize_kv: the dense forward's fp8 rounding of its keys and values in one call, with no
  * temporaries (dk_quantize_kv_args).
  * args: key, value [tokens, num_kv_heads, head_size] (float32, float16 or bfloat16, any
- *       strides), key_out, value_out (float8_e4m3fn, their shape, one stride set), scales
+ *       strides), key_out, value_out (float8_e4m3fn, their shape or [B, S, num_kv_heads,
+ *       head_size] with B * S = tokens -- token t into entry t / S, row t % S -- one stride
+ *       set; a joint output of 4 dimensions may interleave with its main output's rows in one
+ *       buffer, checked row by row), scales
  *       (float32 [2], written: the keys', the values'), then joint_key, joint_value,
  *       joint_key_out, joint_value_out (all four None, or tensors: the joint pair, rounded with
  *       the same two scales, which cover both pairs).
@@ -297,9 +303,48 @@ py_quantize_kv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (dkpy_tensor(module, args[at[i]], op,
                         &(dkpy_want){.arg = names[i],
                                      .dtype = i < 4 ? (int)t[0].dtype : (int)DK_F8E4M3,
-                                     .ndim = 3,
+                                     .ndim = i < 4 ? 3 : DKPY_ANY_NDIM,
                                      .device = &t[0]},
                         &t[i])) {
+            return NULL;
+        }
+        if (i >= 4 && t[i].ndim == 4) { /* [B, S, Hkv, D]: B * S of its input's tokens */
+            const dk_tensor *r = &t[src];
+            if (i & 1 && (t[i - 1].ndim != 4 || t[i - 1].shape[0] != t[i].shape[0])) {
+                /* value_out: key_out's [B, S] (the write takes key_out's geometry) */
+                char want[96], got[96];
+                dkpy_format_dims(want, sizeof(want), t[i - 1].shape, t[i - 1].ndim);
+                dkpy_format_dims(got, sizeof(got), t[i].shape, 4);
+                PyErr_Format(PyExc_ValueError, "%s(): %s must have %s's shape %s, got %s", op,
+                             names[i], names[i - 1], want, got);
+                return NULL;
+            }
+            if (t[i].shape[0] * t[i].shape[1] != r->shape[0] || t[i].shape[2] != r->shape[1] ||
+                t[i].shape[3] != r->shape[2]) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s(): %s must have shape [B, S, %lld, %lld] with B * S = %lld (%s's "
+                             "tokens), got [%lld, %lld, %lld, %lld]",
+                             op, names[i], (long long)r->shape[1], (long long)r->shape[2],
+                             (long long)r->shape[0], names[src], (long long)t[i].shape[0],
+                             (long long)t[i].shape[1], (long long)t[i].shape[2],
+                             (long long)t[i].shape[3]);
+                return NULL;
+            }
+            continue;
+        }
+        if (i >= 4 && t[i].ndim != 3) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): %s must have 3 dimensions [tokens, Hkv, D] or 4 [B, S, Hkv, D], "
+                         "got %d",
+                         op, names[i], (int)t[i].ndim);
+            return NULL;
+        }
+        if (i & 1 && i >= 4 && t[i - 1].ndim != 3) {
+            char want[96], got[96];
+            dkpy_format_dims(want, sizeof(want), t[i - 1].shape, 4);
+            dkpy_format_dims(got, sizeof(got), t[i].shape, 3);
+            PyErr_Format(PyExc_ValueError, "%s(): %s must have %s's shape %s, got %s", op, names[i],
+                         names[i - 1], want, got);
             return NULL;
         }
         int ok = 1;
@@ -326,17 +371,15 @@ py_quantize_kv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         int same = 1;
-        for (int d = 0; d < 3; d++) {
+        for (int d = 0; d < t[i].ndim; d++) {
             same = same && (t[i].shape[d] <= 1 || t[i].strides[d] == t[i - 1].strides[d]);
         }
         if (!same) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): %s must have %s's strides [%lld, %lld, %lld], got [%lld, %lld, "
-                         "%lld]",
-                         op, names[i], names[i - 1], (long long)t[i - 1].strides[0],
-                         (long long)t[i - 1].strides[1], (long long)t[i - 1].strides[2],
-                         (long long)t[i].strides[0], (long long)t[i].strides[1],
-                         (long long)t[i].strides[2]);
+            char want[96], got[96];
+            dkpy_format_dims(want, sizeof(want), t[i - 1].strides, t[i].ndim);
+            dkpy_format_dims(got, sizeof(got), t[i].strides, t[i].ndim);
+            PyErr_Format(PyExc_ValueError, "%s(): %s must have %s's strides %s, got %s", op,
+                         names[i], names[i - 1], want, got);
             return NULL;
         }
     }
@@ -354,8 +397,11 @@ py_quantize_kv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* what is written (the outputs, the scales) shares no byte with anything else */
     for (int i = 4; i < 8 && t[i].ndim >= 0; i++) {
         for (int j = 0; j < 8; j++) {
+            /* a main output and a joint one: row ranges of one buffer may interleave */
+            const int rows = j > i && (j - i) % 2 == 0;
             if (j != i && (j < 4 || j > i) &&
-                dkpy_no_overlap(&t[i], names[i], &t[j], names[j], op)) {
+                (rows ? dkpy_no_overlap_rows(&t[i], names[i], &t[j], names[j], op)
+                      : dkpy_no_overlap(&t[i], names[i], &t[j], names[j], op))) {
                 return NULL;
             }
         }

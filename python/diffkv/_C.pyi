@@ -333,10 +333,14 @@ def quantize_kv(
     and joint_value (1 where that is not > 0: all zeros, or a NaN among them); then each input
     x goes into its output (float8_e4m3fn, x's shape; value_out with key_out's strides, the
     joint outputs likewise) as ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``,
-    bit for bit. key/value [tokens, Hkv, D] float32, float16 or bfloat16 at any strides;
-    joint_key/joint_value [num_joint, Hkv, D] of the key's dtype; the four joint arguments all
-    tensors or all None. Every tensor on the key's device; the outputs and scales share no byte
-    with another argument."""
+    bit for bit. An output may also be ``[B, S, Hkv, D]`` with B * S = its input's tokens (token
+    t into entry t // S, row t % S; value_out then of key_out's shape): the dense forward's
+    joint layout, the main and joint outputs ``[B, S]`` and ``[B, J]`` row ranges of one ``[B,
+    J + S, Hkv, D]`` buffer, interleaving batch row by batch row -- allowed where their rows
+    within each entry do not meet. key/value [tokens, Hkv, D] float32, float16 or bfloat16 at
+    any strides; joint_key/joint_value [num_joint, Hkv, D] of the key's dtype; the four joint
+    arguments all tensors or all None. Every tensor on the key's device; the outputs and scales
+    share no byte with another argument."""
 
 def forward_paged(
     query: torch.Tensor,

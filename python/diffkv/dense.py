@@ -41,8 +41,13 @@ Hopper the e4m3 kernel, which also rounds Q and P; on other GPUs the mma.sync ke
 form).  The scales stay on the device: the binding is told they come from K/V themselves
 (``_C.CONSECUTIVE_SCALES_FROM_KV``), so nothing synchronises; NaN or inf inputs give NaN
 outputs, as they do unquantized.  With the joint tensors one scale covers K and joint K (one V
-and joint V: the kernels read both sources with the same scales); packed varlen documents share
-theirs.
+and joint V), over the keys the rows read (K up to ``valid_kv_length``, and joint K); since
+the rounding copies them anyway, each batch row's concatenated keys are written in order into
+one buffer (``_joint_fp8_rows``; with key padding gathered kept first after the rounding) and
+read as one block a row like the other fp8 rows.  Key-padded rows gather their e4m3 keys kept
+first into one block a row, and packed documents at offsets that are not multiples of 8 gather
+theirs each from a multiple of 16 rows (``_doc_gather``), so every fp8 dense form takes the e4m3
+kernel's TMA producer on Hopper.  Packed varlen documents share their scales.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
@@ -119,6 +124,26 @@ def _quantize_kv(
     joint = out[2:] if k2 is not None else [None, None]
     _C.quantize_kv(k, v, out[0], out[1], scales, k2, v2, *joint)
     return out, (scales[0:1], scales[1:2])
+
+
+def _joint_fp8_rows(
+    key: torch.Tensor, value: torch.Tensor, jk: torch.Tensor, jv: torch.Tensor, front: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Joint tokens over fp8 K/V: key/value ``[B, S, Hkv, D]`` and joint_key/joint_value ``[B,
+    J, Hkv, D]`` rounded as ``_quantize_kv`` does (one scale for K and one for V over both
+    sources) into one buffer in which batch row b's J + S keys (joint_strategy order) are rows
+    b (J + S) .. b (J + S) + J + S - 1: one ``_C.quantize_kv`` call writes both sources into
+    their rows ([B, S] views of the buffer).  Returns K, V ``[B (J + S), Hkv, D]`` and the
+    scales."""
+    batch, s, j = key.shape[0], key.shape[1], jk.shape[1]
+    buf = torch.empty((2, batch, s + j, *key.shape[2:]), dtype=torch.float8_e4m3fn, device=key.device)
+    main, joint = (slice(j, j + s), slice(0, j)) if front else (slice(0, s), slice(s, s + j))
+    scales = torch.empty(2, dtype=torch.float32, device=key.device)
+    _C.quantize_kv(
+        _flat(key), _flat(value), buf[0, :, main], buf[1, :, main], scales,
+        _flat(jk), _flat(jv), buf[0, :, joint], buf[1, :, joint],
+    )  # fmt: skip
+    return _flat(buf[0]), _flat(buf[1]), (scales[0:1], scales[1:2])
 
 
 def _check_qkv(impl: Any, query: Any, key: Any, value: Any, prefix: str = "") -> None:
@@ -346,9 +371,17 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
     key_block = 1
     if fp8:
         # the per-chunk boxes (CONSECUTIVE_CHUNKS) are the bf16 kernels' producer: not asked for
-        (k, v), scales = _quantize_kv(k, v)
         consecutive = _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
+        (k, v), scales = _quantize_kv(k, v)
         key_block = _doc_blocks(cu_k, total_k) if host_k else 1
+        if key_block == 1 and host_k and int(cu_k[-1]) > int(cu_k[0]):
+            # documents at other offsets: their e4m3 keys gathered with each document from a
+            # multiple of 16 rows (copies of its last key after it), read as 16-key blocks --
+            # the TMA producer instead of cp.async over one-key blocks
+            gather, first = _doc_gather(cu_k)
+            gather = _to_device(gather, device)
+            k, v = _rows(k, gather), _rows(v, gather)
+            key_block, total_k, cuk = 16, k.shape[0], _to_device(first, device)
         if key_block > 1:
             # the key tensor as blocks of key_block rows, each document's from its first: the
             # e4m3 kernel's TMA producer (16- or 8-key boxes) where one-key blocks would run its
@@ -386,6 +419,24 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
             f"{_OP}: host cu_seqlens cannot be captured in a CUDA graph; pass them as device tensors"
         )
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _doc_gather(cu_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed fp8 documents at any offsets (host cu_k): the key rows to gather so that each
+    document starts at a multiple of 16 rows -- document d's keys, then copies of its last key
+    up to the next multiple of 16.  Returns the rows (int64, host) and each document's first
+    row there followed by their end (int64 [docs + 1], host)."""
+    cu = cu_k.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), ((lens + 15) // 16 * 16).cumsum(0)])
+    r = torch.arange(int(first[-1]), dtype=torch.int64)
+    doc = torch.searchsorted(first[1:], r, right=True)
+    return torch.minimum(cu[:-1][doc] + r - first[:-1][doc], cu[1:][doc] - 1), first
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x's rows at index (fp8 gathered as bytes: torch's index_select takes no float8)."""
+    return x.view(torch.uint8).index_select(0, index).view(x.dtype)
 
 
 def _doc_blocks(cu_k: torch.Tensor, total_k: int) -> int:
@@ -485,12 +536,42 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> t
         vkeep = torch.cat((kj, km) if front else (km, kj), dim=1)
         key_index, seq_lens, limits = _kept_first(key_index, vkeep, limits)
     key_index = key_index.to(torch.int32)
-    k, v, k2, v2 = _key_value(key, value, jk, jv)
     tiles = _C.CONSECUTIVE_TILES if runs else 0
     consecutive = tiles | (_C.CONSECUTIVE_CHUNKS if chunks else 0)
     scales: tuple[torch.Tensor, ...] = ()
-    if fp8:
-        # one scale for K and one for V over both sources; no per-chunk boxes (CONSECUTIVE_CHUNKS)
+    key_block = 1
+    if fp8 and keep is None and jkeep is None and n_k > 0:
+        # each batch row's concatenated keys rounded into one block of n_k rows (the e4m3
+        # kernel's TMA producer; two sources would run its cp.async producer at half speed)
+        k, v, scales = _joint_fp8_rows(key[:, :keys], value[:, :keys], jk, jv, front)
+        k2 = v2 = None
+        key_block, consecutive = n_k, _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
+        key_index = torch.arange(batch, device=device, dtype=torch.int32)[:, None]
+    elif fp8 and n_k > 0:
+        # key padding: both sources rounded into one buffer (the keys, then the joint keys),
+        # each row's e4m3 keys then gathered kept first into one block of n_k rows (the TMA
+        # producer, as above)
+        main, joint = _flat(key[:, :keys]), _flat(jk)
+        bk, bv = (
+            torch.empty((batch * n_k, *key.shape[2:]), dtype=torch.float8_e4m3fn, device=device) for _ in "kv"
+        )
+        m = main.shape[0]
+        scales_t = torch.empty(2, dtype=torch.float32, device=device)
+        _C.quantize_kv(
+            main, _flat(value[:, :keys]), bk[:m], bv[:m], scales_t, joint, _flat(jv), bk[m:], bv[m:]
+        )
+        scales = (scales_t[0:1], scales_t[1:2])
+        # key_index counts the keys in rows of s_k, then the joint keys after all B * s_k
+        idx = key_index.to(torch.int64)
+        idx = torch.where(idx < batch * s_k, idx // s_k * keys + idx % s_k, idx - batch * s_k + m).reshape(-1)
+        k, v = _rows(bk, idx), _rows(bv, idx)
+        k2 = v2 = None
+        key_block, consecutive = n_k, _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
+        key_index = torch.arange(batch, device=device, dtype=torch.int32)[:, None]
+    else:
+        k, v, k2, v2 = _key_value(key, value, jk, jv)
+    if fp8 and k2 is not None:
+        # no keys at all: one scale for K and one for V over both (empty) sources
         (k, v, k2, v2), scales = _quantize_kv(k, v, k2, v2)
         consecutive = tiles | _C.CONSECUTIVE_SCALES_FROM_KV
     # one launch per batch row and query source: [B, S] slices of the output need not flatten
@@ -507,8 +588,8 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> t
                 mask, key_limits = _C.MASK_LIMITS, limits[b, start : start + n].to(torch.int32).contiguous()
             _C.dense_attention(
                 src[b], k, v, key_index[b : b + 1], qsl[n], seq_lens[b : b + 1], key_limits, mask,
-                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, 1, consecutive,
-                *scales,
+                impl.softmax_scale, out[b, start : start + n], None, None, None, n, k2, v2, key_block,
+                consecutive, *scales,
             )  # fmt: skip
     return out
 
@@ -577,6 +658,7 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
 
     rows = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * s_k
     key_block, consecutive = 1, 0
+    gather = None  # fp8 with key padding: the key rows to copy, in their new order
     if keep is None:
         # each batch row's keys are s_k / key_block in-order blocks (_row_blocks)
         key_block = _row_blocks(s_k, head, device, fp8)
@@ -584,6 +666,14 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
         key_index = rows // key_block + torch.arange(per_row, device=device, dtype=torch.int64)
         seq_lens = torch.full((batch,), keys, device=device, dtype=torch.int32)
         consecutive = _C.CONSECUTIVE_TILES
+    elif fp8:
+        # each row's e4m3 keys gathered kept first into one block of `keys` rows, which the
+        # e4m3 kernel's TMA producer takes (one-key blocks would run its cp.async producer at
+        # half the speed)
+        gather = rows + torch.arange(keys, device=device, dtype=torch.int64)
+        gather, seq_lens, limits = _kept_first(gather, keep, limits)
+        key_block = keys
+        key_index = torch.arange(batch, device=device, dtype=torch.int64)[:, None]
     else:
         key_index = rows + torch.arange(keys, device=device, dtype=torch.int64)
         key_index, seq_lens, limits = _kept_first(key_index, keep, limits)
@@ -599,6 +689,10 @@ def dense_forward(impl: Any, query: Any, key: Any, value: Any, attn_metadata: An
     scales: tuple[torch.Tensor, ...] = ()
     if fp8:
         (k, v), scales = _quantize_kv(k, v)
+        if gather is not None:
+            gather = gather.reshape(-1)
+            k, v = _rows(k, gather), _rows(v, gather)
+            consecutive = _C.CONSECUTIVE_TILES
         consecutive |= _C.CONSECUTIVE_SCALES_FROM_KV
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * s_q
