@@ -46,8 +46,9 @@ the rounding copies them anyway, each batch row's concatenated keys are written 
 one buffer (``_joint_fp8_rows``; with key padding gathered kept first after the rounding) and
 read as one block a row like the other fp8 rows.  Key-padded rows gather their e4m3 keys kept
 first into one block a row, and packed documents at offsets that are not multiples of 8 gather
-theirs each from a multiple of 16 rows (``_doc_gather``), so every fp8 dense form takes the e4m3
-kernel's TMA producer on Hopper.  Packed varlen documents share their scales.
+theirs each from a multiple of 16 rows (``_doc_gather``), so every fp8 dense form with host
+offsets takes the e4m3 kernel's TMA producer on Hopper (documents with device offsets, which are
+not read back, still read one-key blocks: its cp.async producer).  Packed varlen documents share their scales.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
