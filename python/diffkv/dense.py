@@ -48,7 +48,8 @@ read as one block a row like the other fp8 rows.  Key-padded rows gather their e
 first into one block a row, and packed documents at offsets that are not multiples of 8 gather
 theirs each from a multiple of 16 rows (``_doc_gather``), so every fp8 dense form with host
 offsets takes the e4m3 kernel's TMA producer on Hopper (documents with device offsets, which are
-not read back, still read one-key blocks: its cp.async producer).  Packed varlen documents share their scales.
+not read back, still read one-key blocks: its cp.async producer).  Packed varlen documents
+share their scales.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
