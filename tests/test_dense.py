@@ -918,6 +918,30 @@ def test_fp8_dense_joint_attention(device, strategy, causal, keys):
     _fp8_close(out, qq, kk, vv, visible, impl.softmax_scale, device)
 
 
+def test_fp8_dense_joint_attention_with_no_other_keys(device):
+    """Joint tokens over an fp8 K/V with key padding and no other keys (S_k = 0): the rows'
+    keys are the kept joint keys alone, gathered from the one buffer (whose index arithmetic
+    must not divide by the empty source's length)."""
+    b, sq, sj, head = 2, 30, 12, 128
+    q, _, _ = _qkv(b, sq, 1, head, torch.bfloat16, device, seed=23)
+    k = v = torch.zeros(b, 0, HKV, head, dtype=torch.bfloat16, device=device)
+    jq, jk, jv = _qkv(b, sj, sj, head, torch.bfloat16, device, seed=24)
+    jkeep = torch.ones(b, sj, dtype=torch.bool)
+    jkeep[0, 3:7] = False
+    jkeep[1, ::2] = False
+    meta = AttentionMetadata(
+        joint_query=jq, joint_key=jk, joint_value=jv, joint_attn_mask=jkeep.to(device),
+        attn_mask=torch.ones(b, 0, dtype=torch.bool, device=device), extra={"kv_cache_dtype": "fp8"},
+    )  # fmt: skip
+    impl = _impl(head)
+    out = impl.forward(q, k, v, meta)
+    assert out.shape == (b, sj + sq, H, head)
+    (jkd,), (jvd,) = _e4m3_shared(jk.cpu()), _e4m3_shared(jv.cpu())
+    qq = torch.cat((jq.cpu(), q.cpu()), dim=1)
+    visible = jkeep[:, None, :].expand(b, sj + sq, sj)
+    _fp8_close(out, qq, jkd, jvd, visible, impl.softmax_scale, device)
+
+
 @pytest.mark.parametrize(
     ("offsets", "total", "block"),
     [

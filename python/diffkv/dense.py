@@ -542,31 +542,22 @@ def _joint(impl: Any, query, key, value, meta: Any, extra: dict, fp8: bool) -> t
     consecutive = tiles | (_C.CONSECUTIVE_CHUNKS if chunks else 0)
     scales: tuple[torch.Tensor, ...] = ()
     key_block = 1
-    if fp8 and keep is None and jkeep is None and n_k > 0:
+    if fp8 and n_k > 0:
         # each batch row's concatenated keys rounded into one block of n_k rows (the e4m3
         # kernel's TMA producer; two sources would run its cp.async producer at half speed)
         k, v, scales = _joint_fp8_rows(key[:, :keys], value[:, :keys], jk, jv, front)
-        k2 = v2 = None
-        key_block, consecutive = n_k, _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
-        key_index = torch.arange(batch, device=device, dtype=torch.int32)[:, None]
-    elif fp8 and n_k > 0:
-        # key padding: both sources rounded into one buffer (the keys, then the joint keys),
-        # each row's e4m3 keys then gathered kept first into one block of n_k rows (the TMA
-        # producer, as above)
-        main, joint = _flat(key[:, :keys]), _flat(jk)
-        bk, bv = (
-            torch.empty((batch * n_k, *key.shape[2:]), dtype=torch.float8_e4m3fn, device=device) for _ in "kv"
-        )
-        m = main.shape[0]
-        scales_t = torch.empty(2, dtype=torch.float32, device=device)
-        _C.quantize_kv(
-            main, _flat(value[:, :keys]), bk[:m], bv[:m], scales_t, joint, _flat(jv), bk[m:], bv[m:]
-        )
-        scales = (scales_t[0:1], scales_t[1:2])
-        # key_index counts the keys in rows of s_k, then the joint keys after all B * s_k
-        idx = key_index.to(torch.int64)
-        idx = torch.where(idx < batch * s_k, idx // s_k * keys + idx % s_k, idx - batch * s_k + m).reshape(-1)
-        k, v = _rows(bk, idx), _rows(bv, idx)
+        if keep is not None or jkeep is not None:
+            # key padding: each row's e4m3 keys gathered kept first.  key_index counts the keys
+            # in rows of s_k, then the joint keys after all B * s_k; the buffer holds row b's
+            # n_k keys from b * n_k in joint_strategy order
+            main_at, joint_at = (sj_k, 0) if front else (0, keys)
+            idx = key_index.to(torch.int64)
+            jdx = idx - batch * s_k
+            sk, sj = max(s_k, 1), max(sj_k, 1)  # the branch not taken divides too
+            idx = torch.where(
+                jdx >= 0, jdx // sj * n_k + joint_at + jdx % sj, idx // sk * n_k + main_at + idx % sk
+            ).reshape(-1)
+            k, v = _rows(k, idx), _rows(v, idx)
         k2 = v2 = None
         key_block, consecutive = n_k, _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
         key_index = torch.arange(batch, device=device, dtype=torch.int32)[:, None]
