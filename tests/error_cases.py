@@ -2126,6 +2126,13 @@ def _cases_tensor_ops() -> dict[str, list[Case]]:
                 *quant(ko=torch.empty(1, 3, HKV, D, dtype=F8), vo=torch.empty(3, 1, HKV, D, dtype=F8)),
             ),
             bad(
+                "quantize_kv value_out 4-d beside a 3-d key_out",
+                ValueError,
+                "quantize_kv(): value_out must have key_out's shape [3, 1, 2], got [1, 3, 1, 2]",
+                _C.quantize_kv,
+                *quant(vo=torch.empty(1, 3, HKV, D, dtype=F8)),
+            ),
+            bad(
                 "quantize_kv value_out 3-d beside a 4-d key_out",
                 ValueError,
                 "quantize_kv(): value_out must have key_out's shape [1, 3, 1, 2], got [3, 1, 2]",
