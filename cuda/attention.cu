@@ -207,12 +207,7 @@ attn_persist_ok(const dk_attention_args *a, const h90_maps &m, int64_t sms, cuda
     if (items > HP_MAX_WAVES * sms || (tail != 0 && tail < ATTN_BM / 2)) {
         return false;
     }
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    return st == cudaStreamCaptureStatusNone;
+    return !dk_cuda_stream_capturing(s);
 }
 
 /*

@@ -65,18 +65,6 @@ graphs_enabled(void)
     return enabled;
 }
 
-/* Whether work submitted to s now would be captured (an error: treated as captured, cleared). */
-bool
-capturing(cudaStream_t s)
-{
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(s, &status) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return true;
-    }
-    return status != cudaStreamCaptureStatusNone;
-}
-
 void
 drop(layer_graph *g)
 {
@@ -202,7 +190,7 @@ dk_launch_after(dk_pending_launch *p, const void *func, dim3 grid, dim3 block, s
     const cudaKernelNodeParams kv = node(k.func, k.grid, k.block, 0, k.args);
     const cudaKernelNodeParams attn = node(func, grid, block, smem, args);
     cudaError_t e = cudaSuccess;
-    if (graphs_enabled() && !capturing(s) && launch_graph(&kv, &attn, s, &e)) {
+    if (graphs_enabled() && !dk_cuda_stream_capturing(s) && launch_graph(&kv, &attn, s, &e)) {
         return e;
     }
     e = cudaLaunchKernel(k.func, k.grid, k.block, k.args, 0, s);
