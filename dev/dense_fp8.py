@@ -8,11 +8,11 @@ A/Bs of builds with dev/ab.sh or by hand (session 45, docs/fp8-log.md):
 
 The shapes (B x H x S x D): Wan 2.1's 1x40x32760x128 without and with a causal mask (32,760
 keys: 8-key blocks before session 45), HunyuanImage-3.0's 2x32x4097x128 (an odd key count:
-one-key blocks before), 1x24x16384x64, packed documents (``cu_seqlens``) of 4,096 and
-4,100 keys, four of each in one row of 24 heads x 128, a key-padded 2x32x4097x128 (every
-tenth key masked out), and joint tokens (4,096 image tokens after 512 text tokens, batch 1, and
-after 333, batch 2; 24 heads x 128).  CUDA only; no L2
-flush (an A/B, not a table).
+one-key blocks before), 1x24x16384x64, packed documents (``cu_seqlens``) of 4,096 and 4,100
+keys, four of each in one row of 24 heads x 128 (and the 4,096-key ones with their offsets on
+the device), a key-padded 2x32x4097x128 (every tenth key masked out), and joint tokens (4,096
+image tokens after 512 text tokens, batch 1, and after 333, batch 2; 24 heads x 128).  CUDA
+only; no L2 flush (an A/B, not a table).
 """
 
 import statistics
@@ -65,12 +65,12 @@ def main() -> None:
         pairs = s * s / (2 if causal else 1)
         tflops = 4 * b * h * d * pairs / us / 1e6
         print(f"{b}x{h}x{s}x{d} causal={causal}: {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
-    for n, h, s, d in DOCS:
+    for (n, h, s, d), where in [(shape, "host") for shape in DOCS] + [(DOCS[0], "cuda")]:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (
             torch.randn(1, n * s, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3)
         )
-        cu = torch.arange(n + 1, dtype=torch.int32) * s
+        cu = torch.arange(n + 1, dtype=torch.int32, device="cuda" if where == "cuda" else "cpu") * s
         extra = {
             "kv_cache_dtype": "fp8",
             "cu_seqlens_q": cu,
@@ -81,7 +81,10 @@ def main() -> None:
         impl = DiffKVAttentionImpl(num_heads=h, head_size=d, softmax_scale=d**-0.5, num_kv_heads=h)
         us, kernel = _time(impl, q, k, v, AttentionMetadata(extra=extra))
         tflops = 4 * n * h * d * s * s / us / 1e6
-        print(f"{n} documents x{h}x{s}x{d}: {us:.1f} us, {tflops:.1f} TFLOP/s, kernel {kernel}")
+        print(
+            f"{n} documents x{h}x{s}x{d} ({where} offsets): {us:.1f} us, {tflops:.1f} TFLOP/s, "
+            f"kernel {kernel}"
+        )
     # key padding: 2x32x4097x128 with every tenth key of each row masked out (attn_mask)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (

@@ -961,22 +961,24 @@ def test_fp8_packed_documents_block_size(offsets, total, block):
     assert _doc_blocks(torch.tensor(offsets, dtype=torch.int32), total) == block
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", [[50, 130, 7, 64], [48, 128, 16, 64], [40, 136, 8, 72]])
-def test_fp8_dense_packed_varlen(device, causal, lens):
+def test_fp8_dense_packed_varlen(device, causal, lens, where):
     """Packed varlen documents over an fp8 K/V (one scale for all the documents' keys, one for
     the values): each document attends to its own keys only.  Documents starting at multiples of
     16 or 8 keys read the key tensor as blocks of 16 or 8 (on Hopper the e4m3 kernel's TMA
     producer; a document's last block runs into the next one's keys, masked); others are
     gathered, each from a multiple of 16 rows, and read as 16-key blocks (the TMA producer
-    too)."""
+    too), as are documents at offsets given on the device (not read back)."""
     total = sum(lens)
     q, k, v = _qkv(1, total, total, 128, torch.bfloat16, device, seed=9)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    given = cu if where == "host" else cu.to(device)
     extra = {
         "kv_cache_dtype": "fp8",
-        "cu_seqlens_q": cu,
-        "cu_seqlens_k": cu,
+        "cu_seqlens_q": given,
+        "cu_seqlens_k": given,
         "max_seqlen_q": max(lens),
         "max_seqlen_k": max(lens),
     }
@@ -1017,16 +1019,33 @@ def test_fp8_dense_packed_keys_inside_a_longer_tensor(device, causal):
 
 
 @pytest.mark.parametrize("offsets", [[0, 50, 180, 187, 251], [3, 53, 183, 190], [0, 0, 5], [4, 20, 36]])
-def test_fp8_packed_documents_gathered_from_multiples_of_16(offsets):
+@pytest.mark.parametrize("bound", [False, True])
+def test_fp8_packed_documents_gathered_from_multiples_of_16(offsets, bound):
     """_doc_gather: document d's keys from row first[d] (a multiple of 16), then copies of its
-    last key up to the next multiple of 16."""
+    last key up to the next multiple of 16; with the device offsets' bound on the rows (15 more
+    a document), the rows past the last document copy its last key."""
     from diffkv.dense import _doc_gather
 
-    rows, first = _doc_gather(torch.tensor(offsets, dtype=torch.int32))
-    assert rows.shape[0] == int(first[-1]) and bool((first % 16 == 0).all())
+    total = offsets[-1] + 10
+    body = sum(-(-(c - a) // 16) * 16 for a, c in zip(offsets, offsets[1:], strict=False))
+    n = -(-(total + 15 * (len(offsets) - 1)) // 16) * 16 if bound else body
+    rows, first = _doc_gather(torch.tensor(offsets, dtype=torch.int64), n, total)
+    assert rows.shape[0] == n and int(first[-1]) == body and bool((first % 16 == 0).all())
     for d in range(len(offsets) - 1):
         a, c = offsets[d], offsets[d + 1]
         f = int(first[d])
         assert rows[f : f + c - a].tolist() == list(range(a, c))
         assert set(rows[f + c - a : int(first[d + 1])].tolist()) <= {c - 1}
         assert int(first[d + 1]) - f == -(-(c - a) // 16) * 16
+    last = max(c - 1 for a, c in zip(offsets, offsets[1:], strict=False) if c > a)
+    assert set(rows[body:].tolist()) <= {last}
+    assert bool(((rows >= 0) & (rows < total)).all())
+
+
+def test_fp8_packed_documents_gathered_from_offsets_out_of_range():
+    """Device offsets are not read back: offsets past the keys, or decreasing, gather rows that
+    all lie inside the key tensor (nothing is read out of range)."""
+    from diffkv.dense import _doc_gather
+
+    rows, _ = _doc_gather(torch.tensor([0, 90, 40, 500], dtype=torch.int64), 96, 64)
+    assert bool(((rows >= 0) & (rows < 64)).all())

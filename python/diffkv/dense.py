@@ -45,11 +45,10 @@ and joint V), over the keys the rows read (K up to ``valid_kv_length``, and join
 the rounding copies them anyway, each batch row's concatenated keys are written in order into
 one buffer (``_joint_fp8_rows``; with key padding gathered kept first after the rounding) and
 read as one block a row like the other fp8 rows.  Key-padded rows gather their e4m3 keys kept
-first into one block a row, and packed documents at offsets that are not multiples of 8 gather
-theirs each from a multiple of 16 rows (``_doc_gather``), so every fp8 dense form with host
-offsets takes the e4m3 kernel's TMA producer on Hopper (documents with device offsets, which are
-not read back, still read one-key blocks: its cp.async producer).  Packed varlen documents
-share their scales.
+first into one block a row, and packed documents at offsets that are not multiples of 8 (or
+given on the device, not read back) gather theirs each from a multiple of 16 rows
+(``_doc_gather``), so every fp8 dense form takes the e4m3 kernel's TMA producer on Hopper.
+Packed varlen documents share their scales.
 
 ``query_ranges``, and ``full_attn_spans``, ``packed_padding`` or packed varlen together with the
 joint tensors, raise ``NotImplementedError`` naming the field (never a silent dense fallback);
@@ -376,14 +375,20 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
         consecutive = _C.CONSECUTIVE_TILES | _C.CONSECUTIVE_SCALES_FROM_KV
         (k, v), scales = _quantize_kv(k, v)
         key_block = _doc_blocks(cu_k, total_k) if host_k else 1
-        if key_block == 1 and host_k and int(cu_k[-1]) > int(cu_k[0]):
-            # documents at other offsets: their e4m3 keys gathered with each document from a
-            # multiple of 16 rows (copies of its last key after it), read as 16-key blocks --
-            # the TMA producer instead of cp.async over one-key blocks
-            gather, first = _doc_gather(cu_k)
-            gather = _to_device(gather, device)
+        if key_block == 1 and total_k > 0 and (not host_k or int(cu_k[-1]) > int(cu_k[0])):
+            # documents at other offsets, or at offsets not read back (device cu_seqlens_k):
+            # their e4m3 keys gathered on the device with each document from a multiple of 16
+            # rows (copies of its last key after it), read as 16-key blocks -- the TMA producer
+            # instead of cp.async over one-key blocks.  Host offsets size the gathered rows
+            # exactly; device ones by their bound, 15 more rows a document
+            if host_k:
+                lens = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+                rows = int(((lens + 15) // 16 * 16).sum())
+            else:
+                rows = -(-(total_k + 15 * (cu_k.shape[0] - 1)) // 16) * 16
+            gather, first = _doc_gather(cuk, rows, total_k)
             k, v = _rows(k, gather), _rows(v, gather)
-            key_block, total_k, cuk = 16, k.shape[0], _to_device(first, device)
+            key_block, total_k, cuk = 16, rows, first
         if key_block > 1:
             # the key tensor as blocks of key_block rows, each document's from its first: the
             # e4m3 kernel's TMA producer (16- or 8-key boxes) where one-key blocks would run its
@@ -391,7 +396,7 @@ def _varlen(impl: Any, query, key, value, extra: dict, meta: Any, fp8: bool) -> 
             # next one's rows, which its seq_len masks
             blocks = -(-cols // key_block)
             first = cuk[:-1, None] // key_block
-            key_index = (first + torch.arange(blocks, device=device)).clamp_(max=total_k // key_block - 1)
+            key_index = (first + torch.arange(blocks, device=device)).clamp_(0, total_k // key_block - 1)
     if host_q:
         # host offsets were checked: the kernels write every document token (no memset: it
         # costs ~4 % of a four-document call on an H200)
@@ -423,17 +428,22 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _doc_gather(cu_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed fp8 documents at any offsets (host cu_k): the key rows to gather so that each
-    document starts at a multiple of 16 rows -- document d's keys, then copies of its last key
-    up to the next multiple of 16.  Returns the rows (int64, host) and each document's first
-    row there followed by their end (int64 [docs + 1], host)."""
-    cu = cu_k.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    first = torch.cat([torch.zeros(1, dtype=torch.int64), ((lens + 15) // 16 * 16).cumsum(0)])
-    r = torch.arange(int(first[-1]), dtype=torch.int64)
-    doc = torch.searchsorted(first[1:], r, right=True)
-    return torch.minimum(cu[:-1][doc] + r - first[:-1][doc], cu[1:][doc] - 1), first
+def _doc_gather(cuk: torch.Tensor, rows: int, total_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed fp8 documents at any offsets (cuk: cu_seqlens_k, int64, on the device; not read
+    back): the ``rows`` key rows to gather so that each document starts at a multiple of 16 rows
+    -- document d's keys, then copies of its last key up to the next multiple of 16; rows past
+    the last document (``rows`` a bound) copy its last key.  Every row lies in [0, total_k), also
+    for offsets that are not (their documents' lengths then mask nothing sensible, but nothing
+    is read out of range).  Returns the rows and each document's first row there followed by
+    their end (both int64, on cuk's device)."""
+    lens = (cuk[1:] - cuk[:-1]).clamp(min=0)
+    first = torch.cat(
+        [torch.zeros(1, dtype=torch.int64, device=cuk.device), ((lens + 15) // 16 * 16).cumsum(0)]
+    )
+    r = torch.arange(rows, dtype=torch.int64, device=cuk.device)
+    doc = torch.searchsorted(first[1:], r, right=True).clamp_(max=lens.shape[0] - 1)
+    src = torch.minimum(cuk[:-1][doc] + r - first[:-1][doc], cuk[1:][doc] - 1)
+    return src.clamp_(0, max(total_k - 1, 0)), first
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
