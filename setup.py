@@ -247,7 +247,7 @@ def decide_build():
     if manylinux and sanitize:
         raise RuntimeError("diffkv: DIFFKV_MANYLINUX=1 (a release wheel) excludes DIFFKV_SANITIZE=1")
     cflags = ["-std=c11", "-O2", *C_WARNINGS] + (["-Werror"] if werror else [])
-    ldflags = []
+    ldflags = ["-lpthread"]  # the CPU reference's threads (libpthread.so.0 before glibc 2.34)
     if sanitize:
         cflags += SANITIZE_FLAGS
         ldflags += ["-fsanitize=address,undefined"]

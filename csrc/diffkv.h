@@ -507,6 +507,9 @@ typedef struct dk_attention_args {
      * its rows' spans from these instead of reading them (cuda/attention_sm90_persist.cu). */
     int32_t uniform_query_len, uniform_seq_len;
     int32_t row_seq_lens[DK_ROW_SEQ_LENS];
+    /* Threads the CPU reference may use, the caller's included (0 or 1: the caller's alone);
+     * the bindings pass torch.get_num_threads().  The CUDA path ignores it. */
+    int32_t cpu_threads;
 } dk_attention_args;
 
 /* dk_attention_args.dense */
@@ -553,8 +556,14 @@ void dk_attention_uniform_rows(dk_attention_args *a);
 int32_t dk_attention_chunk_layout(const dk_attention_args *a);
 /* CPU reference.  Assumes dk_attention_check passed.  Cannot fail except DK_ERR_UNSUPPORTED
  * (dtype) and DK_ERR_NOMEM (scratch), both before anything is written.  Fills a->lse too when
- * it is not NULL. */
+ * it is not NULL.  Runs its (row, kv head) items on up to a->cpu_threads threads, the caller's
+ * included: one per DK_REF_THREAD_MACS multiply-adds, at most DK_REF_MAX_THREADS and as many as
+ * DK_REF_THREADS_SCRATCH bytes of per-thread scratch allow.  The bits are the same on any number
+ * of threads (each item is computed whole by one thread). */
 dk_status dk_ref_attention(const dk_attention_args *a, dk_error *err);
+#define DK_REF_MAX_THREADS 256
+#define DK_REF_THREAD_MACS (4.0 * 1024 * 1024)
+#define DK_REF_THREADS_SCRATCH ((size_t)512 << 20)
 /* CUDA path on `stream` (device pointers).  DK_ERR_UNSUPPORTED for head sizes it is not
  * built for (the message lists the supported ones). */
 dk_status dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err);

@@ -13,6 +13,8 @@
 #include "diffkv.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -507,6 +509,148 @@ dk_attention_chunk_layout(const dk_attention_args *a)
     return nhd ? 1 : 2;
 }
 
+/* One (row, kv head) of dk_ref_attention: the row's keys and values for kv head g converted to
+ * fp32 once, then every query token of the row for every query head of g's group.  scratch:
+ * 2 * max_seq * D + max_seq + 2 * D floats of the caller's thread.  Items are independent (each
+ * writes only its own tokens' heads), so any number of threads gives the same bits. */
+static void
+ref_row_head(const dk_attention_args *a, int64_t max_seq, int64_t r, int64_t g, float *scratch)
+{
+    const int64_t D = a->head_size;
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int32_t *qsl = a->query_start_loc;
+    float *kf = scratch;
+    float *vf = kf + max_seq * D;
+    float *scores = vf + max_seq * D;
+    float *qf = scores + max_seq;
+    float *acc = qf + D;
+
+    /* Every index is read once and clamped to what was checked and allocated: the GIL is
+     * released, so another thread could rewrite these host arrays during the call. */
+    const int64_t t0 = qsl[r];
+    const int64_t t1 = qsl[r + 1];
+    if (t0 < 0 || t1 > a->num_tokens || t1 <= t0) {
+        return;
+    }
+    const int64_t query_len = t1 - t0;
+    int64_t seq_len = a->seq_lens[r];
+    seq_len = seq_len < 0 ? 0 : (seq_len > max_seq ? max_seq : seq_len);
+    const int32_t *row_table = a->block_table + r * a->bt_stride_row;
+    for (int64_t j = 0; j < seq_len; j++) {
+        const int64_t block = row_table[j / a->block_size];
+        if (block < 0 || block >= a->num_blocks || j / a->block_size >= a->bt_cols) {
+            /* Only reachable if the table changed after the host check. */
+            memset(kf + j * D, 0, (size_t)D * sizeof(float));
+            memset(vf + j * D, 0, (size_t)D * sizeof(float));
+            continue;
+        }
+        /* a block id past blocks2 is the second source's (dense joint tokens) */
+        const int second = a->key_cache2 != NULL && block >= a->blocks2;
+        const int64_t off = (second ? block - a->blocks2 : block) * a->cache_stride_block +
+                            (j % a->block_size) * a->cache_stride_token + g * a->cache_stride_head;
+        if (a->kv_fp8) {
+            load_row_e4m3(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D,
+                          a->k_scale[g * a->scale_stride_head], kf + j * D);
+            load_row_e4m3(second ? a->value_cache2 : a->value_cache, off, a->cache_stride_dim, D,
+                          a->v_scale[g * a->scale_stride_head], vf + j * D);
+            continue;
+        }
+        load_row(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D, a->dtype,
+                 kf + j * D);
+        load_row(second ? a->value_cache2 : a->value_cache, off, a->cache_stride_dim, D, a->dtype,
+                 vf + j * D);
+    }
+    for (int64_t i = 0; i < query_len; i++) {
+        const int64_t t = t0 + i;
+        const int64_t n = visible_keys(a, t, i, query_len, seq_len);
+        for (int64_t h = g * group; h < (g + 1) * group; h++) {
+            for (int64_t k = 0; k < D; k++) {
+                acc[k] = 0.0f;
+            }
+            float lse = -INFINITY; /* no visible key: the empty sum's log */
+            if (n > 0) {
+                load_row(a->query, t * a->q_stride_token + h * a->q_stride_head, a->q_stride_dim, D,
+                         a->dtype, qf);
+                float m = -INFINITY;
+                for (int64_t j = 0; j < n; j++) {
+                    scores[j] = a->scale * dot_f32(qf, kf + j * D, D);
+                    if (scores[j] > m) {
+                        m = scores[j];
+                    }
+                }
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    const float p = expf(scores[j] - m);
+                    const float *v = vf + j * D;
+                    sum += p;
+                    for (int64_t k = 0; k < D; k++) {
+                        acc[k] += p * v[k];
+                    }
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t k = 0; k < D; k++) {
+                    acc[k] *= inv;
+                }
+                /* sum >= 1 (the max term is exp(0)), so the log is finite. */
+                lse = m + logf(sum);
+            }
+            if (a->lse != NULL) {
+                a->lse[t * a->lse_stride_token + h * a->lse_stride_head] = lse;
+            }
+            store_row(a->out, t * a->o_stride_token + h * a->o_stride_head, a->o_stride_dim, D,
+                      a->dtype, acc);
+        }
+    }
+}
+
+/* The (row, kv head) items of one dk_ref_attention call, shared by its threads. */
+typedef struct ref_items {
+    const dk_attention_args *a;
+    int64_t max_seq;
+    int64_t count;     /* num_rows * num_kv_heads */
+    atomic_llong next; /* the next item to take: row * num_kv_heads + kv head */
+} ref_items;
+
+typedef struct ref_worker {
+    ref_items *items;
+    float *scratch;
+    pthread_t thread;
+} ref_worker;
+
+/* Takes items until none is left (the caller's thread runs it too). */
+static void *
+ref_work(void *arg)
+{
+    const ref_worker *w = arg;
+    ref_items *it = w->items;
+    for (;;) {
+        const long long i = atomic_fetch_add_explicit(&it->next, 1, memory_order_relaxed);
+        if (i >= it->count) {
+            return NULL;
+        }
+        ref_row_head(it->a, it->max_seq, i / it->a->num_kv_heads, i % it->a->num_kv_heads,
+                     w->scratch);
+    }
+}
+
+/* Threads for a call of `macs` multiply-adds (query heads x visible pairs x head size, counted
+ * without masks) over `count` items, each thread needing `scratch_bytes` of its own: at most
+ * a->cpu_threads, one per item, one per DK_REF_THREAD_MACS of work (a thread's start costs tens
+ * of microseconds: small calls stay on the caller's thread), and as many as fit
+ * DK_REF_THREADS_SCRATCH bytes of scratch (one always). */
+static int64_t
+ref_threads(const dk_attention_args *a, double macs, int64_t count, size_t scratch_bytes)
+{
+    int64_t n = a->cpu_threads < 1 ? 1 : a->cpu_threads;
+    n = n > DK_REF_MAX_THREADS ? DK_REF_MAX_THREADS : n;
+    n = n > count ? count : n;
+    const double by_work = macs / DK_REF_THREAD_MACS;
+    n = by_work < (double)n ? (int64_t)by_work : n;
+    const size_t by_memory = DK_REF_THREADS_SCRATCH / (scratch_bytes > 0 ? scratch_bytes : 1);
+    n = (size_t)n > by_memory ? (int64_t)by_memory : n;
+    return n < 1 ? 1 : n;
+}
+
 dk_status
 dk_ref_attention(const dk_attention_args *a, dk_error *err)
 {
@@ -522,121 +666,61 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
                        DK_REF_MAX_HEAD_SIZE, (long long)a->head_size);
     }
     const int64_t D = a->head_size;
-    const int64_t group = a->num_heads / a->num_kv_heads;
     const int32_t *qsl = a->query_start_loc;
 
     /* The scratch is sized from seq_lens itself, not from the caller's max_seq_len, so a stale
      * max can never overrun it.  Rows without queries are skipped, so they need no room. */
     int64_t max_seq = 0;
+    double macs = 0.0;
     for (int64_t r = 0; r < a->num_rows; r++) {
-        if (qsl[r + 1] > qsl[r] && a->seq_lens[r] > max_seq) {
+        const int64_t q = (int64_t)qsl[r + 1] - qsl[r];
+        if (q > 0 && a->seq_lens[r] > max_seq) {
             max_seq = a->seq_lens[r];
         }
+        macs += q > 0 && a->seq_lens[r] > 0 ? (double)q * a->seq_lens[r] : 0.0;
     }
-    /* Layout: K rows [max_seq, D], V rows [max_seq, D], scores [max_seq], q [D], acc [D]. */
+    macs *= (double)a->num_heads * (double)D;
+    /* A thread's layout: K rows [max_seq, D], V rows [max_seq, D], scores [max_seq], q [D],
+     * acc [D]. */
     const uint64_t nfloats =
         2u * (uint64_t)max_seq * (uint64_t)D + (uint64_t)max_seq + 2u * (uint64_t)D + 1u;
-    if (nfloats > SIZE_MAX / sizeof(float)) {
+    if (nfloats > SIZE_MAX / sizeof(float) / DK_REF_MAX_THREADS) {
         return dk_fail(err, DK_ERR_NOMEM,
                        "paged_attention(): could not allocate host scratch for %llu floats",
                        (unsigned long long)nfloats);
     }
-    float *scratch = malloc((size_t)nfloats * sizeof(float));
-    if (scratch == NULL) {
+    ref_items items = {.a = a, .max_seq = max_seq, .count = a->num_rows * a->num_kv_heads};
+    atomic_init(&items.next, 0);
+    const int64_t threads = ref_threads(a, macs, items.count, (size_t)nfloats * sizeof(float));
+    /* All the scratch first: a call that cannot have it fails before writing anything. */
+    float *scratch = malloc((size_t)threads * (size_t)nfloats * sizeof(float));
+    ref_worker *workers = calloc((size_t)threads, sizeof(ref_worker));
+    if (scratch == NULL || workers == NULL) {
+        free(scratch);
+        free(workers);
         return dk_fail(err, DK_ERR_NOMEM,
                        "paged_attention(): could not allocate %llu bytes of host scratch",
-                       (unsigned long long)(nfloats * sizeof(float)));
+                       (unsigned long long)((uint64_t)threads * nfloats * sizeof(float)));
     }
-    float *kf = scratch;
-    float *vf = kf + max_seq * D;
-    float *scores = vf + max_seq * D;
-    float *qf = scores + max_seq;
-    float *acc = qf + D;
-
-    for (int64_t r = 0; r < a->num_rows; r++) {
-        /* Every index is read once and clamped to what was checked and allocated: the GIL is
-         * released, so another thread could rewrite these host arrays during the call. */
-        const int64_t t0 = qsl[r];
-        const int64_t t1 = qsl[r + 1];
-        if (t0 < 0 || t1 > a->num_tokens || t1 <= t0) {
-            continue;
-        }
-        const int64_t query_len = t1 - t0;
-        int64_t seq_len = a->seq_lens[r];
-        seq_len = seq_len < 0 ? 0 : (seq_len > max_seq ? max_seq : seq_len);
-        const int32_t *row_table = a->block_table + r * a->bt_stride_row;
-        for (int64_t g = 0; g < a->num_kv_heads; g++) {
-            /* One conversion of the row's keys and values for this kv head, reused by every
-             * query head of the group and every token of the row. */
-            for (int64_t j = 0; j < seq_len; j++) {
-                const int64_t block = row_table[j / a->block_size];
-                if (block < 0 || block >= a->num_blocks || j / a->block_size >= a->bt_cols) {
-                    /* Only reachable if the table changed after the host check. */
-                    memset(kf + j * D, 0, (size_t)D * sizeof(float));
-                    memset(vf + j * D, 0, (size_t)D * sizeof(float));
-                    continue;
-                }
-                /* a block id past blocks2 is the second source's (dense joint tokens) */
-                const int second = a->key_cache2 != NULL && block >= a->blocks2;
-                const int64_t off = (second ? block - a->blocks2 : block) * a->cache_stride_block +
-                                    (j % a->block_size) * a->cache_stride_token +
-                                    g * a->cache_stride_head;
-                if (a->kv_fp8) {
-                    load_row_e4m3(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim,
-                                  D, a->k_scale[g * a->scale_stride_head], kf + j * D);
-                    load_row_e4m3(second ? a->value_cache2 : a->value_cache, off,
-                                  a->cache_stride_dim, D, a->v_scale[g * a->scale_stride_head],
-                                  vf + j * D);
-                    continue;
-                }
-                load_row(second ? a->key_cache2 : a->key_cache, off, a->cache_stride_dim, D,
-                         a->dtype, kf + j * D);
-                load_row(second ? a->value_cache2 : a->value_cache, off, a->cache_stride_dim, D,
-                         a->dtype, vf + j * D);
-            }
-            for (int64_t i = 0; i < query_len; i++) {
-                const int64_t t = t0 + i;
-                const int64_t n = visible_keys(a, t, i, query_len, seq_len);
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    for (int64_t k = 0; k < D; k++) {
-                        acc[k] = 0.0f;
-                    }
-                    float lse = -INFINITY; /* no visible key: the empty sum's log */
-                    if (n > 0) {
-                        load_row(a->query, t * a->q_stride_token + h * a->q_stride_head,
-                                 a->q_stride_dim, D, a->dtype, qf);
-                        float m = -INFINITY;
-                        for (int64_t j = 0; j < n; j++) {
-                            scores[j] = a->scale * dot_f32(qf, kf + j * D, D);
-                            if (scores[j] > m) {
-                                m = scores[j];
-                            }
-                        }
-                        float sum = 0.0f;
-                        for (int64_t j = 0; j < n; j++) {
-                            const float p = expf(scores[j] - m);
-                            const float *v = vf + j * D;
-                            sum += p;
-                            for (int64_t k = 0; k < D; k++) {
-                                acc[k] += p * v[k];
-                            }
-                        }
-                        const float inv = 1.0f / sum;
-                        for (int64_t k = 0; k < D; k++) {
-                            acc[k] *= inv;
-                        }
-                        /* sum >= 1 (the max term is exp(0)), so the log is finite. */
-                        lse = m + logf(sum);
-                    }
-                    if (a->lse != NULL) {
-                        a->lse[t * a->lse_stride_token + h * a->lse_stride_head] = lse;
-                    }
-                    store_row(a->out, t * a->o_stride_token + h * a->o_stride_head, a->o_stride_dim,
-                              D, a->dtype, acc);
-                }
-            }
-        }
+    for (int64_t i = 0; i < threads; i++) {
+        workers[i].items = &items;
+        workers[i].scratch = scratch + (size_t)i * (size_t)nfloats;
     }
+    /* Workers 1.. on threads of their own, worker 0 on the caller's.  A thread that cannot be
+     * started leaves its share to the others (the items are taken, not assigned): the same
+     * result on fewer threads. */
+    int64_t started = 1;
+    for (int64_t i = 1; i < threads; i++) {
+        if (pthread_create(&workers[i].thread, NULL, ref_work, &workers[i]) != 0) {
+            break;
+        }
+        started++;
+    }
+    ref_work(&workers[0]);
+    for (int64_t i = 1; i < started; i++) {
+        pthread_join(workers[i].thread, NULL);
+    }
+    free(workers);
     free(scratch);
     return DK_OK;
 }

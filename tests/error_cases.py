@@ -133,9 +133,9 @@ def _cases_module() -> dict[str, list[Case]]:
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return {
         "configure": [
-            ok("configure ok", _C.configure, to_dlpack, getter),
+            ok("configure ok", _C.configure, to_dlpack, getter, torch.get_num_threads),
             bad(
-                "configure nargs", TypeError, "configure() takes 2 arguments, got 1", _C.configure, to_dlpack
+                "configure nargs", TypeError, "configure() takes 3 arguments, got 1", _C.configure, to_dlpack
             ),
         ],
         "set_bridge_path": [

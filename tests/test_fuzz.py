@@ -507,12 +507,31 @@ def test_hostile_argument_any_entry_point(data):
         assert str(result), "an exception without a message"
 
 
+# configure()'s num_threads: anything, or a callable returning a count or a bad one
+_THREAD_COUNTS = (torch.get_num_threads, lambda: 1, lambda: 3, lambda: 0, lambda: -2, lambda: 2**70,
+                  lambda: -(2**70), lambda: 2.0, lambda: "4", lambda: None)  # fmt: skip
+
+
 @FUZZ
-@given(to_dlpack=hostile_objects(), getter=hostile_objects(), tensor=hostile_tensors())
-def test_configure_hostile(to_dlpack, getter, tensor):
-    """configure() takes any objects; a later call on the capsule path then fails cleanly."""
+@given(
+    to_dlpack=hostile_objects(),
+    getter=hostile_objects(),
+    num_threads=st.one_of(hostile_objects(), st.sampled_from(_THREAD_COUNTS)),
+    tensor=hostile_tensors(),
+)
+def test_configure_hostile(to_dlpack, getter, num_threads, tensor):
+    """configure() takes any objects; a later call on the capsule path then fails cleanly, and a
+    CPU attention call (which asks num_threads) and a CPU layer call (which asks it before its KV
+    write) either run or fail having written nothing."""
     try:
-        _C.configure(to_dlpack, getter)
+        _C.configure(to_dlpack, getter, num_threads)
+        for name in ("paged_attention", "forward_paged"):
+            args = _valid_calls()[name][0]
+            snap = Snapshot(args)
+            ok, exc = call(getattr(_C, name), *args)
+            if not ok:
+                assert str(exc), "an exception without a message"
+                snap.assert_unchanged()
         _C.set_bridge_path("capsule")
         ok, exc = call(_C.tensor_info, tensor)
         assert ok or str(exc)

@@ -9,6 +9,12 @@ for ``paged_attention`` and ``forward_paged`` (a large attention: the counter mu
 least 20 % of its solo rate over the call) and for ``kv_write``, ``rows_gather`` and
 ``rows_scatter`` (large copies: the counter must advance).
 
+CPU reference threads: one attention call runs its (row, kv head) items on up to
+``torch.get_num_threads()`` threads (the caller's included, one per ~4M multiply-adds); outputs
+and log-sum-exps are bit-identical on any number of threads (fp32, bf16 with GQA and the key
+limits mask, an fp8 cache, several rows), the extra threads exist while a large call runs and
+match the count asked for, and a small call starts none.
+
 Two adapters: each of two threads builds and drives its own adapter (its own BlockTables,
 block pool, caches, rows, layers) through a HunyuanImage-shaped loop of several causal layers,
 a prefill step and denoise steps with piecewise full-attention spans; every layer output and
@@ -174,6 +180,125 @@ def test_long_c_calls_release_the_gil(record_property):
         assert figures[name]["fraction_of_solo_rate"] >= 0.2, (name, figures)
     for name in ("kv_write", "rows_gather", "rows_scatter"):
         assert results[name][0] > 0, (name, figures)
+
+
+# --- the CPU reference's threads -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _reference_call(kind: str):
+    """(call, outputs): a CPU attention call above the threading threshold and the tensors it
+    writes.  fp32: _attention_args' causal row (8 heads); bf16: three rows of different lengths,
+    8 / 2 heads (GQA), the key limits mask, with the log-sum-exps; fp8: a float8_e4m3fn cache with
+    per-kv-head scales, 2 rows, 8 / 4 heads."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "fp32":
+        a = _attention_args()
+        out = torch.empty_like(a.q)
+        args = (a.q, a.cache, a.table, a.qsl, a.seq_lens, None, _C.MASK_CAUSAL, 0.125, out)
+        return (lambda: _C.paged_attention(*args, a.table, a.qsl, a.seq_lens)), (out,)
+    heads, kv_heads, d, block = 8, (2 if kind == "bf16" else 4), 64, 16
+    query_lens, seq_lens = ([300, 77, 512], [700, 77, 1100]) if kind == "bf16" else ([400, 256], [900, 640])
+    cols = max(-(-s // block) for s in seq_lens)
+    num_blocks = cols * len(seq_lens) + 3
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:cols] for _ in seq_lens]).to(torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    n = int(qsl[-1])
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    out = torch.empty_like(q)
+    if kind == "bf16":
+        cache = torch.randn(2, num_blocks, block, kv_heads, d, generator=g).bfloat16()
+        limits = torch.randint(0, 1100, (n,), generator=g, dtype=torch.int32)
+        lse = torch.empty(n, heads)
+        args = (q, cache, table, qsl, sl, limits, _C.MASK_LIMITS, 0.125, out, lse, table, qsl, sl)
+        return (lambda: _C.paged_attention_lse(*args)), (out, lse)
+    cache = (torch.randn(2, num_blocks, block, kv_heads, d, generator=g) * 4).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(kv_heads, generator=g) + 0.5
+    v_scale = torch.rand(kv_heads, generator=g) + 0.5
+    args = (q, cache, table, qsl, sl, None, _C.MASK_NONE, 0.125, out, table, qsl, sl, k_scale, v_scale)
+    return (lambda: _C.paged_attention(*args)), (out,)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_cpu_attention_is_bit_identical_on_any_number_of_threads(kind):
+    call, outs = _reference_call(kind)
+    with _torch_threads(1):
+        call()
+    alone = [o.clone() for o in outs]
+    for n in (2, 3, 8):
+        for o in outs:
+            o.fill_(float("nan"))
+        with _torch_threads(n):
+            call()
+        for o, ref in zip(outs, alone, strict=True):
+            assert torch.equal(o.view(torch.uint8), ref.view(torch.uint8)), (kind, n)  # the bits
+
+
+def _threads_now() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _peak_threads_during(fn) -> tuple[int, int]:
+    """(threads before, most threads seen) while fn() runs in the main thread (it releases the
+    GIL, so a watcher thread samples /proc/self/status meanwhile)."""
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _threads_now())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.01)
+    before = _threads_now()
+    try:
+        fn()
+    finally:
+        stop.set()
+        watcher.join()
+    return before, peak[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/status")
+@pytest.mark.parametrize("n", [1, 3])
+def test_cpu_attention_runs_on_torch_num_threads(n):
+    """A large call (~0.1-0.3 s on one thread) adds n - 1 threads while it runs; a small one none."""
+    call, _ = _reference_call("fp32")
+    call()  # first touch outside the measurement
+    with _torch_threads(n):
+        before, peak = _peak_threads_during(call)
+        assert peak - before == n - 1, (before, peak)
+        small = _attention_args(num_tokens=16, seq_len=64, heads=2)
+        out = torch.empty_like(small.q)
+        before, peak = _peak_threads_during(
+            lambda: _C.paged_attention(
+                small.q,
+                small.cache,
+                small.table,
+                small.qsl,
+                small.seq_lens,
+                None,
+                _C.MASK_NONE,
+                0.125,
+                out,
+                small.table,
+                small.qsl,
+                small.seq_lens,
+            )  # fmt: skip
+        )
+        assert peak == before, (before, peak)
 
 
 # --- two adapters, two threads ---------------------------------------------------------------------

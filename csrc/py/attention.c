@@ -372,9 +372,16 @@ dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
     if (q->device_type == DK_CUDA) {
         return dkpy_run_cuda(module, query_obj, q->device_id, launch_attention, a);
     }
+    dk_attention_args run = *a;
+    if (run.cpu_threads == 0) {
+        run.cpu_threads = dk_bridge_cpu_threads(&state_of(module)->bridge);
+        if (run.cpu_threads < 0) {
+            return -1;
+        }
+    }
     dk_error err = {{0}};
     dk_status s;
-    Py_BEGIN_ALLOW_THREADS s = dk_ref_attention(a, &err);
+    Py_BEGIN_ALLOW_THREADS s = dk_ref_attention(&run, &err);
     Py_END_ALLOW_THREADS if (s != DK_OK)
     {
         dkpy_raise_status(module, s, &err);

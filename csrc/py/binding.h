@@ -214,7 +214,8 @@ int dkpy_parse_attention(PyObject *module, PyObject *const *args, const char *op
                          dk_attention_args *a, const dk_tensor *written, dk_tensor *q_out,
                          dk_tensor *o_out, const dk_tensor *dense_kv, int64_t key_block,
                          int out_flat, PyObject *const *scale_objs);
-/* Runs a checked attention on q's device: 0 or -1. */
+/* Runs a checked attention on q's device: 0 or -1.  On the CPU, on a->cpu_threads threads, or
+ * on dk_bridge_cpu_threads' count when that is 0. */
 int dkpy_run_attention(PyObject *module, PyObject *query_obj, const dk_tensor *q,
                        const dk_attention_args *a);
 /* Rows with fewer keys than queries (paged_attention_lse, dense_attention): the call is parsed

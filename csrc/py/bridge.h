@@ -83,6 +83,7 @@ typedef struct DLPackExchangeAPI {
 typedef struct dk_bridge {
     PyObject *to_dlpack;     /* torch.utils.dlpack.to_dlpack (strong ref) or NULL */
     PyObject *stream_getter; /* torch._C._cuda_getCurrentRawStream (strong ref) or NULL */
+    PyObject *num_threads;   /* torch.get_num_threads (strong ref) or NULL */
     int force_capsule;       /* 1: ignore the exchange API (tests of the fallback) */
     PyObject *is_neg_name;   /* interned "is_neg" (strong ref), created on first use */
     int num_types;
@@ -111,6 +112,12 @@ int dk_bridge_optional_tensor(dk_bridge *b, PyObject *obj, const char *op, const
 /* torch's current CUDA stream of `device_id` (exchange API, else the raw-stream getter).
  * Returns 0, or -1 with an exception set.  `tensor_type` picks the exchange API. */
 int dk_bridge_stream(dk_bridge *b, PyObject *tensor_obj, int32_t device_id, void **stream);
+
+/* torch.get_num_threads() as configure() registered it, capped at DK_REF_MAX_THREADS (1 when
+ * none was registered): the threads the CPU reference may use.  Returns it (>= 1), or -1 with
+ * an exception set: the callable's own, TypeError (it returned no int) or ValueError (an int
+ * below 1). */
+int dk_bridge_cpu_threads(dk_bridge *b);
 
 /* "exchange" or "capsule": the path dk_bridge_tensor takes for obj now; -1 on error. */
 int dk_bridge_uses_exchange(dk_bridge *b, PyObject *obj);

@@ -13,14 +13,16 @@
 static PyObject *
 py_configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (dkpy_check_nargs("configure", nargs, 2) != 0) {
+    if (dkpy_check_nargs("configure", nargs, 3) != 0) {
         return NULL;
     }
     module_state *st = state_of(module);
     Py_CLEAR(st->bridge.to_dlpack);
     Py_CLEAR(st->bridge.stream_getter);
+    Py_CLEAR(st->bridge.num_threads);
     st->bridge.to_dlpack = args[0] == Py_None ? NULL : Py_NewRef(args[0]);
     st->bridge.stream_getter = args[1] == Py_None ? NULL : Py_NewRef(args[1]);
+    st->bridge.num_threads = args[2] == Py_None ? NULL : Py_NewRef(args[2]);
     Py_RETURN_NONE;
 }
 
@@ -262,7 +264,9 @@ py_supported_head_sizes(PyObject *module, PyObject *const *args, Py_ssize_t narg
 }
 
 PyMethodDef dkpy_info_methods[] = {
-    FAST(configure, "configure(to_dlpack, raw_stream_getter): the DLPack fallback path."),
+    FAST(configure,
+         "configure(to_dlpack, raw_stream_getter, num_threads): the DLPack fallback path "
+         "and the CPU reference's thread count."),
     FAST(set_bridge_path, "set_bridge_path('auto' | 'capsule')."),
     FAST(bridge_path, "bridge_path(tensor) -> 'exchange' | 'capsule'."),
     FAST(tensor_info, "tensor_info(tensor) -> dict of what C sees."),

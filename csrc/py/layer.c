@@ -109,6 +109,12 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_RETURN_NONE;
     }
+    /* the CPU reference's threads asked before the write: nothing can fail after it but the
+     * reference itself */
+    a.cpu_threads = dk_bridge_cpu_threads(&state_of(module)->bridge);
+    if (a.cpu_threads < 0) {
+        return NULL;
+    }
     if (dkpy_run_kv_write(module, args[1], k, &w) != 0 ||
         dkpy_run_attention(module, args[0], &q, &a) != 0) {
         return NULL;

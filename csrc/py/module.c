@@ -69,6 +69,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->cuda_error);
     Py_VISIT(st->bridge.to_dlpack);
     Py_VISIT(st->bridge.stream_getter);
+    Py_VISIT(st->bridge.num_threads);
     for (int i = 0; i < st->bridge.num_types; i++) {
         Py_VISIT(st->bridge.types[i]);
     }

@@ -9,7 +9,7 @@
  * stream comes from the same API, else from torch._C._cuda_getCurrentRawStream.
  *
  * Entry points: dk_bridge_tensor, dk_bridge_tensor_layout, dk_bridge_optional_tensor,
- * dk_bridge_stream, dk_bridge_uses_exchange, dk_bridge_clear.
+ * dk_bridge_stream, dk_bridge_cpu_threads, dk_bridge_uses_exchange, dk_bridge_clear.
  */
 #include "bridge.h"
 
@@ -27,6 +27,7 @@ dk_bridge_clear(dk_bridge *b)
 {
     Py_CLEAR(b->to_dlpack);
     Py_CLEAR(b->stream_getter);
+    Py_CLEAR(b->num_threads);
     Py_CLEAR(b->is_neg_name);
     for (int i = 0; i < b->num_types; i++) {
         Py_CLEAR(b->types[i]);
@@ -342,6 +343,39 @@ dk_bridge_stream(dk_bridge *b, PyObject *tensor_obj, int32_t device_id, void **s
     }
     *stream = s;
     return 0;
+}
+
+int
+dk_bridge_cpu_threads(dk_bridge *b)
+{
+    if (b->num_threads == NULL) {
+        return 1;
+    }
+    PyObject *res = PyObject_CallNoArgs(b->num_threads);
+    if (res == NULL) {
+        return -1;
+    }
+    if (!PyLong_Check(res)) {
+        PyErr_Format(PyExc_TypeError,
+                     "configure()'s num_threads must return an int (torch.get_num_threads), "
+                     "got %R",
+                     res);
+        Py_DECREF(res);
+        return -1;
+    }
+    int overflow = 0;
+    const long n = PyLong_AsLongAndOverflow(res, &overflow);
+    Py_DECREF(res);
+    if (overflow > 0 || n > DK_REF_MAX_THREADS) {
+        return DK_REF_MAX_THREADS;
+    }
+    if (overflow < 0 || n < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "configure()'s num_threads must return a positive number of threads "
+                        "(torch.get_num_threads)");
+        return -1;
+    }
+    return (int)n;
 }
 
 int

@@ -20,9 +20,11 @@ class CudaError(RuntimeError): ...
 
 # --- module / bridge ------------------------------------------------------------------------
 
-def configure(to_dlpack: Any, raw_stream_getter: Any) -> None:
+def configure(to_dlpack: Any, raw_stream_getter: Any, num_threads: Any) -> None:
     """Register torch.utils.dlpack.to_dlpack and torch._C._cuda_getCurrentRawStream (or None)
-    for the capsule fallback path.  Called once by diffkv/__init__.py."""
+    for the capsule fallback path, and torch.get_num_threads (or None: one thread), asked at
+    each CPU attention call for the threads the C reference may use.  Called once by
+    diffkv/__init__.py."""
 
 def set_bridge_path(path: str) -> None:
     """'auto' (exchange API when the tensor type has it, else capsule) or 'capsule' (force the

@@ -15,7 +15,7 @@ from ._version import __version__
 
 def _configure_bridge():
     getter = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
-    _C.configure(_torch.utils.dlpack.to_dlpack, getter)
+    _C.configure(_torch.utils.dlpack.to_dlpack, getter, _torch.get_num_threads)
 
 
 _configure_bridge()
