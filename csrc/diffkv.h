@@ -564,6 +564,7 @@ dk_status dk_ref_attention(const dk_attention_args *a, dk_error *err);
 #define DK_REF_MAX_THREADS 256
 #define DK_REF_THREAD_MACS (4.0 * 1024 * 1024)
 #define DK_REF_THREADS_SCRATCH ((size_t)512 << 20)
+#define DK_REF_THREAD_NAME "diffkv-cpu" /* the name of its threads (the caller's excepted) */
 /* CUDA path on `stream` (device pointers).  DK_ERR_UNSUPPORTED for head sizes it is not
  * built for (the message lists the supported ones). */
 dk_status dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err);

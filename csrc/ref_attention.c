@@ -10,6 +10,7 @@
  * Entry points: dk_ref_kv_write, dk_ref_quantize_kv, dk_attention_check, dk_ref_attention,
  * dk_ref_rows_gather, dk_ref_rows_scatter.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "diffkv.h"
 
 #include <math.h>
@@ -615,6 +616,7 @@ typedef struct ref_worker {
     ref_items *items;
     float *scratch;
     pthread_t thread;
+    int own_thread; /* 1: a thread of its own (named DK_REF_THREAD_NAME), 0: the caller's */
 } ref_worker;
 
 /* Takes items until none is left (the caller's thread runs it too). */
@@ -623,6 +625,9 @@ ref_work(void *arg)
 {
     const ref_worker *w = arg;
     ref_items *it = w->items;
+    if (w->own_thread) {
+        (void)pthread_setname_np(pthread_self(), DK_REF_THREAD_NAME); /* for profilers; may fail */
+    }
     for (;;) {
         const long long i = atomic_fetch_add_explicit(&it->next, 1, memory_order_relaxed);
         if (i >= it->count) {
@@ -711,6 +716,7 @@ dk_ref_attention(const dk_attention_args *a, dk_error *err)
      * result on fewer threads. */
     int64_t started = 1;
     for (int64_t i = 1; i < threads; i++) {
+        workers[i].own_thread = 1;
         if (pthread_create(&workers[i].thread, NULL, ref_work, &workers[i]) != 0) {
             break;
         }
