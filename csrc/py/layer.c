@@ -109,8 +109,8 @@ py_forward_paged(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_RETURN_NONE;
     }
-    /* the CPU reference's threads asked before the write: nothing can fail after it but the
-     * reference itself */
+    /* the CPU reference's thread count asked before the write, so that a failure to get it
+     * writes nothing */
     a.cpu_threads = dk_bridge_cpu_threads(&state_of(module)->bridge);
     if (a.cpu_threads < 0) {
         return NULL;
