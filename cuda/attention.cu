@@ -150,9 +150,8 @@ h90_wide_tiles(const dk_attention_args *a)
     return one_block || flat16 || vouched;
 }
 
-/* Multiprocessors of the current device, cached per device (0 on a CUDA error, cleared).
- * Cannot fail. */
-static int64_t
+/* attn_sm_count (attention_internal.cuh) */
+int64_t
 attn_sm_count(void)
 {
     static volatile int counts[ATTN_MAX_DEVICES];

@@ -213,17 +213,20 @@ dk_safe_block(const dk_attention_args &a, int32_t block)
 }
 
 /*
- * Key limit of query row r of the CTA's tile (0 past the row's end: q0 + r >= query_len),
- * stored to s_lim[r]; *wmax and *wmin receive the largest and smallest limits over the calling
- * warp's rows (every lane of the warp must call, for rows 32w .. 32w + 31).
+ * Key limit of query row r of the CTA's tile (0 past the row's end, q0 + r >= query_len, and
+ * with TE past the tile's, q0 + r >= tile_end: a half tile's), stored to s_lim[r]; *wmax and *wmin
+ * receive the largest and smallest limits over the calling warp's rows (every lane of the warp
+ * must call, for rows 32w .. 32w + 31).
  */
+template <bool TE = false>
 static __device__ __forceinline__ void
 attn_row_limit(const dk_attention_args &a, int r, int64_t q0, int64_t q_start, int64_t query_len,
-               int64_t seq_len, int32_t *s_lim, int32_t *wmax, int32_t *wmin)
+               int64_t seq_len, int32_t *s_lim, int32_t *wmax, int32_t *wmin, int64_t tile_end = 0)
 {
     const int64_t my_i = q0 + r;
-    const int32_t my_lim =
-        my_i < query_len ? key_limit(a, q_start + my_i, my_i, query_len, seq_len) : 0;
+    const int32_t my_lim = my_i < query_len && (!TE || my_i < tile_end)
+                               ? key_limit(a, q_start + my_i, my_i, query_len, seq_len)
+                               : 0;
     int32_t hi = my_lim, lo = my_lim;
 #pragma unroll
     for (int sh = 16; sh > 0; sh >>= 1) {
@@ -237,13 +240,14 @@ attn_row_limit(const dk_attention_args &a, int r, int64_t q0, int64_t q_start, i
 
 /* attn_row_limit of row r (every lane of the warp calls; lane: r % 32) with the warp's largest
  * and smallest limits stored to s_wmax[r / 32] and s_wmin[r / 32] by its lane 0. */
+template <bool TE = false>
 static __device__ __forceinline__ void
 attn_warp_limits(const dk_attention_args &a, int r, int lane, int64_t q0, int64_t q_start,
                  int64_t query_len, int64_t seq_len, int32_t *s_lim, int32_t *s_wmax,
-                 int32_t *s_wmin)
+                 int32_t *s_wmin, int64_t tile_end = 0)
 {
     int32_t wmax, wmin;
-    attn_row_limit(a, r, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin);
+    attn_row_limit<TE>(a, r, q0, q_start, query_len, seq_len, s_lim, &wmax, &wmin, tile_end);
     if (lane == 0) {
         s_wmax[r / 32] = wmax;
         s_wmin[r / 32] = wmin;
@@ -350,20 +354,19 @@ attn_cta_place(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row, i
  * The start every tensor-core kernel makes (every thread calls it: attn_cta_place may hold a
  * barrier): the CTA's head h and batch row, its tile's first query row q0 (bm rows per tile),
  * the row's queries [q_start, q_start + query_len) and its seq_len, bounded by the block table's
- * reach whatever the device seq_lens says.  Returns false, uniformly over the CTA, when the tile
- * lies past the row's end (the CTA then exits).
+ * reach whatever the device seq_lens says, for the CTA placed at grid index bid.  Returns false,
+ * uniformly over the CTA, when the tile lies past the row's end (the CTA then exits).
  */
 struct attn_cta {
     int64_t h, row, q0, q_start, query_len, seq_len;
 };
 
 static __device__ __forceinline__ bool
-attn_cta_begin(const dk_attention_args &a, int64_t tiles_per_row, int64_t head_group,
-               bool sort_rows, int64_t bm, int32_t *s_row, attn_cta *c)
+attn_cta_begin_at(const dk_attention_args &a, int64_t bid, int64_t tiles_per_row,
+                  int64_t head_group, bool sort_rows, int64_t bm, int32_t *s_row, attn_cta *c)
 {
     int64_t tile_rev;
-    attn_cta_place(a, blockIdx.x, tiles_per_row, head_group, sort_rows, s_row, &c->h, &c->row,
-                   &tile_rev);
+    attn_cta_place(a, bid, tiles_per_row, head_group, sort_rows, s_row, &c->h, &c->row, &tile_rev);
     c->q0 = (tiles_per_row - 1 - tile_rev) * bm;
     row_span(a, c->row, &c->q_start, &c->query_len);
     if (c->q0 >= c->query_len) {
@@ -371,6 +374,14 @@ attn_cta_begin(const dk_attention_args &a, int64_t tiles_per_row, int64_t head_g
     }
     c->seq_len = min((int64_t)a.seq_lens[c->row], a.bt_cols * a.block_size);
     return true;
+}
+
+/* attn_cta_begin_at for the CTA's own place in the grid */
+static __device__ __forceinline__ bool
+attn_cta_begin(const dk_attention_args &a, int64_t tiles_per_row, int64_t head_group,
+               bool sort_rows, int64_t bm, int32_t *s_row, attn_cta *c)
+{
+    return attn_cta_begin_at(a, blockIdx.x, tiles_per_row, head_group, sort_rows, bm, s_row, c);
 }
 
 /* Where a CTA's output tile lands, recomputed after the key loop (arithmetic and loads rather

@@ -103,6 +103,10 @@ cudaError_t attn_sm90_persist_launch(const dk_attention_args *a, const h90_maps 
                                      const CUtensorMap &q, const CUtensorMap &o, int64_t head_group,
                                      float scale_log2, bool neg_q, int64_t sms, cudaStream_t s);
 
+/* Multiprocessors of the current device, cached per device (0 on a CUDA error, cleared).
+ * Cannot fail.  In attention.cu. */
+int64_t attn_sm_count(void);
+
 /* attention_sm90_fp8.cu(h): the e4m3 wgmma kernel over a float8_e4m3fn cache (a->kv_fp8), head 64
  * or 128, fp16/bf16 queries, K/V rows in 16-byte chunks; 128 query rows per CTA.  *tma: whether
  * its TMA producer ran (else cp.async rows). */

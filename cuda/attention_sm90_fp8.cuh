@@ -877,8 +877,9 @@ template <typename T, int D, bool TMA, int CK>
 static __global__ void __launch_bounds__(128 * (H8_NC + 1), 1)
 attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                           const __grid_constant__ CUtensorMap tmv, const dk_attention_args a,
-                          int64_t tiles_per_row, int64_t head_group, float scale_log2, bool neg_q,
-                          bool q_vec, bool o_vec, bool o16, bool sort_rows)
+                          int64_t tiles_per_row, int64_t head_group, int64_t split_from,
+                          float scale_log2, bool neg_q, bool q_vec, bool o_vec, bool o16,
+                          bool sort_rows)
 /* clang-format on */
 {
 #ifdef H90_DEVICE_CODE
@@ -915,12 +916,23 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
         tma_prefetch_map(&tmk);
         tma_prefetch_map(&tmv);
     }
+    /* CTAs from split_from on are the halves of the last wave's tiles (h8_split_from): CTA
+     * split_from + 2 i + hv takes rows 64 hv .. 64 hv + 63 of tile split_from + i, as a tile of
+     * its own whose rows end at tile_end. */
+    const int64_t bid = blockIdx.x;
+    const bool halves = bid >= split_from;
+    const int64_t hv = halves ? (bid - split_from) & 1 : 0;
     attn_cta cta;
-    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
+    if (!attn_cta_begin_at(a, halves ? split_from + (bid - split_from) / 2 : bid, tiles_per_row,
+                           head_group, sort_rows, BM, &s_row, &cta)) {
         return;
     }
-    const int64_t h = cta.h, row = cta.row, q0 = cta.q0;
+    const int64_t h = cta.h, row = cta.row, q0 = cta.q0 + 64 * hv;
     const int64_t q_start = cta.q_start, query_len = cta.query_len, seq_len = cta.seq_len;
+    const int64_t tile_end = halves ? min(query_len, q0 + 64) : query_len;
+    if (q0 >= tile_end) { /* the second half of a tile of 64 rows or fewer */
+        return;
+    }
     const int tid = (int)threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0); /* warp-uniform for ptxas */
     const int lane = tid % 32;
@@ -930,7 +942,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     h8_tma_lane tl{};
     if (tid >= 128) {
         const int64_t r = (tid - 128) / 2;
-        if (q0 + r < query_len) {
+        if (q0 + r < tile_end) {
             prefetch_l2((const uint16_t *)a.query + (q_start + q0 + r) * a.q_stride_token +
                         h * a.q_stride_head + (int64_t)(tid & 1) * (D / 2) * a.q_stride_dim);
         }
@@ -943,7 +955,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
      * end within the first's 64 (a row's last tile: 4,097 queries leave one row), and leaves at
      * once instead of running the key loop over masked rows; the empties count the first's
      * warps alone.  The first then has the tensor cores and the MUFU to itself. */
-    const uint32_t ncw = query_len - q0 > 64 ? 2u : 1u;
+    const uint32_t ncw = tile_end - q0 > 64 ? 2u : 1u;
     /* Key limits of the BM query rows (row r by thread r, but rows 0 .. 31 by warp 4 where warp
      * 0 is the TMA warp), barriers. */
     {
@@ -952,7 +964,8 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
                        : TMA && tid < 160 ? tid - 128
                                           : -1;
         if (lr >= 0) {
-            attn_warp_limits(a, lr, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax, s_wmin);
+            attn_warp_limits<true>(a, lr, lane, q0, q_start, query_len, seq_len, s_lim, s_wmax,
+                                   s_wmin, tile_end);
         }
     }
     if (tid < BM) {
@@ -1088,6 +1101,7 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     (void)a;
     (void)tiles_per_row;
     (void)head_group;
+    (void)split_from;
     (void)scale_log2;
     (void)neg_q;
     (void)q_vec;
@@ -1096,6 +1110,22 @@ attention_sm90_fp8_kernel(const __grid_constant__ CUtensorMap tmk,
     (void)sort_rows;
     __trap(); /* launched only where the sm_90a code exists (attn_sm90_ready) */
 #endif
+}
+
+/*
+ * The grid index from which the e4m3 kernel runs its tiles as halves (the kernel's split_from;
+ * blocks: none), for a grid of `blocks` tiles over `sms` multiprocessors, one CTA each (384
+ * threads at 168 registers fill an SM's registers).  When the last wave holds at most half the
+ * SMs, its tiles run as two CTAs of 64 query rows each, one consumer warpgroup apiece: the wave
+ * then spreads over twice the SMs, and its CTAs end sooner (one warpgroup alone over a tile's
+ * keys takes less than the two together, though more than half as long).  A 16k-token row of 24
+ * heads is 3,072 tiles: 23 waves of 132 and 36 tiles left, which ran with 96 SMs idle.
+ */
+static inline int64_t
+h8_split_from(int64_t blocks, int64_t sms)
+{
+    const int64_t rem = sms > 0 ? blocks % sms : 0;
+    return rem > 0 && 2 * rem <= sms ? blocks - rem : blocks;
 }
 
 /* Launches attention_sm90_fp8_kernel<T, D, TMA, CK> (attn_sm90_fp8_launch's contract; maps: the
@@ -1121,13 +1151,14 @@ h8_launch(const dk_attention_args *a, const CUtensorMap *maps, int64_t head_grou
     }
     int64_t tiles_per_row = dk_cdiv(a->max_query_len, H8_BM);
     bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
-    const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
+    const int64_t blocks = a->num_heads * a->num_rows * tiles_per_row;
+    int64_t split_from = h8_split_from(blocks, attn_sm_count());
     bool o16 = attn_out_rows16(a);
-    void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)a, &tiles_per_row, &head_group,
-                    &scale_log2,      &neg_q,           &q_vec,    &o_vec,         &o16,
-                    &sort_rows};
-    return dk_launch_after(a->pending, kernel, dim3(blocks), dim3(128 * (H8_NC + 1)), smem, s,
-                           args);
+    void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)a,   &tiles_per_row,
+                    &head_group,      &split_from,      &scale_log2, &neg_q,
+                    &q_vec,           &o_vec,           &o16,        &sort_rows};
+    return dk_launch_after(a->pending, kernel, dim3((unsigned)(2 * blocks - split_from)),
+                           dim3(128 * (H8_NC + 1)), smem, s, args);
 }
 
 /* h8_launch of the call's query dtype (fp16/bf16) and head size (64, 128) with boxes of CK keys

@@ -278,6 +278,41 @@ def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size
     _check(out, exact, sm80)
 
 
+def _rows_for_halves(sms, per_row):
+    """(n, m): n rows of `per_row` tiles make a grid whose last wave holds at most half the SMs
+    and that has full waves before it; n + m rows make one whose last wave has no halves."""
+    n = next(n for n in range(1, 4 * sms) if n * per_row > sms and 0 < n * per_row % sms <= sms // 2)
+    m = next(m for m in range(1, 4 * sms) if not 0 < (n + m) * per_row % sms <= sms // 2)
+    return n, m
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize("block", [16, 4])
+def test_the_last_waves_tiles_run_as_halves_with_the_same_bits(attention_kernel, mask, block):
+    """A grid whose last wave of 128-row tiles holds at most half the SMs runs that wave's tiles
+    as two CTAs of 64 rows each (h8_split_from).  Rows of 300 queries (tiles of 128, 128 and 44
+    rows: the halves include a tile's empty second half), as many as make such a grid: their
+    outputs against the reference, and bit for bit against the same rows in a call with rows
+    appended, whose grid has no halves (a row's keys, masks and arithmetic do not depend on the
+    CTA that takes it).  Both producers (blocks of 16: TMA; 4: cp.async)."""
+    attention_kernel("auto")
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    heads = 8
+    n, m = _rows_for_halves(sms, heads * 3)
+    rows = [(300, 300 + 53 * (i % 7)) for i in range(n + m)]
+    big = _problem(rows, heads, 2, 128, block, "contiguous", True, torch.bfloat16, seed=77 + block)
+    query, cache, table, starts, lens, k_scale, v_scale = big
+    limits = _limits(rows, seed=5) if mask == "limits" else None
+    cut = int(starts[n])
+    small = (query[:cut].contiguous(), cache, table[:n].contiguous(), starts[: n + 1].contiguous())
+    small += (lens[:n].contiguous(), k_scale, v_scale)
+    out_small = _run(*small, MODES[mask], 0.1, None if limits is None else limits[:cut].contiguous())
+    assert _C.last_attention_kernel() == ("sm90-fp8-tma" if block == 16 else "sm90-fp8")
+    _check(out_small, _expected(*small, _visible(mask, limits), 0.1))
+    out_big = _run(*big, MODES[mask], 0.1, limits)
+    assert torch.equal(out_small, out_big[:cut])
+
+
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("block", [16, 48, 80, 272, 512])
 def test_both_producers_compute_the_same_bits(mask, block):
