@@ -52,7 +52,7 @@ HEADER = timeline_header(TL_E, home="DK_TL_HOME")
 EDITS = (
     (HEADER_ANCHOR, HEADER, "after"),
     (
-        "    attn_cta cta;\n    if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM,",
+        "    attn_cta cta;\n    if (!attn_cta_begin_at(a, halves ? split_from",
         "    if (threadIdx.x == 0) { TL(0); if (blockIdx.x < TL_MAX) {"
         " tl_buf[blockIdx.x][8] = tl_smid(); tl_buf[blockIdx.x][9] = tl_gt(); } }\n",
         "before",
