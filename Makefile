@@ -20,6 +20,9 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PYTEST_ARGS ?=
+# The CPU suites (test, asan, test-wheel) spread their tests over every core with pytest-xdist;
+# PYTEST_JOBS=0 runs them in one process (the GPU suite always runs in one).
+PYTEST_JOBS ?= auto
 # Every C and CUDA file, subfolders included (csrc/py/ and any later one).
 C_FILES := $(shell find csrc cuda -name '*.[ch]' -o -name '*.cu' -o -name '*.cuh' | sort)
 
@@ -30,8 +33,8 @@ C_FILES := $(shell find csrc cuda -name '*.[ch]' -o -name '*.cu' -o -name '*.cuh
 deps:
 	@$(PYTHON) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 10) else 1)" 2>/dev/null \
 		|| $(PIP) install --quiet "torch>=2.10"
-	@$(PYTHON) -c "import pytest, numpy, setuptools, wheel, hypothesis, matplotlib" 2>/dev/null \
-		|| $(PIP) install --quiet pytest numpy "setuptools>=61" wheel hypothesis matplotlib
+	@$(PYTHON) -c "import pytest, xdist, numpy, setuptools, wheel, hypothesis, matplotlib" 2>/dev/null \
+		|| $(PIP) install --quiet pytest pytest-xdist numpy "setuptools>=61" wheel hypothesis matplotlib
 ifeq ($(shell uname -sm),Linux x86_64)
 	@# cuobjdump + nvdisasm (~5 MB) for tests/test_sass.py's check of the Hopper kernels' SASS
 	@$(PIP) show nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm >/dev/null 2>&1 \
@@ -50,7 +53,7 @@ demo: install
 	cd /tmp && $(PYTHON) -m diffkv demo
 
 test: install
-	$(PYTHON) -m pytest -q -m "not gpu" tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -m "not gpu" -n $(PYTEST_JOBS) tests $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PYTHON) -m pytest -q -m gpu tests $(PYTEST_ARGS)
@@ -94,7 +97,7 @@ asan: deps
 	rm -f python/diffkv/_C*.so
 	DIFFKV_SANITIZE=1 DIFFKV_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace --build-temp build/asan/temp --build-lib build/asan/lib
 	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider $(ONCE_ONLY_TESTS) tests $(PYTEST_ARGS)
+		PYTHONPATH=python $(PYTHON) -m pytest -q -m "not gpu" -n $(PYTEST_JOBS) -p no:cacheprovider $(ONCE_ONLY_TESTS) tests $(PYTEST_ARGS)
 	rm -f python/diffkv/_C*.so
 
 fuzz: inplace
@@ -152,7 +155,7 @@ test-wheel: wheel
 	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -c "import sys, diffkv, diffkv._C; \
 		assert diffkv.__file__.startswith(sys.prefix), diffkv.__file__; print(diffkv.__version__, diffkv.__file__)"
 	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -m diffkv info
-	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -m pytest -q -m "not gpu" -p no:cacheprovider \
+	cd $(WHEEL_TEST_VENV) && env -u PYTHONPATH bin/python -m pytest -q -m "not gpu" -n $(PYTEST_JOBS) -p no:cacheprovider \
 		--rootdir=$(CURDIR) $(ONCE_ONLY_TESTS) $(CURDIR)/tests $(PYTEST_ARGS)
 
 clean:

@@ -42,7 +42,7 @@ a float64 reference on the original bf16 q/k/v (on the device, per head, 2048 qu
 time); beside them the floors that the output's own rounding sets (the reference rounded to
 bf16, and to e4m3 with cuDNN's scale_o).
 
-    python benchmarks/bench_fp8.py [--quick] [--cases long,long-causal,hunyuan-4597,hunyuan-7597]
+    python benchmarks/bench_fp8.py [--quick | --smoke] [--cases long,long-causal,hunyuan-4597,hunyuan-7597]
                                    [--data gaussian,outlier]
                                    [--baselines diffkv_bf16,cudnn_fp8,cudnn_fp8_paged,cudnn_bf16]
                                    [--no-layer] [--no-accuracy] [--no-profile] [--json out.json]
@@ -52,7 +52,8 @@ cuDNN fp8 needs the ``cudnn`` module of ``nvidia-cudnn-frontend`` (``pip install
 nvidia-cudnn-frontend``: the backend path needs neither cutlass-dsl nor tvm-ffi); without it, or
 when its graph does not build, cuDNN fp8 is reported n/a with the reason and the rest runs.
 --quick: smaller shapes (2048 tokens; HunyuanImage rows of 1025 queries after the same 500 /
-3500-token prefixes).  --kernel sm80 runs diffkv's fp8 and bf16 calls on the mma.sync kernels
+3500-token prefixes); --smoke: tiny ones for running it end to end on a CPU (512 tokens; 129-query
+rows after the same prefixes).  --kernel sm80 runs diffkv's fp8 and bf16 calls on the mma.sync kernels
 (what an A100 runs; on Hopper, the sm80 fp8 form against the sm80 bf16 kernel on the same
 shapes).  --head 64 runs every case at head 64 (default 128); --block N pages the caches in
 blocks of N keys (default 16).  --device cpu runs diffkv only (the CPU reference), for a smoke
@@ -137,9 +138,10 @@ class Case:
         return f"{self.rows}x{heads}x{tokens}x{HEAD}"
 
 
-def _cases(quick: bool) -> list[Case]:
-    long_len = 2048 if quick else 16384
-    image = 1025 if quick else 4097
+def _cases(size: str) -> list[Case]:
+    """The four cases at size "full" (the issue's shapes), "quick" or "smoke"."""
+    long_len = {"full": 16384, "quick": 2048, "smoke": 512}[size]
+    image = {"full": 4097, "quick": 1025, "smoke": 129}[size]
     long_what = "one row, every query over every key (a video DiT layer)"
     hunyuan = "HunyuanImage-3.0 denoise: 2 CFG rows, {} image queries after a {}-token prefix"
     return [
@@ -275,7 +277,7 @@ def _attention_call(
 def warm_attention_calls(device: torch.device) -> Iterator[tuple[Case, Callable[[], None]]]:
     """Each case's fp8 attention call on Gaussian data, called three times first: what the
     stamping scripts time (fp8_phases.py, fp8_timeline.py)."""
-    for case in _cases(False):
+    for case in _cases("full"):
         inp = _make_inputs(case, "gaussian", device, 0)
         out = torch.empty_like(inp.query)
         call = _attention_call(case, inp, _cache(inp, F8), out, True)
@@ -1041,6 +1043,7 @@ def _write(args, env: dict[str, Any], results: list[dict[str, Any]], failed: lis
     record = {
         "benchmark": "fp8_attention",
         "quick": args.quick,
+        "smoke": args.smoke,
         "seed": args.seed,
         "data_kinds": args.data,
         "timing": {
@@ -1067,7 +1070,11 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     global HEAD, BLOCK  # --head and --block set the module's sizes, which every case and reference reads
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller shapes (2048 tokens; 1025-query rows)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller shapes (2048 tokens; 1025-query rows)")
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny shapes, to run it on a CPU (512 tokens; 129-query rows)"
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all; --list)")
     parser.add_argument("--data", default=",".join(DATA_KINDS), help="comma-separated: gaussian,outlier")
@@ -1108,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
     HEAD = args.head
     BLOCK = args.block
 
-    cases = _cases(args.quick)
+    cases = _cases("quick" if args.quick else "smoke" if args.smoke else "full")
     if args.list:
         for c in cases:
             print(f"{c.name:14s} {c.shape:22s} {'causal' if c.causal else 'none':7s} {c.what}")
@@ -1128,8 +1135,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")
     device = bench_device(args.device, parser.error)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or args.smoke else 3)
+    args.reps = args.reps if args.reps is not None else (3 if args.quick or args.smoke else 10)
 
     env = environment(device, checkout=__file__)
     env["attention_kernel_choice"] = args.kernel

@@ -12,7 +12,7 @@ from _helpers import run_benchmark
 def _run(tmp_path, *extra):
     out = tmp_path / "fp8.json"
     proc = run_benchmark(
-        "bench_fp8.py", "--quick", "--device", "cpu", "--cases", "hunyuan-4597", "--data", "gaussian",
+        "bench_fp8.py", "--smoke", "--device", "cpu", "--cases", "hunyuan-4597", "--data", "gaussian",
         "--no-layer", "--reps", "1", "--warmup", "0", "--json", str(out), *extra,
         timeout=300,
     )  # fmt: skip
@@ -56,4 +56,11 @@ def test_block_of_no_keys_is_refused(tmp_path):
     proc, out = _run(tmp_path, "--block", "0")
     assert proc.returncode == 2
     assert "argument --block: must be a positive number of keys, got 0" in proc.stderr
+    assert not out.exists()
+
+
+def test_quick_and_smoke_are_one_or_the_other(tmp_path):
+    proc, out = _run(tmp_path, "--quick")
+    assert proc.returncode == 2
+    assert "--quick: not allowed with argument --smoke" in proc.stderr
     assert not out.exists()
