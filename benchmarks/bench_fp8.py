@@ -138,10 +138,14 @@ class Case:
         return f"{self.rows}x{heads}x{tokens}x{HEAD}"
 
 
+# Tokens of the long rows and image queries of the HunyuanImage rows per size: the issue's shapes,
+# --quick's and --smoke's.
+SIZES = {"full": (16384, 4097), "quick": (2048, 1025), "smoke": (512, 129)}
+
+
 def _cases(size: str) -> list[Case]:
-    """The four cases at size "full" (the issue's shapes), "quick" or "smoke"."""
-    long_len = {"full": 16384, "quick": 2048, "smoke": 512}[size]
-    image = {"full": 4097, "quick": 1025, "smoke": 129}[size]
+    """The four cases at one of SIZES."""
+    long_len, image = SIZES[size]
     long_what = "one row, every query over every key (a video DiT layer)"
     hunyuan = "HunyuanImage-3.0 denoise: 2 CFG rows, {} image queries after a {}-token prefix"
     return [
@@ -1115,7 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
     HEAD = args.head
     BLOCK = args.block
 
-    cases = _cases("quick" if args.quick else "smoke" if args.smoke else "full")
+    size = "quick" if args.quick else "smoke" if args.smoke else "full"
+    cases = _cases(size)
     if args.list:
         for c in cases:
             print(f"{c.name:14s} {c.shape:22s} {'causal' if c.causal else 'none':7s} {c.what}")
@@ -1135,8 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")
     device = bench_device(args.device, parser.error)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or args.smoke else 3)
-    args.reps = args.reps if args.reps is not None else (3 if args.quick or args.smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (3 if size == "full" else 1)
+    args.reps = args.reps if args.reps is not None else (10 if size == "full" else 3)
 
     env = environment(device, checkout=__file__)
     env["attention_kernel_choice"] = args.kernel

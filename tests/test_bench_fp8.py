@@ -62,5 +62,5 @@ def test_block_of_no_keys_is_refused(tmp_path):
 def test_quick_and_smoke_are_one_or_the_other(tmp_path):
     proc, out = _run(tmp_path, "--quick")
     assert proc.returncode == 2
-    assert "--quick: not allowed with argument --smoke" in proc.stderr
+    assert "argument --quick: not allowed with argument --smoke" in proc.stderr
     assert not out.exists()
