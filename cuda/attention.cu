@@ -21,15 +21,17 @@
  *     cp.async producers ("sm90-ws"; h90_cp_async_head) or, at 192 and 256 over caches of
  *     16-key chunks, by one TMA box per chunk ("sm90-tma16").
  *   - other fp16/bf16 calls, every head size of DK_CUDA_HEAD_SIZES (diffkv.h): the mma.sync
- *     kernel (attention_sm80.cu, "sm80"); on Hopper too for the padded sizes' other calls.
+ *     kernel (attention_sm80.cu, "sm80"; "sm80-smallsmem": its form with half the keys per tile,
+ *     on GPUs whose shared memory per SM takes two CTAs only of those, an A100); on Hopper too
+ *     for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
  *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
  *     (attention_sm90_fp8.cuh), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": blocks of a
  *     multiple of 16 keys or one block a row; 8-key chunks at blocks of an odd multiple of 8)
- *     or cp.async rows ("sm90-fp8"); elsewhere (and with the
- *     kernel choice sm80) the mma.sync kernel with the cache widened to fp16 in shared memory
- *     ("sm80-fp8"); anything else over an fp8 cache is refused (NotImplementedError) before it
- *     runs.
+ *     or cp.async rows ("sm90-fp8"); elsewhere (and with the kernel choice sm80) the mma.sync
+ *     kernel with the cache widened to fp16 in shared memory ("sm80-fp8", or
+ *     "sm80-fp8-smallsmem"); anything else over an fp8 cache is refused (NotImplementedError)
+ *     before it runs.
  * docs/hopper-kernels.md has the measurements behind each rule.
  *
  * Masks: every mask is a per-token exclusive key limit L (key j visible iff j < L):
@@ -350,6 +352,7 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
                        "are multiples of 16 on CUDA");
     }
     const char *kernel = "sm80-fp8";
+    bool half = false;
     cudaError_t e;
     if (h90_ready()) {
         bool tma = false;
@@ -359,7 +362,8 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
     }
     else {
         e = attn_mma_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, true, o_vec,
-                            (cudaStream_t)stream);
+                            (cudaStream_t)stream, &half);
+        kernel = half ? "sm80-fp8-smallsmem" : "sm80-fp8";
     }
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* reported here: not the next call's error */
@@ -520,13 +524,14 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,
                          err);
     }
-    const cudaError_t e =
-        attn_mma_launch(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
+    bool half = false;
+    const cudaError_t e = attn_mma_launch(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec,
+                                          kv_vec, o_vec, s, &half);
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* reported here: not the next call's error */
         return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
                        (int)e);
     }
-    attn_note("sm80");
+    attn_note(half ? "sm80-smallsmem" : "sm80");
     return dk_cuda_after_launch(op, stream, err);
 }

@@ -61,10 +61,11 @@ cudaError_t attn_f32_launch(const dk_attention_args *a, int64_t blocks, float sc
 
 /* attention_sm80.cu: the mma.sync kernel, every head size of DK_CUDA_HEAD_SIZES (fp16/bf16)
  * and of DK_CUDA_FP8_HEAD_SIZES (an e4m3 cache); tiles_per_row counts tiles of
- * attn_mma_bm(head size) rows. */
+ * attn_mma_bm(head size) rows.  *half: whether the form with half the keys per tile ran (a GPU
+ * whose shared memory per SM takes two CTAs of those tiles but not of the full ones: an A100). */
 cudaError_t attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                             float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
-                            cudaStream_t s);
+                            cudaStream_t s, bool *half);
 
 /* attention_sm90.cu: whether the current device is compute capability 9.x and this binary
  * carries the sm90 kernels' sm_90a code (a build without that target has only trapping stubs),

@@ -76,17 +76,19 @@
  * the head dims the MMAs compute, D rounded up to their 16-dim k-step (head 72: 80; dims
  * D .. DK - 1 are zeros in every tile).  DS: elements per row of the shared-memory tiles, D
  * rounded up to 64 (eight 16-byte chunks), so that the XOR swizzle of a chunk's index with its
- * row's (c ^ (r % 8)) stays inside the row. */
-template <int D> struct attn_tile {
+ * row's (c ^ (r % 8)) stays inside the row.  HALF: BN / 2, for GPUs whose shared memory per SM
+ * holds two CTAs of those tiles but not of the full ones (an A100's 164 KB: launch_mma). */
+template <int D, bool HALF = false> struct attn_tile {
     static_assert(D % 8 == 0 && D >= 32 && D <= 256, "a head size the kernel tiles");
     static constexpr int MTILES = D <= 160 ? 2 : 1;
     static constexpr int BM = ATTN_WARPS * MTILES * 16;
-    static constexpr int BN = D <= 64 ? 128 : D <= 128 ? 64 : 32;
+    static constexpr int BN = (D <= 64 ? 128 : D <= 128 ? 64 : 32) / (HALF ? 2 : 1);
     static constexpr int DK = (D + 15) / 16 * 16;
     static constexpr int DS = (D + 63) / 64 * 64;
     /* bytes of dynamic shared memory: the Q tile, 2 stages of K and V tiles, then 2 x BN key
-     * offsets (97 KiB for heads 72 to 160 and 256, 73 KiB for head 192, 82 KiB for head 64,
-     * 81 KiB for head 32: two CTAs per SM) */
+     * offsets (97 KiB for heads 72 to 160 and 256, 73 KiB for head 192, 82 KiB for heads 32 and
+     * 64: two CTAs per SM of an H100, one of an A100; HALF: 49 KiB for 32 and 64, 65 KiB for 72
+     * to 128, 64 KiB for 256, 72 KiB for 160) */
     static constexpr size_t SMEM = (size_t)(BM + 4 * BN) * DS * 2 + 2 * BN * sizeof(int64_t);
     static_assert(BM == attn_mma_bm(D), "the dispatcher's query tile");
 };
@@ -376,7 +378,7 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
  *   - the scores' multiplier is scale_log2 * k_scale * KV8_UNIT * 2^-e; O is multiplied by
  *     v_scale * KV8_UNIT before the division by the row sum; P is fp16.
  */
-template <typename T, int D, bool KV8>
+template <typename T, int D, bool KV8, bool HALF>
 /* clang-format does not know __launch_bounds__ is an attribute. */
 /* clang-format off */
 static __global__ void __launch_bounds__(ATTN_THREADS, ATTN_CTAS_PER_SM)
@@ -385,11 +387,12 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                      bool sort_rows)
 /* clang-format on */
 {
-    constexpr int MTILES = attn_tile<D>::MTILES; /* 16-row m-tiles per warp */
-    constexpr int BM = attn_tile<D>::BM;         /* query rows per CTA */
-    constexpr int BN = attn_tile<D>::BN;
-    constexpr int DK = attn_tile<D>::DK;               /* head dims computed (D, zeros past) */
-    constexpr int DS = attn_tile<D>::DS;               /* elements per shared-memory row */
+    using tile = attn_tile<D, HALF>;
+    constexpr int MTILES = tile::MTILES; /* 16-row m-tiles per warp */
+    constexpr int BM = tile::BM;         /* query rows per CTA */
+    constexpr int BN = tile::BN;
+    constexpr int DK = tile::DK;                       /* head dims computed (D, zeros past) */
+    constexpr int DS = tile::DS;                       /* elements per shared-memory row */
     constexpr int KSTEPS = DK / 16;                    /* k-steps of S = Q K^T */
     constexpr int NTILES = BN / 8;                     /* n-tiles of S */
     constexpr int DTILES = DK / 8;                     /* n-tiles of O */
@@ -810,34 +813,118 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     }
 }
 
-/* Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute error (the
- * launch's own is read by dk_cuda_after_launch).  The shared-memory attribute is set once per
- * (instantiation, device): a race sets the same value twice, which is harmless. */
-template <typename T, int D, bool KV8>
-static cudaError_t
-launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
-           bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+/* DIFFKV_MMA_SMEM_KB: the mma.sync kernels planned as on a GPU with that many KB of shared memory
+ * per SM -- their carveout set to it, so the occupancy is that GPU's too (164 on an H100 runs
+ * what an A100 runs: the driver rounds a carveout up to a configuration it has).  Read once;
+ * unset, not a positive number, or above the device's: the device's own. */
+static int
+mma_smem_kb(void)
 {
-    static volatile bool attr_set[ATTN_MAX_DEVICES];
-    const size_t smem = attn_tile<D>::SMEM;
-    const cudaError_t e =
-        attn_allow_smem((const void *)attention_mma_kernel<T, D, KV8>, smem, attr_set);
+    static volatile int kb = -1; /* a race reads the same variable twice: harmless */
+    if (kb < 0) {
+        const char *v = getenv("DIFFKV_MMA_SMEM_KB");
+        const int n = v != NULL ? atoi(v) : 0;
+        kb = n > 0 ? n : 0;
+    }
+    return kb;
+}
+
+/* Sets one form of the kernel up on device dev (its dynamic shared memory; DIFFKV_MMA_SMEM_KB's
+ * carveout) and gives its CTAs per SM there; returns the CUDA error. */
+template <typename T, int D, bool KV8, bool HALF>
+static cudaError_t
+mma_form_setup(int dev, int *ctas)
+{
+    const void *k = (const void *)attention_mma_kernel<T, D, KV8, HALF>;
+    const size_t smem = attn_tile<D, HALF>::SMEM;
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    const int kb = mma_smem_kb();
+    if (e == cudaSuccess && kb > 0) {
+        int per_sm = 0;
+        e = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+        const int64_t pct = e == cudaSuccess && per_sm > 0 ? (int64_t)kb * 102400 / per_sm : 100;
+        if (e == cudaSuccess && pct < 100) {
+            e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, (int)pct);
+        }
+    }
     if (e != cudaSuccess) {
         return e;
     }
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctas, attention_mma_kernel<T, D, KV8, HALF>, ATTN_THREADS, smem);
+}
+
+/* Launches form HALF of the kernel; returns the launch submission's error. */
+template <typename T, int D, bool KV8, bool HALF>
+static cudaError_t
+launch_mma_form(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
+                float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+{
     bool sort_rows = a->num_rows >= 2 && a->num_rows <= ATTN_SORT_ROWS;
     const unsigned blocks = (unsigned)(a->num_heads * a->num_rows * tiles_per_row);
     /* the kernel's parameters, in order (with a pending KV write: one submission) */
     void *args[] = {(void *)a, &tiles_per_row, &head_group, &scale_log2, &neg_q,
                     &q_vec,    &kv_vec,        &o_vec,      &sort_rows};
-    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D, KV8>, dim3(blocks),
-                           dim3(ATTN_THREADS), smem, s, args);
+    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D, KV8, HALF>,
+                           dim3(blocks), dim3(ATTN_THREADS), attn_tile<D, HALF>::SMEM, s, args);
+}
+
+/* Whether head size D has the HALF form: every size whose full tiles take more than half of an
+ * A100's 164 KB (all but 192). */
+template <int D> static constexpr bool mma_has_half = D != 192;
+
+/*
+ * Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute / occupancy
+ * error (the launch's own is read by dk_cuda_after_launch).  Its form, chosen once per
+ * (instantiation, device) -- a race chooses the same twice, which is harmless: the full tiles
+ * where two CTAs of them fit an SM (an H100's 228 KB), else the HALF tiles where two of those do
+ * (an A100's 164 KB: the full tiles of every head size but 192 leave it one CTA, four warps, an
+ * SM), else the full tiles.  *half: which ran.
+ */
+template <typename T, int D, bool KV8>
+static cudaError_t
+launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
+           bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s, bool *half)
+{
+    static volatile int8_t form[ATTN_MAX_DEVICES]; /* 0: not chosen, 1: full tiles, 2: HALF */
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        return e;
+    }
+    const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
+    int f = cached ? form[dev] : 0;
+    if (f == 0) {
+        int full = 0, halved = 0;
+        e = mma_form_setup<T, D, KV8, false>(dev, &full);
+        if constexpr (mma_has_half<D>) {
+            if (e == cudaSuccess) {
+                e = mma_form_setup<T, D, KV8, true>(dev, &halved);
+            }
+        }
+        if (e != cudaSuccess) {
+            return e;
+        }
+        f = full < 2 && halved >= 2 ? 2 : 1;
+        if (cached) {
+            form[dev] = (int8_t)f;
+        }
+    }
+    *half = f == 2;
+    if constexpr (mma_has_half<D>) {
+        if (f == 2) {
+            return launch_mma_form<T, D, KV8, true>(a, tiles_per_row, head_group, scale_log2, neg_q,
+                                                    q_vec, kv_vec, o_vec, s);
+        }
+    }
+    return launch_mma_form<T, D, KV8, false>(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec,
+                                             kv_vec, o_vec, s);
 }
 
 /* The launcher of one head size: fp16 / bf16, and the e4m3-cache forms where the cache's rows
  * are whole 16-byte chunks that the staging takes (heads 64 and 128; NULL elsewhere). */
 typedef cudaError_t (*mma_launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
-                                    bool, bool, cudaStream_t);
+                                    bool, bool, cudaStream_t, bool *);
 struct mma_launchers {
     int32_t head;
     mma_launcher f16, bf16, f16_kv8, bf16_kv8;
@@ -862,8 +949,10 @@ static const mma_launchers mma_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
  * or 128). */
 cudaError_t
 attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
-                float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
+                float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s,
+                bool *half)
 {
+    *half = false;
     for (const mma_launchers &m : mma_heads) {
         if (m.head != a->head_size) {
             continue;
@@ -874,7 +963,7 @@ attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_
         if (f == NULL) {
             break;
         }
-        return f(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
+        return f(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s, half);
     }
     return cudaErrorInvalidValue; /* the caller checked the head size: not reached */
 }

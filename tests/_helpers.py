@@ -37,6 +37,28 @@ def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.Complet
     )
 
 
+def mma_kernel_name(head: int, fp8: bool = False) -> str:
+    """What ``_C.last_attention_kernel()`` names a call of the mma.sync kernel at this head size
+    on the current GPU: "sm80" ("sm80-fp8"), or with "-smallsmem" where its full tiles leave one
+    CTA an SM and the form with half the keys per tile fits two (an A100's 164 KB; also under
+    DIFFKV_MMA_SMEM_KB, which plans the kernels for that much shared memory per SM).  The sizes
+    are attention_sm80.cu's attn_tile, each CTA counted with 1 KB of static and 1 KB of
+    reserved shared memory."""
+    per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
+    kb = int(os.environ.get("DIFFKV_MMA_SMEM_KB", "0") or 0)
+    if 0 < kb * 1024 < per_sm:
+        per_sm = kb * 1024
+    bm = 128 if head <= 160 else 64
+    bn = 128 if head <= 64 else 64 if head <= 128 else 32
+    ds = (head + 63) // 64 * 64
+
+    def two_fit(bn: int) -> bool:
+        return 2 * ((bm + 4 * bn) * ds * 2 + 16 * bn + 2048) <= per_sm
+
+    half = head != 192 and not two_fit(bn) and two_fit(bn // 2)
+    return ("sm80-fp8" if fp8 else "sm80") + ("-smallsmem" if half else "")
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (a torch.distributed init_method's)."""
     with socket.socket() as s:

@@ -25,6 +25,7 @@ import math
 import pytest
 import torch
 
+from _helpers import mma_kernel_name
 from diffkv import _C
 from reference import dense_kv_from_cache, e4m3_rows, mask_causal, mask_key_limits, mask_none, ref_attention
 
@@ -156,7 +157,7 @@ def test_fp8_attention_matches_the_reference(
     # Hopper: TMA boxes of 16-key chunks with blocks of a multiple of 16 keys, of 8-key chunks
     # with blocks of an odd multiple of 8, else cp.async
     hopper = "sm90-fp8-tma" if block % 8 == 0 else "sm90-fp8"
-    assert _C.last_attention_kernel() == ("sm80-fp8" if sm80 else hopper)
+    assert _C.last_attention_kernel() == (mma_kernel_name(size, fp8=True) if sm80 else hopper)
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 

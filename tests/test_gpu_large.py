@@ -5,6 +5,7 @@ against the CPU path on the same inputs.  References run on the GPU in float64."
 import pytest
 import torch
 
+from _helpers import mma_kernel_name
 from diffkv import _C
 from reference import assert_flash_close, mask_key_limits
 
@@ -213,7 +214,9 @@ def test_each_tensor_core_kernel_matches_the_reference(kernel, head, dtype, atte
     # block 16 in random order: at head 128 one 5-d TMA box per block for K and V, at head 64
     # the cp.async producer (per-half TMA boxes take blocks of 32+, or runs of consecutive
     # 16-key blocks)
-    launched = {"sm90-tma": "sm90-tma16" if head == 128 else "sm90-ws"}.get(built, built)
+    launched = {"sm90-tma": "sm90-tma16" if head == 128 else "sm90-ws", "sm80": mma_kernel_name(head)}.get(
+        built, built
+    )
     seq_lens, query_lens = [1700, 77, 2600], [900, 77, 2600]
     spans = [(1000, 1500), (0, 40), (100, 2400)]
     p = _paged_problem(seq_lens, query_lens, 8, 2, head, 16, dtype, seed=7 + head)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import diffkv
+from _helpers import mma_kernel_name
 from diffkv import _C
 from reference import assert_flash_close, mask_key_limits
 
@@ -137,7 +138,7 @@ def test_every_head_size_matches_the_reference(head, dtype, mask, block, attenti
         attention_kernel(kernel)
         run()
         if kernel == "sm80" or head not in WGMMA_HEADS + CP_ASYNC_HEADS or not _hopper():
-            assert _C.last_attention_kernel() == "sm80"
+            assert _C.last_attention_kernel() == mma_kernel_name(head)
         elif head in CHUNK_TMA_HEADS and block % 16 == 0:
             assert _C.last_attention_kernel() == "sm90-tma16"
         elif head in CP_ASYNC_HEADS:
