@@ -25,13 +25,13 @@
  *     on GPUs whose shared memory per SM takes two CTAs only of those, an A100); on Hopper too
  *     for the padded sizes' other calls.
  *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
- *     (64, 128), K/V rows in 16-byte chunks: on the Hopper kernels the e4m3 wgmma kernel
- *     (attention_sm90_fp8.cuh), fed by TMA boxes of 16-key chunks ("sm90-fp8-tma": blocks of a
- *     multiple of 16 keys or one block a row; 8-key chunks at blocks of an odd multiple of 8)
- *     or cp.async rows ("sm90-fp8"); elsewhere (and with the kernel choice sm80) the mma.sync
- *     kernel with the cache widened to fp16 in shared memory ("sm80-fp8", or
- *     "sm80-fp8-smallsmem"); anything else over an fp8 cache is refused (NotImplementedError)
- *     before it runs.
+ *     (every CUDA size but 72), K/V rows in 16-byte chunks: at 64 and 128 on the Hopper kernels
+ *     the e4m3 wgmma kernel (attention_sm90_fp8.cuh; h8_head), fed by TMA boxes of 16-key
+ *     chunks ("sm90-fp8-tma": blocks of a multiple of 16 keys or one block a row; 8-key chunks
+ *     at blocks of an odd multiple of 8) or cp.async rows ("sm90-fp8"); elsewhere (the other
+ *     sizes on Hopper too, and with the kernel choice sm80) the mma.sync kernel with the cache
+ *     widened to fp16 in shared memory ("sm80-fp8", or "sm80-fp8-smallsmem"); anything else
+ *     over an fp8 cache is refused (NotImplementedError) before it runs.
  * docs/hopper-kernels.md has the measurements behind each rule.
  *
  * Masks: every mask is a per-token exclusive key limit L (key j visible iff j < L):
@@ -84,6 +84,15 @@ static const char attn_fp8_heads_text[] = DK_CUDA_FP8_HEAD_SIZES(ATTN_HEAD_TEXT)
 /* Whether the wgmma kernels (attention_sm90*.cu) take head_size.  Cannot fail. */
 static bool
 h90_head(int64_t head_size)
+{
+    return head_size == 64 || head_size == 128;
+}
+
+/* Whether the e4m3 wgmma kernel (attention_sm90_fp8.cuh) takes head_size over a float8_e4m3fn
+ * cache; the other sizes of DK_CUDA_FP8_HEAD_SIZES run the mma.sync kernel's e4m3 form on
+ * Hopper too.  Cannot fail. */
+static bool
+h8_head(int64_t head_size)
 {
     return head_size == 64 || head_size == 128;
 }
@@ -324,10 +333,11 @@ aligned4(int64_t bytes)
 
 /*
  * Launches a checked fp16/bf16 call over a float8_e4m3fn cache, or refuses it with
- * DK_ERR_NOT_IMPLEMENTED before anything runs (K/V rows not in 16-byte chunks): on the Hopper
- * kernels (compute capability 9.x, sm_90a code, kernel choice not sm80) the e4m3 wgmma kernel
- * (attention_sm90_fp8.cuh), elsewhere the mma.sync kernel's fp8 form (attention_sm80.cu,
- * "sm80-fp8": e4m3 widened to fp16 in shared memory).  Returns DK_ERR_CUDA with the launch's
+ * DK_ERR_NOT_IMPLEMENTED before anything runs (a head size without an e4m3 form, K/V rows not
+ * in 16-byte chunks): on the Hopper kernels (compute capability 9.x, sm_90a code, kernel choice
+ * not sm80) at head 64 and 128 the e4m3 wgmma kernel (attention_sm90_fp8.cuh), elsewhere the
+ * mma.sync kernel's fp8 form (attention_sm80.cu, "sm80-fp8": e4m3 widened to fp16 in shared
+ * memory).  Returns DK_ERR_CUDA with the launch's
  * error in err, else DK_OK.
  */
 static dk_status
@@ -354,7 +364,7 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
     const char *kernel = "sm80-fp8";
     bool half = false;
     cudaError_t e;
-    if (h90_ready()) {
+    if (h90_ready() && h8_head(a->head_size)) {
         bool tma = false;
         e = attn_sm90_fp8_launch(a, head_group, scale_log2, neg_q, q_vec, o_vec,
                                  (cudaStream_t)stream, &tma);

@@ -288,13 +288,40 @@ kv8_pos(int r, int c)
     return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
 }
 
-/* The staging chunks thread tid copies and converts: chunk column (tid / 8) % (D / 16) of rows
- * kv8_row0 + k * (ATTN_THREADS / (D / 16)), all with the same r % 8 = tid % 8. */
-template <int D>
-static __device__ __forceinline__ int
-kv8_row0(int tid)
+/* Calls f(r, c) for each 16-byte chunk (row r < BN, chunk c < D / 16) of an e4m3 tile that thread
+ * tid copies and converts.  Where eight threads a chunk column tile ATTN_THREADS (D / 16 = 2, 4,
+ * 8, 16): chunk column (tid / 8) % (D / 16) of rows r0 + k * (ATTN_THREADS / (D / 16)), r0 =
+ * (tid / (8 * (D / 16))) * 8 + tid % 8, so the eight threads of a chunk column hold eight rows of
+ * distinct r % 8 and their fp16 stores meet distinct bank groups; else (D / 16 = 5, 6, 10, 12)
+ * item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
+ * conflict-free (kv8_pos) and whose fp16 stores meet up to two a bank group.  The same thread
+ * always owns the same chunks, so it reads back what its own cp.async copies wrote once it
+ * waited for them. */
+template <int D, int BN, typename F>
+static __device__ __forceinline__ void
+for_kv8_chunks(int tid, F &&f)
 {
-    return (tid / (8 * (D / 16))) * 8 + (tid & 7);
+    constexpr int CH = D / 16;
+    if constexpr (ATTN_THREADS % (8 * CH) == 0) {
+        constexpr int ROWS = ATTN_THREADS / CH; /* rows per pass */
+        static_assert(BN % ROWS == 0, "whole passes");
+        const int c = (tid >> 3) % CH;
+        const int r0 = (tid / (8 * CH)) * 8 + (tid & 7);
+#pragma unroll
+        for (int pass = 0; pass < BN / ROWS; pass++) {
+            f(r0 + pass * ROWS, c);
+        }
+    }
+    else {
+        constexpr int ITEMS = BN * CH;
+#pragma unroll
+        for (int k = 0; k < (ITEMS + ATTN_THREADS - 1) / ATTN_THREADS; k++) {
+            const int i = tid + k * ATTN_THREADS;
+            if (ITEMS % ATTN_THREADS == 0 || i < ITEMS) {
+                f(i / CH, i % CH);
+            }
+        }
+    }
 }
 
 /*
@@ -307,38 +334,26 @@ static __device__ __forceinline__ void
 stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64_t *offs,
                int32_t valid_rows)
 {
-    constexpr int ROWS = ATTN_THREADS / (D / 16); /* rows per pass */
-    const int tid = (int)threadIdx.x;
-    const int c = (tid >> 3) % (D / 16);
-    const int r0 = kv8_row0<D>(tid);
-#pragma unroll
-    for (int pass = 0; pass < BN / ROWS; pass++) {
-        const int r = r0 + pass * ROWS;
+    for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
         cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
                    r < valid_rows ? 16u : 0u);
-    }
+    });
 }
 
 /*
  * Converts the staged e4m3 K and V tiles at slot (K then V, BN * D bytes each) into the fp16
- * tiles at tile (K [BN][D], then V), swizzled as load_kv_tile lays them out: each thread the
+ * tiles at tile (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each thread the
  * chunks it staged (its own cp.async copies, waited for by the caller), 16 bytes into two
- * 16-byte fp16 chunks.
+ * 16-byte fp16 chunks.  Columns D .. DS - 1 are not written (no k-step reads them).
  */
-template <int D, int BN>
+template <int D, int DS, int BN>
 static __device__ __forceinline__ void
 convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
 {
-    constexpr int ROWS = ATTN_THREADS / (D / 16);
-    const int tid = (int)threadIdx.x;
-    const int c = (tid >> 3) % (D / 16);
-    const int r0 = kv8_row0<D>(tid);
     const uint32_t dst = smem_addr(tile);
 #pragma unroll
     for (int kv = 0; kv < 2; kv++) {
-#pragma unroll
-        for (int pass = 0; pass < BN / ROWS; pass++) {
-            const int r = r0 + pass * ROWS;
+        for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
             const uint4 w = *reinterpret_cast<const uint4 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
             const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
             const uint2 h2 = kv8_to_half(w.z), h3 = kv8_to_half(w.w);
@@ -352,10 +367,10 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
                 }
             }
 #endif
-            const uint32_t row = dst + (uint32_t)((kv * BN + r) * D * 2);
+            const uint32_t row = dst + (uint32_t)((kv * BN + r) * DS * 2);
             st_shared16(row + (uint32_t)(((2 * c) ^ (r & 7)) * 16), lo);
             st_shared16(row + (uint32_t)(((2 * c + 1) ^ (r & 7)) * 16), hi);
-        }
+        });
     }
 }
 
@@ -401,14 +416,14 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     using MT = std::conditional_t<KV8, __half, T>;     /* the MMAs' operand type */
     static_assert(BM <= ATTN_THREADS, "a thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
-    static_assert(!KV8 || (DS == D && D % 16 == 0), "e4m3 rows of whole 16-byte chunks");
+    static_assert(!KV8 || D % 16 == 0, "e4m3 rows of whole 16-byte chunks");
 
     extern __shared__ uint4 attn_smem[];
     uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [BM][DS] */
     uint16_t *const s_kv = s_q + BM * DS; /* [2 stages][K [BN][DS], V [BN][DS]] */
     int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * DS); /* [2][BN] */
     /* KV8: the second stage's bytes hold 2 staging slots of e4m3 [K [BN][D], V [BN][D]] */
-    const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * D);
+    const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * DS);
     __shared__ int32_t s_wmax[ATTN_WARPS];
     __shared__ int32_t s_lim[ATTN_THREADS]; /* key limit of each query row (of BM) */
     __shared__ int32_t s_row;
@@ -627,7 +642,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
                 stage_kv8_tile<D, BN>(smem_addr(next + BN * D), vc, vc2, noff, kv_end - j0 - BN);
                 cp_async_commit();
             }
-            convert_kv8_tiles<D, BN>(s_kv8 + (kt & 1) * 2 * BN * D, s_kv);
+            convert_kv8_tiles<D, DS, BN>(s_kv8 + (kt & 1) * 2 * BN * D, s_kv);
             __syncthreads(); /* tile kt in fp16 for every warp */
         }
         else if (kt + 1 < n_tiles) {
@@ -922,7 +937,8 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
 }
 
 /* The launcher of one head size: fp16 / bf16, and the e4m3-cache forms where the cache's rows
- * are whole 16-byte chunks that the staging takes (heads 64 and 128; NULL elsewhere). */
+ * are whole 16-byte chunks that the staging takes (DK_CUDA_FP8_HEAD_SIZES: all but 72; NULL
+ * there). */
 typedef cudaError_t (*mma_launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
                                     bool, bool, cudaStream_t, bool *);
 struct mma_launchers {
@@ -945,8 +961,8 @@ static const mma_launchers mma_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
 #undef MMA_HEAD
 
 /* attention_internal.cuh's contract: the instantiation for the call's dtype, head size and
- * cache dtype (kv_fp8: e4m3, whose K/V rows the caller checked are in 16-byte chunks, head 64
- * or 128). */
+ * cache dtype (kv_fp8: e4m3, whose K/V rows the caller checked are in 16-byte chunks, a head
+ * size of DK_CUDA_FP8_HEAD_SIZES). */
 cudaError_t
 attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                 float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s,

@@ -313,6 +313,11 @@ def main():
             _fp8_attention_case(torch.bfloat16, 128, 48, mask, seq_lens=(37, 700))
         for mask in (_C.MASK_NONE, _C.MASK_LIMITS):  # one block of 150 keys a row (TMA, zeros past it)
             _fp8_attention_case(torch.bfloat16, 128, 150, mask)
+    # the mma.sync kernel's e4m3 form at the head sizes without an e4m3 wgmma kernel (every GPU)
+    for head in (32, 80, 96, 160, 192, 256):
+        for mask in (_C.MASK_NONE, _C.MASK_LIMITS):
+            _fp8_attention_case(torch.bfloat16, head, 16, mask)
+    _fp8_attention_case(torch.float16, 96, 1, _C.MASK_CAUSAL)
     for dtype in (torch.bfloat16, torch.float32):
         _dense_joint_case(dtype)
     if _C.build_info()["attention_kernel"] == "sm90-tma":

@@ -161,6 +161,32 @@ def test_fp8_attention_matches_the_reference(
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
+# Every head size with an e4m3 form; 64 and 128 also have the Hopper e4m3 kernel (above).
+FP8_HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "float8_e4m3fn")) if _C.cuda_compiled() else []
+
+
+@pytest.mark.parametrize("size", [d for d in FP8_HEADS if d not in (64, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+@pytest.mark.parametrize(
+    ("block", "layout", "per_head"), [(16, "contiguous", False), (1, "hnd", True), (48, "block_major", True)]
+)
+def test_sm80_fp8_every_head_size_matches_the_reference(
+    attention_kernel, size, dtype, mask, block, layout, per_head
+):
+    """Head sizes other than 64 and 128 over an fp8 cache run the mma.sync kernel's e4m3 form on
+    every GPU, Hopper included (no e4m3 wgmma kernel there): against the float64 reference over
+    the dequantized cache, within the sm80 form's tolerances."""
+    attention_kernel("auto")
+    rows = [(300, 700), (129, 129), (1, 333), (64, 900)]
+    prob = _problem(rows, 8, 2, size, block, layout, per_head, dtype, seed=size + block)
+    limits = _limits(rows, 5) if mask == "limits" else None
+    scale = size**-0.5
+    out = _run(*prob, MODES[mask], scale, limits)
+    assert _C.last_attention_kernel() == mma_kernel_name(size, fp8=True)
+    _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=False), sm80=True)
+
+
 @pytest.mark.parametrize("block", [16, 8])
 def test_a_query_tile_without_keys_lets_its_first_copies_land(attention_kernel, block):
     """The TMA form may bring a CTA's first K and V tile in for the row's keys before the key
@@ -246,6 +272,12 @@ def test_sm80_fp8_nan_codes_reach_the_rows_that_read_them(attention_kernel):
         (128, 4, "contiguous"),
         (64, 16, "contiguous"),
         (64, 8, "contiguous"),
+        (32, 16, "contiguous"),
+        (80, 1, "contiguous"),
+        (96, 48, "hnd"),
+        (160, 16, "contiguous"),
+        (192, 8, "hnd"),
+        (256, 16, "contiguous"),
     ],
 )
 def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size, block, layout):
@@ -255,7 +287,7 @@ def test_nan_codes_in_unread_slots_stay_out(attention_kernel, choice, mask, size
     and equal to the reference over the clean cache (0 * nan is nan: a kernel must zero, not
     weigh, the keys past what its rows see)."""
     attention_kernel(choice)
-    sm80 = choice == "sm80"
+    sm80 = choice == "sm80" or size not in (64, 128)  # the other sizes' only e4m3 form
     rows = [(150, 700), (300, 1000), (64, 333)]
     prob = _problem(rows, 8, 2, size, block, layout, True, torch.bfloat16, seed=31)
     query, cache, table, starts, lens, k_scale, v_scale = prob

@@ -1,10 +1,10 @@
 """Every fp16/bf16 head size the CUDA kernels take (``_C.supported_head_sizes('cuda', ...)``)
 against the float64 reference: every mask mode, block sizes 1, 16 and 48, GQA and MHA, strided
 query/output and cache layouts (the cp.async and the element-load paths), the LSE output that
-context parallelism merges, the dense forward, and a float8_e4m3fn cache refused where the e4m3
-kernels have no instantiation.  Every cache slot a row must not read -- the spare blocks and
-the slots past each row's end in its last block -- holds NaN, so a kernel that reads one poisons
-its output."""
+context parallelism merges, the dense forward (over fp8 K/V too), and a float8_e4m3fn cache
+refused at the one size without an e4m3 form (72: its e4m3 rows are not 16-byte chunks).  Every
+cache slot a row must not read -- the spare blocks and the slots past each row's end in its last
+block -- holds NaN, so a kernel that reads one poisons its output."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import diffkv
 from _helpers import mma_kernel_name
 from diffkv import _C
-from reference import assert_flash_close, mask_key_limits
+from reference import assert_flash_close, mask_key_limits, ref_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -250,15 +250,57 @@ def test_dense_forward_every_head_size(head, causal):
     _close(out, q, k, v, visible.expand(b, sq, sk), head**-0.5)
 
 
-@pytest.mark.parametrize("head", [h for h in HEADS if h not in WGMMA_HEADS])
+FP8_HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "float8_e4m3fn")) if _C.cuda_compiled() else []
+
+
+def test_fp8_head_sizes_are_those_of_16_byte_rows():
+    """Every head size but 72 has an e4m3 form: its e4m3 rows are whole 16-byte chunks."""
+    assert FP8_HEADS == [h for h in HEADS if h % 16 == 0] and 72 not in FP8_HEADS
+
+
+def _e4m3(x):
+    """x rounded as the fp8 dense forward rounds K and V: one scale, amax / 448 (float64)."""
+    scale = x.float().abs().amax() / 448
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
+
+
+@pytest.mark.parametrize("head", [h for h in FP8_HEADS if h not in WGMMA_HEADS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_dense_forward_every_head_size(head, causal):
+    """extra["kv_cache_dtype"] == "fp8" at the head sizes without an e4m3 wgmma kernel: the dense
+    forward's K/V rounded to e4m3 (a scale each from their amax), the mma.sync kernel's e4m3 form
+    over them, GQA, two rows: within 2^-8 relative L2 of the float64 reference over the rounded
+    K/V and the query as it is (the form's products are fp16: tests/test_attention_fp8_cuda.py)."""
+    g = torch.Generator(device="cuda").manual_seed(head + causal)
+    b, sq, sk, h, hkv = 2, 80, 150, 4, 2
+    q = torch.randn(b, sq, h, head, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
+    impl = diffkv.DiffKVAttentionImpl(
+        num_heads=h, head_size=head, softmax_scale=head**-0.5, causal=causal, num_kv_heads=hkv
+    )
+    out = impl.forward(q, k, v, diffkv.AttentionMetadata(extra={"kv_cache_dtype": "fp8"}))
+    assert _C.last_attention_kernel() == mma_kernel_name(head, fp8=True)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    exact = ref_attention(
+        q.cpu().double(), _e4m3(k.cpu()), _e4m3(v.cpu()), visible.expand(b, sq, sk), head**-0.5
+    )
+    rel = ((out.cpu().double() - exact).norm() / exact.norm()).item()
+    assert rel <= 2.0**-8, rel
+
+
+@pytest.mark.parametrize("head", [h for h in HEADS if h not in FP8_HEADS])
 def test_fp8_cache_refused_where_no_e4m3_kernel(head):
+    sizes = ", ".join(map(str, FP8_HEADS))
     q, cache, table, qsl, seq, _ = _problem([40], [40], 2, 2, head, 16, torch.bfloat16, 1)
     cache8 = torch.zeros(cache.shape, device="cuda", dtype=torch.float8_e4m3fn)
     one = torch.ones(1, device="cuda")
     out = torch.zeros_like(q)
     with pytest.raises(
         NotImplementedError,
-        match=rf"^paged_attention\(\): a float8_e4m3fn kv_cache takes head_size 64, 128 on CUDA, got {head}$",
+        match=rf"^paged_attention\(\): a float8_e4m3fn kv_cache takes head_size {sizes} on CUDA, got {head}$",
     ):
         _C.paged_attention(
             q,

@@ -285,7 +285,8 @@ def info(args):
                 " chunk for K and V -- for blocks of 16 n keys in any order, persistent (sm90-persist)"
                 " for short unmasked calls of uniform rows; at 64 and 128 TMA boxes"
                 " for power-of-two blocks of 32+ keys and runs of consecutive blocks; sm90-ws,"
-                " cp.async, otherwise and at the other head sizes; e4m3 wgmma for fp8 caches at 64 and 128)"
+                " cp.async, otherwise and at the other head sizes; e4m3 wgmma for fp8 caches at 64 and 128,"
+                " mma.sync's e4m3 form at the other sizes)"
             ),
             "sm90": "sm90 (wgmma, Hopper)",
             "sm80": "sm80 (mma.sync)",
