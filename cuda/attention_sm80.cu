@@ -294,7 +294,7 @@ kv8_pos(int r, int c)
  * (tid / (8 * (D / 16))) * 8 + tid % 8, so the eight threads of a chunk column hold eight rows of
  * distinct r % 8 and their fp16 stores meet distinct bank groups; else (D / 16 = 5, 6, 10, 12)
  * item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
- * conflict-free (kv8_pos) and whose fp16 stores meet up to two a bank group.  The same thread
+ * conflict-free (kv8_pos) and some of whose fp16 stores share a bank group.  The same thread
  * always owns the same chunks, so it reads back what its own cp.async copies wrote once it
  * waited for them. */
 template <int D, int BN, typename F>
