@@ -42,7 +42,7 @@ def mma_kernel_name(head: int, fp8: bool = False) -> str:
     on the current GPU: "sm80" ("sm80-fp8"), or with "-smallsmem" where its full tiles leave one
     CTA an SM and the form with half the keys per tile fits two (an A100's 164 KB; also under
     DIFFKV_MMA_SMEM_KB, which plans the kernels for that much shared memory per SM).  The sizes
-    are attention_sm80.cu's attn_tile, each CTA counted with 1 KB of static and 1 KB of
+    are attention_sm80.cuh's attn_tile, each CTA counted with 1 KB of static and 1 KB of
     reserved shared memory."""
     per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
     kb = int(os.environ.get("DIFFKV_MMA_SMEM_KB", "0") or 0)
