@@ -151,6 +151,14 @@ def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
     return codes.double() * qs.double()
 
 
+def e4m3_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x as the fp8 dense forward rounds K and V, float64: one scale for the whole tensor,
+    amax / 448 (1 for an all-zero tensor), ``(x / scale)`` rounded to float8_e4m3fn, times it."""
+    amax = x.float().abs().amax()
+    scale = amax / 448 if amax > 0 else torch.ones(())
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
+
+
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest absolute difference (float64, CPU)."""
     return (actual.detach().cpu().double() - expected.detach().cpu().double()).abs().max().item()

@@ -12,7 +12,7 @@ import diffkv
 from diffkv import _C
 from diffkv.backends.abstract import AttentionMetadata, PackedPaddingMetadata, QueryRange
 from diffkv.backends.diffkv import DiffKVAttentionBackend
-from reference import e4m3_rows, mask_causal, mask_spans, ref_attention
+from reference import e4m3_rows, e4m3_tensor, mask_causal, mask_spans, ref_attention
 
 H, HKV = 8, 2
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -775,13 +775,6 @@ def test_packed_varlen_tokens_outside_documents(device, first):
 # --- extra["kv_cache_dtype"] == "fp8" ------------------------------------------------------------
 
 
-def _e4m3_tensor(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the fp8 dense forward does: one scale for the tensor, amax / 448 (float64)."""
-    amax = x.float().abs().amax()
-    scale = amax / 448 if amax > 0 else torch.ones(())
-    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
-
-
 def _fp8_close(out, q, kd, vd, visible, scale, device):
     """CPU: the reference over the e4m3-rounded K/V, within the output's rounding.  CUDA (the
     Hopper e4m3 kernel): Q rounded per row as documented, P's e4m3 rounding left -- 2^-4
@@ -827,7 +820,7 @@ def test_fp8_dense_forward(device, causal, fields, name):
         # a row is one block of its 150 (or 80) keys, which the e4m3 kernel's TMA producer
         # takes; with key padding the rounding copies them kept first
         assert _C.last_attention_kernel() == "sm90-fp8-tma"
-    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+    _fp8_close(out, q, e4m3_tensor(k.cpu()), e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
 
 
 def test_fp8_dense_scales_from_the_inputs_are_not_checked(device):
@@ -990,7 +983,7 @@ def test_fp8_dense_packed_varlen(device, causal, lens, where):
     for r in range(len(lens)):
         a, c = int(cu[r]), int(cu[r + 1])
         visible[0, a:c, a:c] = _causal(1, c - a, c - a)[0] if causal else True
-    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+    _fp8_close(out, q, e4m3_tensor(k.cpu()), e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -1015,7 +1008,7 @@ def test_fp8_dense_packed_keys_inside_a_longer_tensor(device, causal):
     for r in range(len(q_lens)):
         a, c, ka, kc = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
         visible[0, a:c, ka:kc] = _causal(1, c - a, kc - ka)[0] if causal else True
-    _fp8_close(out, q, _e4m3_tensor(k.cpu()), _e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
+    _fp8_close(out, q, e4m3_tensor(k.cpu()), e4m3_tensor(v.cpu()), visible, impl.softmax_scale, device)
 
 
 @pytest.mark.parametrize("offsets", [[0, 50, 180, 187, 251], [3, 53, 183, 190], [0, 0, 5], [4, 20, 36]])

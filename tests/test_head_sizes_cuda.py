@@ -16,7 +16,7 @@ import torch
 import diffkv
 from _helpers import mma_kernel_name
 from diffkv import _C
-from reference import assert_flash_close, mask_key_limits, ref_attention
+from reference import assert_flash_close, e4m3_tensor, mask_key_limits, ref_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -231,23 +231,29 @@ def test_dense_joint_every_head_size(head, strategy):
     _close(out, cat(q, jq), cat(k, jk), cat(v, jv), visible, head**-0.5)
 
 
+def _dense_case(head, causal, sq, sk, seed):
+    """Two CFG rows of bf16 Q [2, sq, 4, head] and K/V [2, sk, 2, head] (GQA) from the seed, the
+    layer (scale head^-0.5, causal or not) and the visible mask [2, sq, sk] (bottom-right
+    causal)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, sq, 4, head, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(2, sk, 2, head, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(2, sk, 2, head, device="cuda", generator=g).to(torch.bfloat16)
+    impl = diffkv.DiffKVAttentionImpl(
+        num_heads=4, head_size=head, softmax_scale=head**-0.5, causal=causal, num_kv_heads=2
+    )
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    return q, k, v, impl, visible.expand(2, sq, sk)
+
+
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_forward_every_head_size(head, causal):
     """DiffKVAttentionImpl.forward (the dense path: the same kernels over plain K/V)."""
-    g = torch.Generator(device="cuda").manual_seed(head)
-    b, sq, sk, h, hkv = 2, 150, 290, 4, 2
-    q = torch.randn(b, sq, h, head, device="cuda", generator=g).to(torch.bfloat16)
-    k = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
-    v = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
-    impl = diffkv.DiffKVAttentionImpl(
-        num_heads=h, head_size=head, softmax_scale=head**-0.5, causal=causal, num_kv_heads=hkv
-    )
-    out = impl.forward(q, k, v)
-    visible = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-    _close(out, q, k, v, visible.expand(b, sq, sk), head**-0.5)
+    q, k, v, impl, visible = _dense_case(head, causal, 150, 290, head)
+    _close(impl.forward(q, k, v), q, k, v, visible, head**-0.5)
 
 
 FP8_HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "float8_e4m3fn")) if _C.cuda_compiled() else []
@@ -258,12 +264,6 @@ def test_fp8_head_sizes_are_those_of_16_byte_rows():
     assert FP8_HEADS == [h for h in HEADS if h % 16 == 0] and 72 not in FP8_HEADS
 
 
-def _e4m3(x):
-    """x rounded as the fp8 dense forward rounds K and V: one scale, amax / 448 (float64)."""
-    scale = x.float().abs().amax() / 448
-    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
-
-
 @pytest.mark.parametrize("head", [h for h in FP8_HEADS if h not in WGMMA_HEADS])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_dense_forward_every_head_size(head, causal):
@@ -271,22 +271,10 @@ def test_fp8_dense_forward_every_head_size(head, causal):
     forward's K/V rounded to e4m3 (a scale each from their amax), the mma.sync kernel's e4m3 form
     over them, GQA, two rows: within 2^-8 relative L2 of the float64 reference over the rounded
     K/V and the query as it is (the form's products are fp16: tests/test_attention_fp8_cuda.py)."""
-    g = torch.Generator(device="cuda").manual_seed(head + causal)
-    b, sq, sk, h, hkv = 2, 80, 150, 4, 2
-    q = torch.randn(b, sq, h, head, device="cuda", generator=g).to(torch.bfloat16)
-    k = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
-    v = torch.randn(b, sk, hkv, head, device="cuda", generator=g).to(torch.bfloat16)
-    impl = diffkv.DiffKVAttentionImpl(
-        num_heads=h, head_size=head, softmax_scale=head**-0.5, causal=causal, num_kv_heads=hkv
-    )
+    q, k, v, impl, visible = _dense_case(head, causal, 80, 150, head + causal)
     out = impl.forward(q, k, v, diffkv.AttentionMetadata(extra={"kv_cache_dtype": "fp8"}))
     assert _C.last_attention_kernel() == mma_kernel_name(head, fp8=True)
-    visible = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-    exact = ref_attention(
-        q.cpu().double(), _e4m3(k.cpu()), _e4m3(v.cpu()), visible.expand(b, sq, sk), head**-0.5
-    )
+    exact = ref_attention(q.cpu().double(), e4m3_tensor(k.cpu()), e4m3_tensor(v.cpu()), visible, head**-0.5)
     rel = ((out.cpu().double() - exact).norm() / exact.norm()).item()
     assert rel <= 2.0**-8, rel
 
