@@ -1100,9 +1100,9 @@ def main(argv: list[str] | None = None) -> int:
         "--head",
         type=int,
         default=128,
-        choices=(32, 64, 80, 96, 128, 160, 192, 256),
-        help="head size of every case (the sizes with an e4m3 form; on Hopper 64 and 128 run the e4m3 "
-        "wgmma kernel, the others the mma.sync kernel's e4m3 form; default %(default)s)",
+        choices=(32, 64, 72, 80, 96, 128, 160, 192, 256),
+        help="head size of every case (on Hopper 64 and 128 run the e4m3 wgmma kernel, the others the "
+        "mma.sync kernel's e4m3 form; default %(default)s)",
     )
     parser.add_argument(
         "--block",

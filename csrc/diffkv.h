@@ -656,15 +656,13 @@ dk_kernel_choice dk_set_attention_kernel(dk_kernel_choice choice);
  *   - CUDA float32: any in [1, DK_CUDA_F32_MAX_HEAD] (attention_f32.cu's per-lane registers);
  *   - CUDA float16/bfloat16: DK_CUDA_HEAD_SIZES, the tensor-core kernels' instantiations (the
  *     mma.sync kernel's, attention_sm80.cu; on Hopper the wgmma kernels take 64 and 128);
- *     over a float8_e4m3fn cache DK_CUDA_FP8_HEAD_SIZES, those whose e4m3 rows are whole
- *     16-byte chunks (all but 72): the mma.sync kernel's e4m3 form at each, on Hopper the e4m3
- *     wgmma kernel at 64 and 128.
+ *     over a float8_e4m3fn cache the same sizes (the mma.sync kernel's e4m3 form at each, on
+ *     Hopper the e4m3 wgmma kernel at 64 and 128).
  * A CPU-only build serves no CUDA head size. */
 #define DK_REF_MAX_HEAD_SIZE 1024
 #define DK_CUDA_F32_MAX_HEAD 256
 /* X-macro lists, ascending: X(size) for each */
 #define DK_CUDA_HEAD_SIZES(X) X(32) X(64) X(72) X(80) X(96) X(128) X(160) X(192) X(256)
-#define DK_CUDA_FP8_HEAD_SIZES(X) X(32) X(64) X(80) X(96) X(128) X(160) X(192) X(256)
 /* Whether paged attention on device_type (DK_CPU or DK_CUDA) takes head_size for dtype (an
  * activation dtype: DK_F32, DK_F16, DK_BF16; anything else: 0) over a cache of the activation
  * dtype (kv_fp8 0) or a float8_e4m3fn one (kv_fp8 1: on CUDA fp16/bf16 queries only).  Cannot

@@ -24,9 +24,9 @@
  *     kernel (attention_sm80.cu, "sm80"; "sm80-smallsmem": its form with half the keys per tile,
  *     on GPUs whose shared memory per SM takes two CTAs only of those, an A100); on Hopper too
  *     for the padded sizes' other calls.
- *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, a head size of DK_CUDA_FP8_HEAD_SIZES
- *     (every CUDA size but 72), K/V rows in 16-byte chunks: at 64 and 128 on the Hopper kernels
- *     the e4m3 wgmma kernel (attention_sm90_fp8.cuh; h8_head), fed by TMA boxes of 16-key
+ *   - a float8_e4m3fn cache (kv_fp8), fp16/bf16 queries, every head size of DK_CUDA_HEAD_SIZES,
+ *     K/V rows in 16-byte chunks (8-byte at head 72): at 64 and 128 on the Hopper kernels the
+ *     e4m3 wgmma kernel (attention_sm90_fp8.cuh; h8_head), fed by TMA boxes of 16-key
  *     chunks ("sm90-fp8-tma": blocks of a multiple of 16 keys or one block a row; 8-key chunks
  *     at blocks of an odd multiple of 8) or cp.async rows ("sm90-fp8"); elsewhere (the other
  *     sizes on Hopper too, and with the kernel choice sm80) the mma.sync kernel with the cache
@@ -78,7 +78,6 @@ static const char *volatile attn_last_kernel = "none";
 /* "32, 64, ..." of an X-macro list of head sizes, for messages. */
 #define ATTN_HEAD_TEXT(d) ", " #d
 static const char attn_heads_text[] = DK_CUDA_HEAD_SIZES(ATTN_HEAD_TEXT);
-static const char attn_fp8_heads_text[] = DK_CUDA_FP8_HEAD_SIZES(ATTN_HEAD_TEXT);
 #undef ATTN_HEAD_TEXT
 
 /* Whether the wgmma kernels (attention_sm90*.cu) take head_size.  Cannot fail. */
@@ -89,8 +88,7 @@ h90_head(int64_t head_size)
 }
 
 /* Whether the e4m3 wgmma kernel (attention_sm90_fp8.cuh) takes head_size over a float8_e4m3fn
- * cache; the other sizes of DK_CUDA_FP8_HEAD_SIZES run the mma.sync kernel's e4m3 form on
- * Hopper too.  Cannot fail. */
+ * cache; the other sizes run the mma.sync kernel's e4m3 form on Hopper too.  Cannot fail. */
 static bool
 h8_head(int64_t head_size)
 {
@@ -333,33 +331,31 @@ aligned4(int64_t bytes)
 
 /*
  * Launches a checked fp16/bf16 call over a float8_e4m3fn cache, or refuses it with
- * DK_ERR_NOT_IMPLEMENTED before anything runs (a head size without an e4m3 form, K/V rows not
- * in 16-byte chunks): on the Hopper kernels (compute capability 9.x, sm_90a code, kernel choice
- * not sm80) at head 64 and 128 the e4m3 wgmma kernel (attention_sm90_fp8.cuh), elsewhere the
- * mma.sync kernel's fp8 form (attention_sm80.cu, "sm80-fp8": e4m3 widened to fp16 in shared
- * memory).  Returns DK_ERR_CUDA with the launch's
- * error in err, else DK_OK.
+ * DK_ERR_NOT_IMPLEMENTED before anything runs (K/V rows not in 16-byte chunks -- 8-byte at head
+ * 72, whose rows are 72 bytes): on the Hopper kernels (compute
+ * capability 9.x, sm_90a code, kernel choice not sm80) at head 64 and 128 the e4m3 wgmma kernel
+ * (attention_sm90_fp8.cuh), elsewhere the mma.sync kernel's fp8 form (attention_sm80.cu,
+ * "sm80-fp8": e4m3 widened to fp16 in shared memory).  Returns DK_ERR_CUDA with the launch's error
+ * in err, else DK_OK.
  */
 static dk_status
 attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
          bool neg_q, bool q_vec, bool o_vec, void *stream, dk_error *err)
 {
-    /* e4m3: one byte per element, so 16-byte chunks are 16 elements */
-    const bool kv16 = a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
-                      ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
-                      ptr_aligned16(a->value_cache2) && aligned16(a->cache_stride_block) &&
-                      aligned16(a->cache_stride_token) && aligned16(a->cache_stride_head);
-    if (!dk_head_size_supported(DK_CUDA, a->dtype, 1, a->head_size)) {
-        return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
-                       "paged_attention(): a float8_e4m3fn kv_cache takes head_size %s on CUDA, "
-                       "got %lld",
-                       attn_fp8_heads_text + 2, (long long)a->head_size);
-    }
+    /* e4m3: one byte per element, so 16-byte chunks are 16 elements; the mma.sync form copies
+     * head 72's rows in 8-byte chunks */
+    const int64_t unit = a->head_size % 16 == 0 ? 16 : 8;
+    const bool kv16 = a->cache_stride_dim == 1 && (uintptr_t)a->key_cache % unit == 0 &&
+                      (uintptr_t)a->value_cache % unit == 0 &&
+                      (uintptr_t)a->key_cache2 % unit == 0 &&
+                      (uintptr_t)a->value_cache2 % unit == 0 && a->cache_stride_block % unit == 0 &&
+                      a->cache_stride_token % unit == 0 && a->cache_stride_head % unit == 0;
     if (!kv16) {
         return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
                        "paged_attention(): a float8_e4m3fn kv_cache must have contiguous head "
-                       "dims, 16-byte aligned storage and block, token and head strides that "
-                       "are multiples of 16 on CUDA");
+                       "dims, %d-byte aligned storage and block, token and head strides that "
+                       "are multiples of %d on CUDA",
+                       (int)unit, (int)unit);
     }
     const char *kernel = "sm80-fp8";
     bool half = false;

@@ -59,8 +59,8 @@ attn_mma_bm(int64_t head)
 cudaError_t attn_f32_launch(const dk_attention_args *a, int64_t blocks, float scale_log2,
                             cudaStream_t s);
 
-/* attention_sm80.cu: the mma.sync kernel, every head size of DK_CUDA_HEAD_SIZES (fp16/bf16)
- * and of DK_CUDA_FP8_HEAD_SIZES (an e4m3 cache); tiles_per_row counts tiles of
+/* attention_sm80.cu: the mma.sync kernel, every head size of DK_CUDA_HEAD_SIZES (fp16/bf16
+ * queries, over a cache of their dtype or an e4m3 one); tiles_per_row counts tiles of
  * attn_mma_bm(head size) rows.  *half: whether the form with half the keys per tile ran (a GPU
  * whose shared memory per SM takes two CTAs of those tiles but not of the full ones: an A100). */
 cudaError_t attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,

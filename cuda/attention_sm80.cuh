@@ -280,24 +280,43 @@ kv8_nan_fix(uint32_t h)
 }
 #endif
 
-/* Byte offset of 16-byte chunk c of row r in an e4m3 staging tile of D-byte rows: the chunks
- * numbered row by row, eight to a 128-byte line, XOR-swizzled by the line's index, so that the
- * eight rows of one chunk column that 8 threads read together lie in distinct bank groups. */
+/* Bytes per staged chunk of an e4m3 K/V row of D bytes: 16, or 8 where D is an odd multiple of 8
+ * (head 72: its rows lie 8 bytes apart from 16-byte alignment in a cache of consecutive heads). */
+template <int D> static constexpr int kv8_chunk = D % 16 == 0 ? 16 : 8;
+
+/* 8-byte cp.async to shared address dst; src_bytes 0 fills the 8 bytes with zeros. */
+static __device__ __forceinline__ void
+cp_async8(uint32_t dst, const void *src, uint32_t src_bytes)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+/* Byte offset of chunk c of row r in an e4m3 staging tile of D-byte rows.  16-byte chunks: numbered
+ * row by row, eight to a 128-byte line, XOR-swizzled by the line's index, so that the eight rows of
+ * one chunk column that 8 threads read together lie in distinct bank groups.  8-byte chunks: in
+ * order (threads read consecutive ones, conflict-free). */
 template <int D>
 static __device__ __forceinline__ uint32_t
 kv8_pos(int r, int c)
 {
-    const uint32_t n = (uint32_t)(r * (D / 16) + c);
-    const uint32_t line = n >> 3;
-    return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
+    if constexpr (kv8_chunk<D> == 8) {
+        return (uint32_t)(r * D + c * 8);
+    }
+    else {
+        const uint32_t n = (uint32_t)(r * (D / 16) + c);
+        const uint32_t line = n >> 3;
+        return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
+    }
 }
 
-/* Calls f(r, c) for each 16-byte chunk (row r < BN, chunk c < D / 16) of an e4m3 tile that thread
- * tid copies and converts.  Where eight threads a chunk column tile ATTN_THREADS (D / 16 = 2, 4,
- * 8, 16): chunk column (tid / 8) % (D / 16) of rows r0 + k * (ATTN_THREADS / (D / 16)), r0 =
- * (tid / (8 * (D / 16))) * 8 + tid % 8, so the eight threads of a chunk column hold eight rows of
- * distinct r % 8 and their fp16 stores meet distinct bank groups; else (D / 16 = 5, 6, 10, 12)
- * item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
+/* Calls f(r, c) for each staged chunk (row r < BN, chunk c < CH = D / kv8_chunk<D>) of an e4m3
+ * tile that thread tid copies and converts.  Where eight threads a chunk column tile
+ * ATTN_THREADS (CH = 2, 4, 8, 16): chunk column (tid / 8) % CH of rows r0 + k * (ATTN_THREADS /
+ * CH), r0 = (tid / (8 * CH)) * 8 + tid % 8, so the eight threads of a chunk column hold eight
+ * rows of distinct r % 8 and their fp16 stores meet distinct bank groups; else (CH = 5, 6, 9,
+ * 10, 12) item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
  * conflict-free (kv8_pos) and some of whose fp16 stores share a bank group.  The same thread
  * always owns the same chunks, so it reads back what its own cp.async copies wrote once it
  * waited for them. */
@@ -305,7 +324,7 @@ template <int D, int BN, typename F>
 static __device__ __forceinline__ void
 for_kv8_chunks(int tid, F &&f)
 {
-    constexpr int CH = D / 16;
+    constexpr int CH = D / kv8_chunk<D>;
     if constexpr (ATTN_THREADS % (8 * CH) == 0) {
         constexpr int ROWS = ATTN_THREADS / CH; /* rows per pass */
         static_assert(BN % ROWS == 0, "whole passes");
@@ -330,8 +349,8 @@ for_kv8_chunks(int tid, F &&f)
 
 /*
  * Copies one e4m3 K or V tile of BN keys (byte offsets offs[0 .. BN), rows of D bytes in
- * 16-byte chunks) into the staging tile at slot with cp.async; rows >= valid_rows become zeros
- * (e4m3 zero: masked probabilities never meet a NaN code).
+ * chunks of kv8_chunk<D> bytes) into the staging tile at slot with cp.async; rows >= valid_rows
+ * become zeros (e4m3 zero: masked probabilities never meet a NaN code).
  */
 template <int D, int BN>
 static __device__ __forceinline__ void
@@ -339,8 +358,14 @@ stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64
                int32_t valid_rows)
 {
     for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
-        cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
-                   r < valid_rows ? 16u : 0u);
+        if constexpr (kv8_chunk<D> == 8) {
+            cp_async8(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 8,
+                      r < valid_rows ? 8u : 0u);
+        }
+        else {
+            cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
+                       r < valid_rows ? 16u : 0u);
+        }
     });
 }
 
@@ -348,7 +373,8 @@ stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64
  * Converts the staged e4m3 K and V tiles at slot (K then V, BN * D bytes each) into the fp16
  * tiles at tile (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each thread the
  * chunks it staged (its own cp.async copies, waited for by the caller), 16 bytes into two
- * 16-byte fp16 chunks.  Columns D .. DS - 1 are not written (no k-step reads them).
+ * 16-byte fp16 chunks (8 bytes into one at head 72).  Columns D .. DS - 1 are not written: no
+ * k-step reads them but head 72's 72 .. 79, which the kernel zeroed at its start.
  */
 template <int D, int DS, int BN>
 static __device__ __forceinline__ void
@@ -358,6 +384,24 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
 #pragma unroll
     for (int kv = 0; kv < 2; kv++) {
         for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
+            const uint32_t row = dst + (uint32_t)((kv * BN + r) * DS * 2);
+            if constexpr (kv8_chunk<D> == 8) {
+                /* 8 bytes into one 16-byte fp16 chunk (fp16 column chunk c) */
+                const uint2 w =
+                    *reinterpret_cast<const uint2 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
+                const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
+                uint4 h = make_uint4(h0.x, h0.y, h1.x, h1.y);
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+                if (kv8_nan_words(make_uint4(w.x, w.y, 0u, 0u))) { /* zero bytes are no NaN */
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        (&h.x)[i] = kv8_nan_fix((&h.x)[i]);
+                    }
+                }
+#endif
+                st_shared16(row + (uint32_t)((c ^ (r & 7)) * 16), h);
+                return;
+            }
             const uint4 w = *reinterpret_cast<const uint4 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
             const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
             const uint2 h2 = kv8_to_half(w.z), h3 = kv8_to_half(w.w);
@@ -371,7 +415,6 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
                 }
             }
 #endif
-            const uint32_t row = dst + (uint32_t)((kv * BN + r) * DS * 2);
             st_shared16(row + (uint32_t)(((2 * c) ^ (r & 7)) * 16), lo);
             st_shared16(row + (uint32_t)(((2 * c + 1) ^ (r & 7)) * 16), hi);
         });
@@ -383,8 +426,8 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
  * end exit at once.  ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
  * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
  *
- * KV8: the cache holds e4m3 (kv_fp8; K/V rows in 16-byte chunks, kv_vec), T the query and
- * output dtype; the products run in fp16 on the same tiles:
+ * KV8: the cache holds e4m3 (kv_fp8; K/V rows in 16-byte chunks, 8-byte at head 72), T the query
+ * and output dtype; the products run in fp16 on the same tiles:
  *   - K/V tiles land by cp.async as bytes in a staging slot (stage_kv8_tile) and each thread
  *     widens the chunks it copied into the fp16 K and V tiles (convert_kv8_tiles, values /
  *     KV8_UNIT).  The shared memory of the second fp16 stage holds two staging slots instead,
@@ -420,7 +463,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     using MT = std::conditional_t<KV8, __half, T>;     /* the MMAs' operand type */
     static_assert(BM <= ATTN_THREADS, "a thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
-    static_assert(!KV8 || D % 16 == 0, "e4m3 rows of whole 16-byte chunks");
+    static_assert(!KV8 || D % 8 == 0, "e4m3 rows of whole 8-byte chunks");
 
     extern __shared__ uint4 attn_smem[];
     uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [BM][DS] */

@@ -1,12 +1,12 @@
 /*
  * attention_sm80_fp8.cu -- the mma.sync kernel's e4m3-cache form (attention_sm80.cuh: the cache
- * widened to fp16 in shared memory), every head size of DK_CUDA_FP8_HEAD_SIZES; a file of its own
- * so that the build compiles it beside attention_sm80.cu.
+ * widened to fp16 in shared memory), every head size of DK_CUDA_HEAD_SIZES; a file of its own so
+ * that the build compiles it beside attention_sm80.cu.
  */
 #include "attention_sm80.cuh"
 
 #define MMA_HEAD(d) mma_head<d, true>(),
-static const mma_launchers mma_kv8_heads[] = {DK_CUDA_FP8_HEAD_SIZES(MMA_HEAD)};
+static const mma_launchers mma_kv8_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
 #undef MMA_HEAD
 
 /* attention_sm80.cuh's contract: the call over an e4m3 cache (K/V rows the caller checked). */

@@ -161,7 +161,7 @@ def test_fp8_attention_matches_the_reference(
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
-# Every head size with an e4m3 form; 64 and 128 also have the Hopper e4m3 kernel (above).
+# Every CUDA head size has an e4m3 form; 64 and 128 also the Hopper e4m3 kernel (above).
 FP8_HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "float8_e4m3fn")) if _C.cuda_compiled() else []
 
 
@@ -273,6 +273,8 @@ def test_sm80_fp8_nan_codes_reach_the_rows_that_read_them(attention_kernel):
         (64, 16, "contiguous"),
         (64, 8, "contiguous"),
         (32, 16, "contiguous"),
+        (72, 16, "contiguous"),
+        (72, 8, "hnd"),
         (80, 1, "contiguous"),
         (96, 48, "hnd"),
         (160, 16, "contiguous"),

@@ -268,18 +268,16 @@ def test_cuda_layers_take_the_cuda_kernels_head_sizes(dtype):
     assert sizes("cuda", dtype) == ([32, 64, 72, 80, 96, 128, 160, 192, 256] if _C.cuda_compiled() else [])
     assert sizes("cuda", torch.float32) == (list(range(1, 257)) if _C.cuda_compiled() else [])
     assert sizes("cpu", dtype) == list(range(1, 1025))
-    assert sizes("cuda", dtype, fp8_cache=True) == (
-        [32, 64, 80, 96, 128, 160, 192, 256] if _C.cuda_compiled() else []
-    )
+    assert sizes("cuda", dtype, fp8_cache=True) == sizes("cuda", dtype)
     assert sizes("cuda", torch.float32, fp8_cache=True) == []
     assert sizes("cpu", dtype, fp8_cache=True) == list(range(1, 1025))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_fp8_layers_take_the_e4m3_forms_head_sizes(dtype):
-    """Over a float8_e4m3fn cache a CUDA layer's selection takes the e4m3 forms' head sizes (all
-    but 72, whose e4m3 rows are not 16-byte chunks), refusing 72, which the unquantized kernels
-    have, by name; a CPU layer takes it (the C reference reads fp8 caches at every size)."""
+    """Over a float8_e4m3fn cache a CUDA layer's selection takes the unquantized kernels' head
+    sizes (each has an e4m3 form), refusing another (88) by name; a CPU layer takes it (the C
+    reference reads fp8 caches at every size)."""
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config = diffkv.DiffusionConfig(
         diffkv.ModelConfig(dtype), diffkv.CacheConfig(block_size=16, cache_dtype="fp8")
@@ -289,19 +287,19 @@ def test_cuda_fp8_layers_take_the_e4m3_forms_head_sizes(dtype):
         return diffkv.DiffusionPagedAttentionLayerAdapter(
             layer_name="blocks.0.attn",
             layer=SimpleNamespace(num_heads=4, softmax_scale=0.1),
-            spec=diffkv.AttentionSpec(16, 2, 72, "fp8"),
+            spec=diffkv.AttentionSpec(16, 2, 88, "fp8"),
             vllm_config=config,
             device=torch.device(device),
         )
 
     if _C.cuda_compiled():
         message = (
-            f"get_attn_backend(): head_size must be one of [32, 64, 80, 96, 128, 160, 192, 256] for {name} "
-            "with a float8_e4m3fn cache on cuda, got 72"
+            f"get_attn_backend(): head_size must be one of [32, 64, 72, 80, 96, 128, 160, 192, 256] for "
+            f"{name} with a float8_e4m3fn cache on cuda, got 88"
         )
     else:
         message = (
-            f"get_attn_backend(): head_size 72 cannot run for {name} with a float8_e4m3fn cache on cuda: "
+            f"get_attn_backend(): head_size 88 cannot run for {name} with a float8_e4m3fn cache on cuda: "
             "this diffkv was built without CUDA kernels"
         )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

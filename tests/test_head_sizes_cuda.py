@@ -1,14 +1,15 @@
 """Every fp16/bf16 head size the CUDA kernels take (``_C.supported_head_sizes('cuda', ...)``)
 against the float64 reference: every mask mode, block sizes 1, 16 and 48, GQA and MHA, strided
 query/output and cache layouts (the cp.async and the element-load paths), the LSE output that
-context parallelism merges, the dense forward (over fp8 K/V too), and a float8_e4m3fn cache
-refused at the one size without an e4m3 form (72: its e4m3 rows are not 16-byte chunks).  Every
-cache slot a row must not read -- the spare blocks and the slots past each row's end in its last
-block -- holds NaN, so a kernel that reads one poisons its output."""
+context parallelism merges, the dense forward (over fp8 K/V too), and float8_e4m3fn caches
+whose rows are off the e4m3 forms' chunk size refused.  Every cache slot a row must not read --
+the spare blocks and the slots past each row's end in its last block -- holds NaN, so a kernel
+that reads one poisons its output."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -259,9 +260,9 @@ def test_dense_forward_every_head_size(head, causal):
 FP8_HEADS = list(_C.supported_head_sizes("cuda", "bfloat16", "float8_e4m3fn")) if _C.cuda_compiled() else []
 
 
-def test_fp8_head_sizes_are_those_of_16_byte_rows():
-    """Every head size but 72 has an e4m3 form: its e4m3 rows are whole 16-byte chunks."""
-    assert FP8_HEADS == [h for h in HEADS if h % 16 == 0] and 72 not in FP8_HEADS
+def test_every_head_size_takes_an_fp8_cache():
+    """Every CUDA head size has an e4m3 form (72 with 8-byte rows)."""
+    assert FP8_HEADS == HEADS and 72 in FP8_HEADS
 
 
 @pytest.mark.parametrize("head", [h for h in FP8_HEADS if h not in WGMMA_HEADS])
@@ -279,20 +280,22 @@ def test_fp8_dense_forward_every_head_size(head, causal):
     assert rel <= 2.0**-8, rel
 
 
-@pytest.mark.parametrize("head", [h for h in HEADS if h not in FP8_HEADS])
-def test_fp8_cache_refused_where_no_e4m3_kernel(head):
-    sizes = ", ".join(map(str, FP8_HEADS))
+@pytest.mark.parametrize(("head", "width", "unit"), [(72, 76, 8), (96, 104, 16)])
+def test_fp8_cache_rows_off_their_chunk_size_are_refused(head, width, unit):
+    """The e4m3 forms copy K/V rows in 16-byte chunks, head 72's in 8-byte ones: a cache whose
+    head stride (width bytes) is not a multiple of that is refused before anything runs."""
     q, cache, table, qsl, seq, _ = _problem([40], [40], 2, 2, head, 16, torch.bfloat16, 1)
-    cache8 = torch.zeros(cache.shape, device="cuda", dtype=torch.float8_e4m3fn)
+    backing = torch.zeros((*cache.shape[:-1], width), device="cuda", dtype=torch.float8_e4m3fn)
     one = torch.ones(1, device="cuda")
     out = torch.zeros_like(q)
-    with pytest.raises(
-        NotImplementedError,
-        match=rf"^paged_attention\(\): a float8_e4m3fn kv_cache takes head_size {sizes} on CUDA, got {head}$",
-    ):
+    message = (
+        f"paged_attention(): a float8_e4m3fn kv_cache must have contiguous head dims, {unit}-byte "
+        f"aligned storage and block, token and head strides that are multiples of {unit} on CUDA"
+    )
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}$"):
         _C.paged_attention(
             q,
-            cache8,
+            backing[..., :head],
             table.cuda(),
             qsl.cuda(),
             seq.cuda(),

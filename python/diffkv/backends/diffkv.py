@@ -40,7 +40,7 @@ def supported_head_sizes(device_type: str, dtype: torch.dtype, fp8_cache: bool =
     the activation ``dtype`` (float32, float16 or bfloat16), over a cache of that dtype or, with
     ``fp8_cache``, a float8_e4m3fn one, as the build serves them: the CPU reference 1 to 1024
     (either cache); CUDA float32 1 to 256 (no fp8 cache), float16/bfloat16 32, 64, 72, 80, 96,
-    128, 160, 192 and 256 (over an fp8 cache all but 72); none on CUDA in a CPU-only build.
+    128, 160, 192 and 256 (over either cache); none on CUDA in a CPU-only build.
     ``_C.supported_head_sizes`` is the one place that says so."""
     name = ACTIVATION_DTYPE_NAMES.get(dtype)
     if name is None:
