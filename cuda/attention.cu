@@ -322,6 +322,22 @@ ptr_aligned16(const void *p)
     return (uintptr_t)p % 16 == 0;
 }
 
+/* Whether the K/V caches' rows are whole chunks of `unit` bytes (elements of es bytes):
+ * contiguous head dims, storage and block, token and head strides that are multiples of unit.
+ * Cannot fail. */
+static bool
+kv_rows_in_chunks(const dk_attention_args *a, int64_t es, int64_t unit)
+{
+    const void *p[4] = {a->key_cache, a->value_cache, a->key_cache2, a->value_cache2};
+    for (int i = 0; i < 4; i++) {
+        if ((uintptr_t)p[i] % (uint64_t)unit != 0) {
+            return false;
+        }
+    }
+    return a->cache_stride_dim == 1 && a->cache_stride_block * es % unit == 0 &&
+           a->cache_stride_token * es % unit == 0 && a->cache_stride_head * es % unit == 0;
+}
+
 /* Whether `bytes` is a multiple of 4.  Cannot fail. */
 static bool
 aligned4(int64_t bytes)
@@ -345,12 +361,7 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
     /* e4m3: one byte per element, so 16-byte chunks are 16 elements; the mma.sync form copies
      * head 72's rows in 8-byte chunks */
     const int64_t unit = a->head_size % 16 == 0 ? 16 : 8;
-    const bool kv16 = a->cache_stride_dim == 1 && (uintptr_t)a->key_cache % unit == 0 &&
-                      (uintptr_t)a->value_cache % unit == 0 &&
-                      (uintptr_t)a->key_cache2 % unit == 0 &&
-                      (uintptr_t)a->value_cache2 % unit == 0 && a->cache_stride_block % unit == 0 &&
-                      a->cache_stride_token % unit == 0 && a->cache_stride_head % unit == 0;
-    if (!kv16) {
+    if (!kv_rows_in_chunks(a, 1, unit)) {
         return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,
                        "paged_attention(): a float8_e4m3fn kv_cache must have contiguous head "
                        "dims, %d-byte aligned storage and block, token and head strides that "
@@ -500,11 +511,7 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
     const int64_t es = 2;
     const bool q_vec = a->q_stride_dim == 1 && ptr_aligned16(a->query) &&
                        aligned16(a->q_stride_token * es) && aligned16(a->q_stride_head * es);
-    const bool kv_vec = a->cache_stride_dim == 1 && ptr_aligned16(a->key_cache) &&
-                        ptr_aligned16(a->value_cache) && ptr_aligned16(a->key_cache2) &&
-                        ptr_aligned16(a->value_cache2) && aligned16(a->cache_stride_block * es) &&
-                        aligned16(a->cache_stride_token * es) &&
-                        aligned16(a->cache_stride_head * es);
+    const bool kv_vec = kv_rows_in_chunks(a, es, 16);
     const bool o_vec = a->o_stride_dim == 1 && (uintptr_t)a->out % 4 == 0 &&
                        aligned4(a->o_stride_token * es) && aligned4(a->o_stride_head * es);
     /* Heads per scheduling group (attn_cta_place): the GQA group without a mask (every tile
