@@ -280,10 +280,6 @@ kv8_nan_fix(uint32_t h)
 }
 #endif
 
-/* Bytes per staged chunk of an e4m3 K/V row of D bytes: 16, or 8 where D is an odd multiple of 8
- * (head 72: its rows lie 8 bytes apart from 16-byte alignment in a cache of consecutive heads). */
-template <int D> static constexpr int kv8_chunk = D % 16 == 0 ? 16 : 8;
-
 /* 8-byte cp.async to shared address dst; src_bytes 0 fills the 8 bytes with zeros. */
 static __device__ __forceinline__ void
 cp_async8(uint32_t dst, const void *src, uint32_t src_bytes)
@@ -293,30 +289,29 @@ cp_async8(uint32_t dst, const void *src, uint32_t src_bytes)
                  : "memory");
 }
 
-/* Byte offset of chunk c of row r in an e4m3 staging tile of D-byte rows.  16-byte chunks: numbered
- * row by row, eight to a 128-byte line, XOR-swizzled by the line's index, so that the eight rows of
- * one chunk column that 8 threads read together lie in distinct bank groups.  8-byte chunks: in
- * order (threads read consecutive ones, conflict-free). */
+/* Bytes per row of an e4m3 staging tile: D where the rows are 16-byte chunks; head 72's
+ * 72-byte rows (every other one 8 bytes off 16-byte alignment in a cache of consecutive heads)
+ * take 80, room for the row at its address's offset from 16-byte alignment (stage_kv8_rows). */
+template <int D> static constexpr int kv8_row = D % 16 == 0 ? D : D + 8;
+
+/* Byte offset of 16-byte chunk c of row r in an e4m3 staging tile of D-byte rows: the chunks
+ * numbered row by row, eight to a 128-byte line, XOR-swizzled by the line's index, so that the
+ * eight rows of one chunk column that 8 threads read together lie in distinct bank groups. */
 template <int D>
 static __device__ __forceinline__ uint32_t
 kv8_pos(int r, int c)
 {
-    if constexpr (kv8_chunk<D> == 8) {
-        return (uint32_t)(r * D + c * 8);
-    }
-    else {
-        const uint32_t n = (uint32_t)(r * (D / 16) + c);
-        const uint32_t line = n >> 3;
-        return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
-    }
+    const uint32_t n = (uint32_t)(r * (D / 16) + c);
+    const uint32_t line = n >> 3;
+    return line * 128u + (((n & 7u) ^ (line & 7u)) << 4);
 }
 
-/* Calls f(r, c) for each staged chunk (row r < BN, chunk c < CH = D / kv8_chunk<D>) of an e4m3
- * tile that thread tid copies and converts.  Where eight threads a chunk column tile
- * ATTN_THREADS (CH = 2, 4, 8, 16): chunk column (tid / 8) % CH of rows r0 + k * (ATTN_THREADS /
- * CH), r0 = (tid / (8 * CH)) * 8 + tid % 8, so the eight threads of a chunk column hold eight
- * rows of distinct r % 8 and their fp16 stores meet distinct bank groups; else (CH = 5, 6, 9,
- * 10, 12) item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
+/* Calls f(r, c) for each 16-byte chunk (row r < BN, chunk c < D / 16) of an e4m3 tile that thread
+ * tid copies and converts.  Where eight threads a chunk column tile ATTN_THREADS (D / 16 = 2, 4,
+ * 8, 16): chunk column (tid / 8) % (D / 16) of rows r0 + k * (ATTN_THREADS / (D / 16)), r0 =
+ * (tid / (8 * (D / 16))) * 8 + tid % 8, so the eight threads of a chunk column hold eight rows of
+ * distinct r % 8 and their fp16 stores meet distinct bank groups; else (D / 16 = 5, 6, 10, 12)
+ * item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
  * conflict-free (kv8_pos) and some of whose fp16 stores share a bank group.  The same thread
  * always owns the same chunks, so it reads back what its own cp.async copies wrote once it
  * waited for them. */
@@ -324,7 +319,7 @@ template <int D, int BN, typename F>
 static __device__ __forceinline__ void
 for_kv8_chunks(int tid, F &&f)
 {
-    constexpr int CH = D / kv8_chunk<D>;
+    constexpr int CH = D / 16;
     if constexpr (ATTN_THREADS % (8 * CH) == 0) {
         constexpr int ROWS = ATTN_THREADS / CH; /* rows per pass */
         static_assert(BN % ROWS == 0, "whole passes");
@@ -349,8 +344,8 @@ for_kv8_chunks(int tid, F &&f)
 
 /*
  * Copies one e4m3 K or V tile of BN keys (byte offsets offs[0 .. BN), rows of D bytes in
- * chunks of kv8_chunk<D> bytes) into the staging tile at slot with cp.async; rows >= valid_rows
- * become zeros (e4m3 zero: masked probabilities never meet a NaN code).
+ * 16-byte chunks) into the staging tile at slot with cp.async; rows >= valid_rows become zeros
+ * (e4m3 zero: masked probabilities never meet a NaN code).
  */
 template <int D, int BN>
 static __device__ __forceinline__ void
@@ -358,14 +353,8 @@ stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64
                int32_t valid_rows)
 {
     for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
-        if constexpr (kv8_chunk<D> == 8) {
-            cp_async8(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 8,
-                      r < valid_rows ? 8u : 0u);
-        }
-        else {
-            cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
-                       r < valid_rows ? 16u : 0u);
-        }
+        cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
+                   r < valid_rows ? 16u : 0u);
     });
 }
 
@@ -373,8 +362,7 @@ stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64
  * Converts the staged e4m3 K and V tiles at slot (K then V, BN * D bytes each) into the fp16
  * tiles at tile (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each thread the
  * chunks it staged (its own cp.async copies, waited for by the caller), 16 bytes into two
- * 16-byte fp16 chunks (8 bytes into one at head 72).  Columns D .. DS - 1 are not written: no
- * k-step reads them but head 72's 72 .. 79, which the kernel zeroed at its start.
+ * 16-byte fp16 chunks.  Columns D .. DS - 1 are not written (no k-step reads them).
  */
 template <int D, int DS, int BN>
 static __device__ __forceinline__ void
@@ -384,24 +372,6 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
 #pragma unroll
     for (int kv = 0; kv < 2; kv++) {
         for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
-            const uint32_t row = dst + (uint32_t)((kv * BN + r) * DS * 2);
-            if constexpr (kv8_chunk<D> == 8) {
-                /* 8 bytes into one 16-byte fp16 chunk (fp16 column chunk c) */
-                const uint2 w =
-                    *reinterpret_cast<const uint2 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
-                const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
-                uint4 h = make_uint4(h0.x, h0.y, h1.x, h1.y);
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
-                if (kv8_nan_words(make_uint4(w.x, w.y, 0u, 0u))) { /* zero bytes are no NaN */
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        (&h.x)[i] = kv8_nan_fix((&h.x)[i]);
-                    }
-                }
-#endif
-                st_shared16(row + (uint32_t)((c ^ (r & 7)) * 16), h);
-                return;
-            }
             const uint4 w = *reinterpret_cast<const uint4 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
             const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
             const uint2 h2 = kv8_to_half(w.z), h3 = kv8_to_half(w.w);
@@ -415,9 +385,139 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
                 }
             }
 #endif
+            const uint32_t row = dst + (uint32_t)((kv * BN + r) * DS * 2);
             st_shared16(row + (uint32_t)(((2 * c) ^ (r & 7)) * 16), lo);
             st_shared16(row + (uint32_t)(((2 * c + 1) ^ (r & 7)) * 16), hi);
         });
+    }
+}
+
+/* Head 72: the row of staging row i (K rows 0 .. BN - 1, then V's), of kv8_row<D> bytes from
+ * slot, sits at byte kv8_shift of it: the cache row's address % 16 (0 or 8). */
+static __device__ __forceinline__ uint32_t
+kv8_shift(const char *src)
+{
+    return (uint32_t)(uintptr_t)src & 8u;
+}
+
+/* The cache row of staging row i (i < BN: K's key i, else V's key i - BN). */
+template <int BN>
+static __device__ __forceinline__ const char *
+kv8_src(int i, const char *kc, const char *kc2, const char *vc, const char *vc2,
+        const int64_t *offs)
+{
+    return i < BN ? kv_row(kc, kc2, offs[i]) : kv_row(vc, vc2, offs[i - BN]);
+}
+
+/*
+ * Head 72: copies the e4m3 K and V tiles of BN keys (byte offsets offs[0 .. BN), 72-byte rows
+ * on 8-byte boundaries) into the staging slot at slot, whole rows: ATTN_THREADS / (2 BN)
+ * threads a row (1; 2 in the half-key-tile form), the row at kv8_shift of its 80 bytes, so
+ * that four of its five 16-byte units come by 16-byte copies and one by an 8-byte copy (the
+ * first at shift 8, the last at 0) -- five copies a row, not nine of 8 bytes.  Rows >=
+ * valid_rows become zeros.
+ */
+template <int D, int BN>
+static __device__ __forceinline__ void
+stage_kv8_rows(uint32_t slot, const char *kc, const char *kc2, const char *vc, const char *vc2,
+               const int64_t *offs, int32_t valid_rows)
+{
+    constexpr int T = ATTN_THREADS / (2 * BN); /* threads a row */
+    constexpr int U = kv8_row<D> / 16;         /* 16-byte units a staging row: 5 */
+    static_assert(D % 16 == 8 && T * 2 * BN == ATTN_THREADS, "rows of 16 u + 8 bytes");
+    const int tid = (int)threadIdx.x;
+    const int i = tid / T;
+    const char *src = kv8_src<BN>(i, kc, kc2, vc, vc2, offs);
+    const uint32_t sh = kv8_shift(src);
+    const bool valid = (i < BN ? i : i - BN) < valid_rows;
+    const uint32_t row = slot + (uint32_t)(i * kv8_row<D>);
+#pragma unroll
+    for (int k = 0; k < (U + T - 1) / T; k++) {
+        const int j = tid % T + k * T; /* 16-byte unit of the staging row */
+        if (U % T == 0 || j < U) {
+            /* unit j holds the row's bytes 16 j - sh .. 16 j - sh + 15 that exist */
+            if (sh ? j == 0 : j == U - 1) {
+                const uint32_t lead = j == 0 ? sh : 0u;
+                cp_async8(row + (uint32_t)(16 * j) + lead, src + 16 * j, valid ? 8u : 0u);
+            }
+            else {
+                cp_async16(row + (uint32_t)(16 * j), src + 16 * j - (int)sh, valid ? 16u : 0u);
+            }
+        }
+    }
+}
+
+/*
+ * Head 72: converts the K and V rows stage_kv8_rows staged at slot into the fp16 tiles at tile
+ * (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each of ATTN_THREADS / (2 BN)
+ * threads of a row every T-th of its nine 8-byte chunks into one 16-byte fp16 chunk (the
+ * thread's staging row and its fp16 row are the same row of K then V).  Columns 72 .. 79 are
+ * the zeros the kernel wrote at its start.  The caller's barrier after the copies landed makes
+ * every thread's copies visible.
+ */
+template <int D, int DS, int BN>
+static __device__ __forceinline__ void
+convert_kv8_rows(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2,
+                 const char *vc, const char *vc2, const int64_t *offs)
+{
+    constexpr int T = ATTN_THREADS / (2 * BN);
+    const int tid = (int)threadIdx.x;
+    const int i = tid / T;
+    const uint8_t *src = slot + i * kv8_row<D> + kv8_shift(kv8_src<BN>(i, kc, kc2, vc, vc2, offs));
+    const uint32_t row = smem_addr(tile) + (uint32_t)(i * DS * 2);
+    /* A thread a row: the 16 rows of a half-warp's 8-byte loads are 80 bytes apart, so rows i
+     * and i + 8 meet the same two banks; the rows with bit 3 set take their first chunks in
+     * swapped pairs (c ^ 1), which moves them to the other two banks of each four.  (Two
+     * threads a row read even and odd chunks, which does the same.) */
+    const int swap = T == 1 ? (i >> 3) & 1 : 0;
+#pragma unroll
+    for (int k = 0; k < (D / 8 + T - 1) / T; k++) {
+        const int c = T == 1 ? (k < ((D / 8) & ~1) ? k ^ swap : k) : tid % T + k * T;
+        if ((D / 8) % T == 0 || c < D / 8) {
+            const uint2 w = *reinterpret_cast<const uint2 *>(src + 8 * c);
+            const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
+            uint4 h = make_uint4(h0.x, h0.y, h1.x, h1.y);
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+            if (kv8_nan_words(make_uint4(w.x, w.y, 0u, 0u))) { /* zero bytes are no NaN */
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    (&h.x)[x] = kv8_nan_fix((&h.x)[x]);
+                }
+            }
+#endif
+            st_shared16(row + (uint32_t)((c ^ (i & 7)) * 16), h);
+        }
+    }
+}
+
+/* Stages the e4m3 K and V tiles of BN keys at slot: kv8_row<D> bytes a row, K's BN rows then
+ * V's (stage_kv8_rows at head 72, else stage_kv8_tile for each). */
+template <int D, int BN>
+static __device__ __forceinline__ void
+stage_kv8(const uint8_t *slot, const char *kc, const char *kc2, const char *vc, const char *vc2,
+          const int64_t *offs, int32_t valid_rows)
+{
+    if constexpr (D % 16 != 0) {
+        stage_kv8_rows<D, BN>(smem_addr(slot), kc, kc2, vc, vc2, offs, valid_rows);
+    }
+    else {
+        stage_kv8_tile<D, BN>(smem_addr(slot), kc, kc2, offs, valid_rows);
+        stage_kv8_tile<D, BN>(smem_addr(slot + BN * D), vc, vc2, offs, valid_rows);
+    }
+}
+
+/* Converts what stage_kv8 staged at slot (with the same offsets and caches) into the fp16 K and
+ * V tiles at tile. */
+template <int D, int DS, int BN>
+static __device__ __forceinline__ void
+convert_kv8(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2, const char *vc,
+            const char *vc2, const int64_t *offs)
+{
+    if constexpr (D % 16 != 0) {
+        convert_kv8_rows<D, DS, BN>(slot, tile, kc, kc2, vc, vc2, offs);
+    }
+    else {
+        convert_kv8_tiles<D, DS, BN>(slot, tile);
     }
 }
 
@@ -428,10 +528,10 @@ convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
  *
  * KV8: the cache holds e4m3 (kv_fp8; K/V rows in 16-byte chunks, 8-byte at head 72), T the query
  * and output dtype; the products run in fp16 on the same tiles:
- *   - K/V tiles land by cp.async as bytes in a staging slot (stage_kv8_tile) and each thread
- *     widens the chunks it copied into the fp16 K and V tiles (convert_kv8_tiles, values /
- *     KV8_UNIT).  The shared memory of the second fp16 stage holds two staging slots instead,
- *     so there is one fp16 stage: per tile, a barrier (tile kt - 1 done), tile kt + 1's copies
+ *   - K/V tiles land by cp.async as bytes in a staging slot (stage_kv8: 16-byte chunks, head
+ *     72 whole rows) and the threads widen them into the fp16 K and V tiles (convert_kv8,
+ *     values / KV8_UNIT).  The shared memory of the second fp16 stage holds two staging slots
+ * instead, so there is one fp16 stage: per tile, a barrier (tile kt - 1 done), tile kt + 1's copies
  *     issued, tile kt converted, a barrier, then the math.
  *   - bf16 queries become fp16 in place, times one power of two 2^e for the CTA's Q tile
  *     (its largest magnitude just under 2^15): fp16's 11-bit significand holds bf16's 8, and
@@ -464,12 +564,13 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     static_assert(BM <= ATTN_THREADS, "a thread per query row for the limits");
     static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
     static_assert(!KV8 || D % 8 == 0, "e4m3 rows of whole 8-byte chunks");
+    static_assert(!KV8 || 2 * 2 * BN * kv8_row<D> <= STAGE_BYTES, "2 staging slots a stage");
 
     extern __shared__ uint4 attn_smem[];
     uint16_t *const s_q = reinterpret_cast<uint16_t *>(attn_smem); /* [BM][DS] */
     uint16_t *const s_kv = s_q + BM * DS; /* [2 stages][K [BN][DS], V [BN][DS]] */
     int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * DS); /* [2][BN] */
-    /* KV8: the second stage's bytes hold 2 staging slots of e4m3 [K [BN][D], V [BN][D]] */
+    /* KV8: the second stage's bytes hold 2 staging slots of e4m3 K, V rows (kv8_row<D> bytes) */
     const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * DS);
     __shared__ int32_t s_wmax[ATTN_WARPS];
     __shared__ int32_t s_lim[ATTN_THREADS]; /* key limit of each query row (of BM) */
@@ -619,8 +720,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     const char *vc2 = (const char *)a.value_cache2;
     if (n_tiles > 0) {
         if constexpr (KV8) {
-            stage_kv8_tile<D, BN>(smem_addr(s_kv8), kc, kc2, s_off, kv_end);
-            stage_kv8_tile<D, BN>(smem_addr(s_kv8 + BN * D), vc, vc2, s_off, kv_end);
+            stage_kv8<D, BN>(s_kv8, kc, kc2, vc, vc2, s_off, kv_end);
         }
         else {
             load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
@@ -683,13 +783,13 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         __syncthreads();     /* ... for every thread; every warp is done with tile kt - 1 */
         if constexpr (KV8) {
             if (kt + 1 < n_tiles) {
-                const uint8_t *next = s_kv8 + ((kt + 1) & 1) * 2 * BN * D;
+                const uint8_t *next = s_kv8 + ((kt + 1) & 1) * 2 * BN * kv8_row<D>;
                 const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
-                stage_kv8_tile<D, BN>(smem_addr(next), kc, kc2, noff, kv_end - j0 - BN);
-                stage_kv8_tile<D, BN>(smem_addr(next + BN * D), vc, vc2, noff, kv_end - j0 - BN);
+                stage_kv8<D, BN>(next, kc, kc2, vc, vc2, noff, kv_end - j0 - BN);
                 cp_async_commit();
             }
-            convert_kv8_tiles<D, DS, BN>(s_kv8 + (kt & 1) * 2 * BN * D, s_kv);
+            convert_kv8<D, DS, BN>(s_kv8 + (kt & 1) * 2 * BN * kv8_row<D>, s_kv, kc, kc2, vc, vc2,
+                                   s_off + (kt & 1) * BN);
             __syncthreads(); /* tile kt in fp16 for every warp */
         }
         else if (kt + 1 < n_tiles) {
