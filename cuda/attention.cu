@@ -30,8 +30,9 @@
  *     chunks ("sm90-fp8-tma": blocks of a multiple of 16 keys or one block a row; 8-key chunks
  *     at blocks of an odd multiple of 8) or cp.async rows ("sm90-fp8"); elsewhere (the other
  *     sizes on Hopper too, and with the kernel choice sm80) the mma.sync kernel with the cache
- *     widened to fp16 in shared memory ("sm80-fp8", or "sm80-fp8-smallsmem"); anything else
- *     over an fp8 cache is refused (NotImplementedError) before it runs.
+ *     widened to fp16 in shared memory ("sm80-fp8", "sm80-fp8-smallsmem", or "sm80-fp8-wide":
+ *     a CTA of eight warps and twice the query rows, where attention_sm80.cuh's mma_wide_pays);
+ *     anything else over an fp8 cache is refused (NotImplementedError) before it runs.
  * docs/hopper-kernels.md has the measurements behind each rule.
  *
  * Masks: every mask is a per-token exclusive key limit L (key j visible iff j < L):
@@ -369,7 +370,7 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
                        (int)unit, (int)unit);
     }
     const char *kernel = "sm80-fp8";
-    bool half = false;
+    attn_mma_form form = ATTN_MMA_FULL;
     cudaError_t e;
     if (h90_ready() && h8_head(a->head_size)) {
         bool tma = false;
@@ -379,8 +380,10 @@ attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, 
     }
     else {
         e = attn_mma_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, true, o_vec,
-                            (cudaStream_t)stream, &half);
-        kernel = half ? "sm80-fp8-smallsmem" : "sm80-fp8";
+                            (cudaStream_t)stream, &form);
+        kernel = form == ATTN_MMA_WIDE   ? "sm80-fp8-wide"
+                 : form == ATTN_MMA_HALF ? "sm80-fp8-smallsmem"
+                                         : "sm80-fp8";
     }
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* reported here: not the next call's error */
@@ -537,14 +540,14 @@ dk_cuda_attention(const dk_attention_args *a, void *stream, dk_error *err)
         return attn_sm90(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec, kv_vec, o_vec, stream,
                          err);
     }
-    bool half = false;
+    attn_mma_form form = ATTN_MMA_FULL;
     const cudaError_t e = attn_mma_launch(a, tiles_per_row, hg, mma_scale_log2, neg_q, q_vec,
-                                          kv_vec, o_vec, s, &half);
+                                          kv_vec, o_vec, s, &form);
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* reported here: not the next call's error */
         return dk_fail(err, DK_ERR_CUDA, "%s: CUDA error %s (%d)", op, cudaGetErrorString(e),
                        (int)e);
     }
-    attn_note(half ? "sm80-smallsmem" : "sm80");
+    attn_note(form == ATTN_MMA_HALF ? "sm80-smallsmem" : "sm80");
     return dk_cuda_after_launch(op, stream, err);
 }

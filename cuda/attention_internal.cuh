@@ -59,13 +59,17 @@ attn_mma_bm(int64_t head)
 cudaError_t attn_f32_launch(const dk_attention_args *a, int64_t blocks, float scale_log2,
                             cudaStream_t s);
 
+/* The mma.sync kernel's forms: the full tiles, half the keys per tile (a GPU whose shared memory
+ * per SM takes two CTAs of those tiles but not of the full ones: an A100), and over an e4m3 cache
+ * a CTA of twice the warps and query rows (attention_sm80.cuh's mma_wide_pays). */
+typedef enum { ATTN_MMA_FULL, ATTN_MMA_HALF, ATTN_MMA_WIDE } attn_mma_form;
+
 /* attention_sm80.cu: the mma.sync kernel, every head size of DK_CUDA_HEAD_SIZES (fp16/bf16
  * queries, over a cache of their dtype or an e4m3 one); tiles_per_row counts tiles of
- * attn_mma_bm(head size) rows.  *half: whether the form with half the keys per tile ran (a GPU
- * whose shared memory per SM takes two CTAs of those tiles but not of the full ones: an A100). */
+ * attn_mma_bm(head size) rows.  *form: which form ran. */
 cudaError_t attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                             float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
-                            cudaStream_t s, bool *half);
+                            cudaStream_t s, attn_mma_form *form);
 
 /* attention_sm90.cu: whether the current device is compute capability 9.x and this binary
  * carries the sm90 kernels' sm_90a code (a build without that target has only trapping stubs),

@@ -14,12 +14,12 @@ static const mma_launchers mma_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
 cudaError_t
 attn_mma_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                 float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s,
-                bool *half)
+                attn_mma_form *form)
 {
     if (a->kv_fp8) {
         return attn_mma_kv8_launch(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec,
-                                   o_vec, s, half);
+                                   o_vec, s, form);
     }
     return mma_run(mma_heads, sizeof(mma_heads) / sizeof(mma_heads[0]), a, tiles_per_row,
-                   head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s, half);
+                   head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s, form);
 }

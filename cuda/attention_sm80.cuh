@@ -74,7 +74,8 @@
 
 /* A head size's tiles.  MTILES: 16-row m-tiles per warp, 2 up to head 160 (every K/V fragment read
  * from shared memory feeds two MMAs), 1 above (O of two m-tiles would not fit the registers);
- * BM = ATTN_WARPS * MTILES * 16 query rows per CTA (attn_mma_bm: 128, or 64 above head 160).
+ * BM = W * MTILES * 16 query rows per CTA of W warps (ATTN_WARPS: attn_mma_bm, 128, or 64 above
+ * head 160; the WIDE form's ATTN_WIDE_WARPS: 256).
  * Keys per K/V tile BN: 128 up to head 64 (faster than 64 there: docs/hopper-kernels.md), 64
  * up to head 128 (S, P and O of two m-tiles per warp fit the register file), 32 above.  DK:
  * the head dims the MMAs compute, D rounded up to their 16-dim k-step (head 72: 80; dims
@@ -82,10 +83,10 @@
  * rounded up to 64 (eight 16-byte chunks), so that the XOR swizzle of a chunk's index with its
  * row's (c ^ (r % 8)) stays inside the row.  HALF: BN / 2, for GPUs whose shared memory per SM
  * holds two CTAs of those tiles but not of the full ones (an A100's 164 KB: launch_mma). */
-template <int D, bool HALF = false> struct attn_tile {
+template <int D, bool HALF = false, int W = ATTN_WARPS> struct attn_tile {
     static_assert(D % 8 == 0 && D >= 32 && D <= 256, "a head size the kernel tiles");
     static constexpr int MTILES = D <= 160 ? 2 : 1;
-    static constexpr int BM = ATTN_WARPS * MTILES * 16;
+    static constexpr int BM = W * MTILES * 16;
     static constexpr int BN = (D <= 64 ? 128 : D <= 128 ? 64 : 32) / (HALF ? 2 : 1);
     static constexpr int DK = (D + 15) / 16 * 16;
     static constexpr int DS = (D + 63) / 64 * 64;
@@ -94,7 +95,7 @@ template <int D, bool HALF = false> struct attn_tile {
      * 64: two CTAs per SM of an H100, one of an A100; HALF: 49 KiB for 32 and 64, 65 KiB for 72
      * to 128, 64 KiB for 256, 72 KiB for 160) */
     static constexpr size_t SMEM = (size_t)(BM + 4 * BN) * DS * 2 + 2 * BN * sizeof(int64_t);
-    static_assert(BM == attn_mma_bm(D), "the dispatcher's query tile");
+    static_assert(W != ATTN_WARPS || BM == attn_mma_bm(D), "the dispatcher's query tile");
 };
 
 /* Element offset of 16-byte chunk c of row r in a swizzled tile of DS-element rows. */
@@ -106,19 +107,19 @@ tile_pos(int r, int c)
 }
 
 /* Calls f(r, c, pos) for the 16-byte chunks c < D / 8 of rows r < ROWS of a tile of DS-element
- * rows that thread tid owns, pos = tile_pos<DS>(r, c): chunk column tid % (D / 8) of rows
- * tid / (D / 8) + k * (ATTN_THREADS / (D / 8)) where the threads cover whole rows in passes of
- * a multiple of 8 rows (every row of a thread then has the same r % 8, so the swizzle is
- * computed once), else item tid + k * ATTN_THREADS of the tile's chunks in row order.  The same
+ * rows that thread tid (of NT) owns, pos = tile_pos<DS>(r, c): chunk column tid % (D / 8) of rows
+ * tid / (D / 8) + k * (NT / (D / 8)) where the threads cover whole rows in passes of a multiple
+ * of 8 rows (every row of a thread then has the same r % 8, so the swizzle is computed once),
+ * else item tid + k * NT of the tile's chunks in row order.  The same
  * thread always owns the same chunks, so a thread may read back what its own cp.async copies
  * wrote once it waited for them. */
-template <int D, int DS, int ROWS, typename F>
+template <int D, int DS, int ROWS, int NT = ATTN_THREADS, typename F>
 static __device__ __forceinline__ void
 for_own_chunks(int tid, F &&f)
 {
     constexpr int CHUNKS = D / 8;
-    if constexpr (ATTN_THREADS % CHUNKS == 0 && (ATTN_THREADS / CHUNKS) % 8 == 0) {
-        constexpr int ROWS_PER_PASS = ATTN_THREADS / CHUNKS;
+    if constexpr (NT % CHUNKS == 0 && (NT / CHUNKS) % 8 == 0) {
+        constexpr int ROWS_PER_PASS = NT / CHUNKS;
         const int c = tid % CHUNKS;
         const int r0 = tid / CHUNKS;
         const int pc = c ^ (r0 & 7);
@@ -130,8 +131,8 @@ for_own_chunks(int tid, F &&f)
     }
     else {
 #pragma unroll
-        for (int pass = 0; pass < (ROWS * CHUNKS + ATTN_THREADS - 1) / ATTN_THREADS; pass++) {
-            const int item = tid + pass * ATTN_THREADS;
+        for (int pass = 0; pass < (ROWS * CHUNKS + NT - 1) / NT; pass++) {
+            const int item = tid + pass * NT;
             if (item < ROWS * CHUNKS) {
                 const int r = item / CHUNKS, c = item % CHUNKS;
                 f(r, c, tile_pos<DS>(r, c));
@@ -307,21 +308,21 @@ kv8_pos(int r, int c)
 }
 
 /* Calls f(r, c) for each 16-byte chunk (row r < BN, chunk c < D / 16) of an e4m3 tile that thread
- * tid copies and converts.  Where eight threads a chunk column tile ATTN_THREADS (D / 16 = 2, 4,
- * 8, 16): chunk column (tid / 8) % (D / 16) of rows r0 + k * (ATTN_THREADS / (D / 16)), r0 =
+ * tid (of NT) copies and converts.  Where eight threads a chunk column tile NT (D / 16 = 2, 4,
+ * 8, 16): chunk column (tid / 8) % (D / 16) of rows r0 + k * (NT / (D / 16)), r0 =
  * (tid / (8 * (D / 16))) * 8 + tid % 8, so the eight threads of a chunk column hold eight rows of
  * distinct r % 8 and their fp16 stores meet distinct bank groups; else (D / 16 = 5, 6, 10, 12)
- * item tid + k * ATTN_THREADS of the tile's chunks in row order, whose staging reads are
+ * item tid + k * NT of the tile's chunks in row order, whose staging reads are
  * conflict-free (kv8_pos) and some of whose fp16 stores share a bank group.  The same thread
  * always owns the same chunks, so it reads back what its own cp.async copies wrote once it
  * waited for them. */
-template <int D, int BN, typename F>
+template <int D, int BN, int NT = ATTN_THREADS, typename F>
 static __device__ __forceinline__ void
 for_kv8_chunks(int tid, F &&f)
 {
     constexpr int CH = D / 16;
-    if constexpr (ATTN_THREADS % (8 * CH) == 0) {
-        constexpr int ROWS = ATTN_THREADS / CH; /* rows per pass */
+    if constexpr (NT % (8 * CH) == 0) {
+        constexpr int ROWS = NT / CH; /* rows per pass */
         static_assert(BN % ROWS == 0, "whole passes");
         const int c = (tid >> 3) % CH;
         const int r0 = (tid / (8 * CH)) * 8 + (tid & 7);
@@ -333,9 +334,9 @@ for_kv8_chunks(int tid, F &&f)
     else {
         constexpr int ITEMS = BN * CH;
 #pragma unroll
-        for (int k = 0; k < (ITEMS + ATTN_THREADS - 1) / ATTN_THREADS; k++) {
-            const int i = tid + k * ATTN_THREADS;
-            if (ITEMS % ATTN_THREADS == 0 || i < ITEMS) {
+        for (int k = 0; k < (ITEMS + NT - 1) / NT; k++) {
+            const int i = tid + k * NT;
+            if (ITEMS % NT == 0 || i < ITEMS) {
                 f(i / CH, i % CH);
             }
         }
@@ -347,12 +348,12 @@ for_kv8_chunks(int tid, F &&f)
  * 16-byte chunks) into the staging tile at slot with cp.async; rows >= valid_rows become zeros
  * (e4m3 zero: masked probabilities never meet a NaN code).
  */
-template <int D, int BN>
+template <int D, int BN, int NT>
 static __device__ __forceinline__ void
 stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64_t *offs,
                int32_t valid_rows)
 {
-    for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
+    for_kv8_chunks<D, BN, NT>((int)threadIdx.x, [&](int r, int c) {
         cp_async16(slot + kv8_pos<D>(r, c), kv_row(cache, cache2, offs[r]) + c * 16,
                    r < valid_rows ? 16u : 0u);
     });
@@ -364,14 +365,14 @@ stage_kv8_tile(uint32_t slot, const char *cache, const char *cache2, const int64
  * chunks it staged (its own cp.async copies, waited for by the caller), 16 bytes into two
  * 16-byte fp16 chunks.  Columns D .. DS - 1 are not written (no k-step reads them).
  */
-template <int D, int DS, int BN>
+template <int D, int DS, int BN, int NT>
 static __device__ __forceinline__ void
 convert_kv8_tiles(const uint8_t *slot, uint16_t *tile)
 {
     const uint32_t dst = smem_addr(tile);
 #pragma unroll
     for (int kv = 0; kv < 2; kv++) {
-        for_kv8_chunks<D, BN>((int)threadIdx.x, [&](int r, int c) {
+        for_kv8_chunks<D, BN, NT>((int)threadIdx.x, [&](int r, int c) {
             const uint4 w = *reinterpret_cast<const uint4 *>(slot + kv * BN * D + kv8_pos<D>(r, c));
             const uint2 h0 = kv8_to_half(w.x), h1 = kv8_to_half(w.y);
             const uint2 h2 = kv8_to_half(w.z), h3 = kv8_to_half(w.w);
@@ -411,20 +412,20 @@ kv8_src(int i, const char *kc, const char *kc2, const char *vc, const char *vc2,
 
 /*
  * Head 72: copies the e4m3 K and V tiles of BN keys (byte offsets offs[0 .. BN), 72-byte rows
- * on 8-byte boundaries) into the staging slot at slot, whole rows: ATTN_THREADS / (2 BN)
- * threads a row (1; 2 in the half-key-tile form), the row at kv8_shift of its 80 bytes, so
+ * on 8-byte boundaries) into the staging slot at slot, whole rows: NT / (2 BN) threads a
+ * row (1; 2 in the half-key-tile and WIDE forms), the row at kv8_shift of its 80 bytes, so
  * that four of its five 16-byte units come by 16-byte copies and one by an 8-byte copy (the
  * first at shift 8, the last at 0) -- five copies a row, not nine of 8 bytes.  Rows >=
  * valid_rows become zeros.
  */
-template <int D, int BN>
+template <int D, int BN, int NT>
 static __device__ __forceinline__ void
 stage_kv8_rows(uint32_t slot, const char *kc, const char *kc2, const char *vc, const char *vc2,
                const int64_t *offs, int32_t valid_rows)
 {
-    constexpr int T = ATTN_THREADS / (2 * BN); /* threads a row */
-    constexpr int U = kv8_row<D> / 16;         /* 16-byte units a staging row: 5 */
-    static_assert(D % 16 == 8 && T * 2 * BN == ATTN_THREADS, "rows of 16 u + 8 bytes");
+    constexpr int T = NT / (2 * BN);   /* threads a row */
+    constexpr int U = kv8_row<D> / 16; /* 16-byte units a staging row: 5 */
+    static_assert(D % 16 == 8 && T * 2 * BN == NT, "rows of 16 u + 8 bytes");
     const int tid = (int)threadIdx.x;
     const int i = tid / T;
     const char *src = kv8_src<BN>(i, kc, kc2, vc, vc2, offs);
@@ -449,18 +450,18 @@ stage_kv8_rows(uint32_t slot, const char *kc, const char *kc2, const char *vc, c
 
 /*
  * Head 72: converts the K and V rows stage_kv8_rows staged at slot into the fp16 tiles at tile
- * (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each of ATTN_THREADS / (2 BN)
- * threads of a row every T-th of its nine 8-byte chunks into one 16-byte fp16 chunk (the
+ * (K [BN][DS], then V), swizzled as load_kv_tile lays them out: each of NT / (2 BN) threads
+ * of a row every T-th of its nine 8-byte chunks into one 16-byte fp16 chunk (the
  * thread's staging row and its fp16 row are the same row of K then V).  Columns 72 .. 79 are
  * the zeros the kernel wrote at its start.  The caller's barrier after the copies landed makes
  * every thread's copies visible.
  */
-template <int D, int DS, int BN>
+template <int D, int DS, int BN, int NT>
 static __device__ __forceinline__ void
 convert_kv8_rows(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2,
                  const char *vc, const char *vc2, const int64_t *offs)
 {
-    constexpr int T = ATTN_THREADS / (2 * BN);
+    constexpr int T = NT / (2 * BN);
     const int tid = (int)threadIdx.x;
     const int i = tid / T;
     const uint8_t *src = slot + i * kv8_row<D> + kv8_shift(kv8_src<BN>(i, kc, kc2, vc, vc2, offs));
@@ -492,38 +493,40 @@ convert_kv8_rows(const uint8_t *slot, uint16_t *tile, const char *kc, const char
 
 /* Stages the e4m3 K and V tiles of BN keys at slot: kv8_row<D> bytes a row, K's BN rows then
  * V's (stage_kv8_rows at head 72, else stage_kv8_tile for each). */
-template <int D, int BN>
+template <int D, int BN, int NT>
 static __device__ __forceinline__ void
 stage_kv8(const uint8_t *slot, const char *kc, const char *kc2, const char *vc, const char *vc2,
           const int64_t *offs, int32_t valid_rows)
 {
     if constexpr (D % 16 != 0) {
-        stage_kv8_rows<D, BN>(smem_addr(slot), kc, kc2, vc, vc2, offs, valid_rows);
+        stage_kv8_rows<D, BN, NT>(smem_addr(slot), kc, kc2, vc, vc2, offs, valid_rows);
     }
     else {
-        stage_kv8_tile<D, BN>(smem_addr(slot), kc, kc2, offs, valid_rows);
-        stage_kv8_tile<D, BN>(smem_addr(slot + BN * D), vc, vc2, offs, valid_rows);
+        stage_kv8_tile<D, BN, NT>(smem_addr(slot), kc, kc2, offs, valid_rows);
+        stage_kv8_tile<D, BN, NT>(smem_addr(slot + BN * D), vc, vc2, offs, valid_rows);
     }
 }
 
 /* Converts what stage_kv8 staged at slot (with the same offsets and caches) into the fp16 K and
  * V tiles at tile. */
-template <int D, int DS, int BN>
+template <int D, int DS, int BN, int NT>
 static __device__ __forceinline__ void
 convert_kv8(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2, const char *vc,
             const char *vc2, const int64_t *offs)
 {
     if constexpr (D % 16 != 0) {
-        convert_kv8_rows<D, DS, BN>(slot, tile, kc, kc2, vc, vc2, offs);
+        convert_kv8_rows<D, DS, BN, NT>(slot, tile, kc, kc2, vc, vc2, offs);
     }
     else {
-        convert_kv8_tiles<D, DS, BN>(slot, tile);
+        convert_kv8_tiles<D, DS, BN, NT>(slot, tile);
     }
 }
 
 /*
  * grid.x = num_heads * num_rows * tiles_per_row (order: attn_cta_place); tiles past a row's
- * end exit at once.  ATTN_THREADS threads, attn_tile<D>::SMEM bytes of dynamic shared memory.
+ * end exit at once.  W * 32 threads, attn_tile<D, HALF, W>::SMEM bytes of dynamic shared memory.
+ * W: ATTN_WARPS, two CTAs an SM where they fit; ATTN_WIDE_WARPS (the WIDE form, KV8 only), one
+ * CTA an SM of twice the query rows, each K/V tile widened once for all of them.
  * scale_log2 = |scale| * log2(e) > 0; neg_q: the scale is negative, so q is negated instead.
  *
  * KV8: the cache holds e4m3 (kv_fp8; K/V rows in 16-byte chunks, 8-byte at head 72), T the query
@@ -540,16 +543,17 @@ convert_kv8(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2
  *   - the scores' multiplier is scale_log2 * k_scale * KV8_UNIT * 2^-e; O is multiplied by
  *     v_scale * KV8_UNIT before the division by the row sum; P is fp16.
  */
-template <typename T, int D, bool KV8, bool HALF>
+template <typename T, int D, bool KV8, bool HALF, int W = ATTN_WARPS>
 /* clang-format does not know __launch_bounds__ is an attribute. */
 /* clang-format off */
-static __global__ void __launch_bounds__(ATTN_THREADS, ATTN_CTAS_PER_SM)
+static __global__ void __launch_bounds__(W * 32, W == ATTN_WARPS ? ATTN_CTAS_PER_SM : 1)
 attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t head_group,
                      float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
                      bool sort_rows)
 /* clang-format on */
 {
-    using tile = attn_tile<D, HALF>;
+    using tile = attn_tile<D, HALF, W>;
+    constexpr int NT = W * 32;           /* threads */
     constexpr int MTILES = tile::MTILES; /* 16-row m-tiles per warp */
     constexpr int BM = tile::BM;         /* query rows per CTA */
     constexpr int BN = tile::BN;
@@ -561,8 +565,9 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     constexpr uint32_t STAGE_BYTES = 2u * BN * DS * 2; /* one K and one V tile */
     constexpr int ES = KV8 ? 1 : 2;                    /* bytes per cache element */
     using MT = std::conditional_t<KV8, __half, T>;     /* the MMAs' operand type */
-    static_assert(BM <= ATTN_THREADS, "a thread per query row for the limits");
-    static_assert(BN <= ATTN_THREADS, "one thread per key for the offsets");
+    static_assert(BM <= NT, "a thread per query row for the limits");
+    static_assert(BN <= NT, "one thread per key for the offsets");
+    static_assert(KV8 || W == ATTN_WARPS, "the wide form is an e4m3 one");
     static_assert(!KV8 || D % 8 == 0, "e4m3 rows of whole 8-byte chunks");
     static_assert(!KV8 || 2 * 2 * BN * kv8_row<D> <= STAGE_BYTES, "2 staging slots a stage");
 
@@ -572,10 +577,10 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     int64_t *const s_off = reinterpret_cast<int64_t *>(s_kv + 4 * BN * DS); /* [2][BN] */
     /* KV8: the second stage's bytes hold 2 staging slots of e4m3 K, V rows (kv8_row<D> bytes) */
     const uint8_t *const s_kv8 = reinterpret_cast<const uint8_t *>(s_kv + 2 * BN * DS);
-    __shared__ int32_t s_wmax[ATTN_WARPS];
-    __shared__ int32_t s_lim[ATTN_THREADS]; /* key limit of each query row (of BM) */
+    __shared__ int32_t s_wmax[W];
+    __shared__ int32_t s_lim[NT]; /* key limit of each query row (of BM) */
     __shared__ int32_t s_row;
-    __shared__ uint32_t s_qmax[ATTN_WARPS]; /* KV8, bf16 queries: each warp's largest |q| */
+    __shared__ uint32_t s_qmax[W]; /* KV8, bf16 queries: each warp's largest |q| */
 
     attn_cta cta;
     if (!attn_cta_begin(a, tiles_per_row, head_group, sort_rows, BM, &s_row, &cta)) {
@@ -594,7 +599,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     /* Head dims D .. DK - 1 (head 72's last 8 of 80) are zeros in the Q tile and in both
      * stages' K and V tiles: no load writes them. */
     if constexpr (DK > D) {
-        for (int item = tid; item < (BM + 4 * BN) * (DK - D) / 8; item += ATTN_THREADS) {
+        for (int item = tid; item < (BM + 4 * BN) * (DK - D) / 8; item += NT) {
             const int r = item / ((DK - D) / 8), c = D / 8 + item % ((DK - D) / 8);
             zero_chunk(s_q + tile_pos<DS>(r, c)); /* s_kv's rows follow s_q's */
         }
@@ -603,7 +608,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     /* Q tile -> s_q, swizzled (rows past the row's end are zeros); negated for a negative
      * scale once this thread's chunks have landed. */
     {
-        for_own_chunks<D, DS, BM>(tid, [&](int r, int c, int pos) {
+        for_own_chunks<D, DS, BM, NT>(tid, [&](int r, int c, int pos) {
             uint16_t *dst = s_q + pos;
             if (q0 + r < query_len) {
                 const uint16_t *src = (const uint16_t *)a.query +
@@ -623,7 +628,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
         cp_async_commit();
         if (neg_q) {
             cp_async_wait_all();
-            for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
+            for_own_chunks<D, DS, BM, NT>(tid, [&](int, int, int pos) {
                 uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
                 uint4 v = *p;
                 v.x ^= 0x80008000u;
@@ -637,7 +642,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             /* this thread's largest bf16 magnitude (bit patterns order as magnitudes) */
             cp_async_wait_all();
             uint32_t mx = 0;
-            for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
+            for_own_chunks<D, DS, BM, NT>(tid, [&](int, int, int pos) {
                 const uint4 v = *reinterpret_cast<const uint4 *>(s_q + pos);
                 mx = max(mx, max(max(v.x & 0x7FFFu, v.x >> 16 & 0x7FFFu),
                                  max(v.y & 0x7FFFu, v.y >> 16 & 0x7FFFu)));
@@ -687,13 +692,13 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
          * this thread's own chunks (landed: waited for above) become fp16 in place */
         uint32_t qmax = 0;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) {
+        for (int w = 0; w < W; w++) {
             qmax = max(qmax, s_qmax[w]);
         }
         const int e = min(141 - (int)(qmax >> 7), 126); /* -114 (inf, NaN) .. 126 */
         const float up = __int_as_float((e + 127) << 23);
         sl *= __int_as_float((127 - e) << 23);
-        for_own_chunks<D, DS, BM>(tid, [&](int, int, int pos) {
+        for_own_chunks<D, DS, BM, NT>(tid, [&](int, int, int pos) {
             uint4 *p = reinterpret_cast<uint4 *>(s_q + pos);
             uint4 v = *p;
             uint32_t *w = &v.x;
@@ -720,7 +725,7 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
     const char *vc2 = (const char *)a.value_cache2;
     if (n_tiles > 0) {
         if constexpr (KV8) {
-            stage_kv8<D, BN>(s_kv8, kc, kc2, vc, vc2, s_off, kv_end);
+            stage_kv8<D, BN, NT>(s_kv8, kc, kc2, vc, vc2, s_off, kv_end);
         }
         else {
             load_kv_tile<D, BN>(s_kv, kc, kc2, s_off, kv_end, a.cache_stride_dim, kv_vec);
@@ -785,11 +790,11 @@ attention_mma_kernel(const dk_attention_args a, int64_t tiles_per_row, int64_t h
             if (kt + 1 < n_tiles) {
                 const uint8_t *next = s_kv8 + ((kt + 1) & 1) * 2 * BN * kv8_row<D>;
                 const int64_t *noff = s_off + ((kt + 1) & 1) * BN;
-                stage_kv8<D, BN>(next, kc, kc2, vc, vc2, noff, kv_end - j0 - BN);
+                stage_kv8<D, BN, NT>(next, kc, kc2, vc, vc2, noff, kv_end - j0 - BN);
                 cp_async_commit();
             }
-            convert_kv8<D, DS, BN>(s_kv8 + (kt & 1) * 2 * BN * kv8_row<D>, s_kv, kc, kc2, vc, vc2,
-                                   s_off + (kt & 1) * BN);
+            convert_kv8<D, DS, BN, NT>(s_kv8 + (kt & 1) * 2 * BN * kv8_row<D>, s_kv, kc, kc2, vc,
+                                       vc2, s_off + (kt & 1) * BN);
             __syncthreads(); /* tile kt in fp16 for every warp */
         }
         else if (kt + 1 < n_tiles) {
@@ -993,12 +998,12 @@ mma_smem_kb(void)
 
 /* Sets one form of the kernel up on device dev (its dynamic shared memory; DIFFKV_MMA_SMEM_KB's
  * carveout) and gives its CTAs per SM there; returns the CUDA error. */
-template <typename T, int D, bool KV8, bool HALF>
+template <typename T, int D, bool KV8, bool HALF, int W = ATTN_WARPS>
 static cudaError_t
 mma_form_setup(int dev, int *ctas)
 {
-    const void *k = (const void *)attention_mma_kernel<T, D, KV8, HALF>;
-    const size_t smem = attn_tile<D, HALF>::SMEM;
+    const void *k = (const void *)attention_mma_kernel<T, D, KV8, HALF, W>;
+    const size_t smem = attn_tile<D, HALF, W>::SMEM;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     const int kb = mma_smem_kb();
     if (e == cudaSuccess && kb > 0) {
@@ -1013,11 +1018,11 @@ mma_form_setup(int dev, int *ctas)
         return e;
     }
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctas, attention_mma_kernel<T, D, KV8, HALF>, ATTN_THREADS, smem);
+        ctas, attention_mma_kernel<T, D, KV8, HALF, W>, W * 32, smem);
 }
 
-/* Launches form HALF of the kernel; returns the launch submission's error. */
-template <typename T, int D, bool KV8, bool HALF>
+/* Launches form (HALF, W) of the kernel; returns the launch submission's error. */
+template <typename T, int D, bool KV8, bool HALF, int W = ATTN_WARPS>
 static cudaError_t
 launch_mma_form(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                 float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s)
@@ -1027,54 +1032,113 @@ launch_mma_form(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_
     /* the kernel's parameters, in order (with a pending KV write: one submission) */
     void *args[] = {(void *)a, &tiles_per_row, &head_group, &scale_log2, &neg_q,
                     &q_vec,    &kv_vec,        &o_vec,      &sort_rows};
-    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D, KV8, HALF>,
-                           dim3(blocks), dim3(ATTN_THREADS), attn_tile<D, HALF>::SMEM, s, args);
+    return dk_launch_after(a->pending, (const void *)attention_mma_kernel<T, D, KV8, HALF, W>,
+                           dim3(blocks), dim3(W * 32), attn_tile<D, HALF, W>::SMEM, s, args);
 }
 
 /* Whether head size D has the HALF form: every size whose full tiles take more than half of an
  * A100's 164 KB (all but 192). */
 template <int D> static constexpr bool mma_has_half = D != 192;
 
+/* Warps of the WIDE form's CTA, and its query rows at head sizes of two m-tiles a warp. */
+#define ATTN_WIDE_WARPS (2 * ATTN_WARPS)
+#define ATTN_WIDE_BM (ATTN_WIDE_WARPS * 32)
+
+/* Whether head size D's form over an e4m3 cache (KV8) has the WIDE form: one CTA of
+ * ATTN_WIDE_WARPS warps and ATTN_WIDE_BM query rows, the full tiles of keys, one CTA an SM -- so
+ * that each K/V tile is widened once for twice the queries of a four-warp CTA.  The sizes of two
+ * m-tiles a warp (32 to 160). */
+template <int D, bool KV8> static constexpr bool mma_has_wide = KV8 &&attn_tile<D>::MTILES == 2;
+
+/* DIFFKV_MMA_WIDE: 0 never runs the WIDE form, 1 always where it exists and fits; unset (or
+ * anything else): mma_wide_pays decides.  Read once. */
+static int
+mma_wide_env(void)
+{
+    static volatile int w = -2; /* a race reads the same variable twice: harmless */
+    if (w == -2) {
+        const char *v = getenv("DIFFKV_MMA_WIDE");
+        const int n = v != NULL && (v[0] == '0' || v[0] == '1') && v[1] == '\0' ? v[0] - '0' : -1;
+        w = n;
+    }
+    return w;
+}
+
+/* Whether a call at head size d over an e4m3 cache runs the WIDE form (it exists and fits one
+ * CTA an SM), given the four-warp form the GPU would run: on a GPU whose shared memory takes two
+ * CTAs of the full tiles only with half the keys (an A100's 164 KB), always; at the full tiles
+ * (an H100's 228 KB), where the call's last query tile of ATTN_WIDE_BM rows is empty or more than
+ * half full, but never at head 32 -- on an H100 the WIDE form ran 1.03-1.13x the four-warp one
+ * on 16k rows at 64 to 160 but 0.90-0.98x on HunyuanImage's 4,097 queries a row (a last CTA of
+ * one query row), and 0.90-0.98x at 32 (docs/fp8.md, *The wide form*). */
+static bool
+mma_wide_pays(int64_t d, bool half, int64_t max_query_len)
+{
+    const int env = mma_wide_env();
+    if (env >= 0) {
+        return env == 1;
+    }
+    const int64_t tail = max_query_len % ATTN_WIDE_BM;
+    return half || (d != 32 && (tail == 0 || tail > ATTN_WIDE_BM / 2));
+}
+
 /*
  * Launches the tensor-core kernel; returns the cudaGetDevice / cudaFuncSetAttribute / occupancy
- * error (the launch's own is read by dk_cuda_after_launch).  Its form, chosen once per
+ * error (the launch's own is read by dk_cuda_after_launch).  Its four-warp form, chosen once per
  * (instantiation, device) -- a race chooses the same twice, which is harmless: the full tiles
  * where two CTAs of them fit an SM (an H100's 228 KB), else the HALF tiles where two of those do
  * (an A100's 164 KB: the full tiles of every head size but 192 leave it one CTA, four warps, an
- * SM), else the full tiles.  *half: which ran.
+ * SM), else the full tiles; over an e4m3 cache the WIDE form instead where it fits and
+ * mma_wide_pays.  tiles_per_row counts tiles of attn_mma_bm(D) rows (the WIDE form recounts).
+ * *form: which ran.
  */
 template <typename T, int D, bool KV8>
 static cudaError_t
 launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
-           bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s, bool *half)
+           bool neg_q, bool q_vec, bool kv_vec, bool o_vec, cudaStream_t s, attn_mma_form *form)
 {
-    static volatile int8_t form[ATTN_MAX_DEVICES]; /* 0: not chosen, 1: full tiles, 2: HALF */
+    /* 0: not chosen; bit 0: HALF (else the full tiles), bit 1: the WIDE form fits, bit 2: set */
+    static volatile int8_t forms[ATTN_MAX_DEVICES];
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) {
         return e;
     }
     const bool cached = dev >= 0 && dev < ATTN_MAX_DEVICES;
-    int f = cached ? form[dev] : 0;
+    int f = cached ? forms[dev] : 0;
     if (f == 0) {
-        int full = 0, halved = 0;
+        int full = 0, halved = 0, wide = 0;
         e = mma_form_setup<T, D, KV8, false>(dev, &full);
         if constexpr (mma_has_half<D>) {
             if (e == cudaSuccess) {
                 e = mma_form_setup<T, D, KV8, true>(dev, &halved);
             }
         }
+        if constexpr (mma_has_wide<D, KV8>) {
+            if (e == cudaSuccess) {
+                e = mma_form_setup<T, D, KV8, false, ATTN_WIDE_WARPS>(dev, &wide);
+            }
+        }
         if (e != cudaSuccess) {
             return e;
         }
-        f = full < 2 && halved >= 2 ? 2 : 1;
+        f = 4 | (full < 2 && halved >= 2 ? 1 : 0) | (wide >= 1 ? 2 : 0);
         if (cached) {
-            form[dev] = (int8_t)f;
+            forms[dev] = (int8_t)f;
         }
     }
-    *half = f == 2;
+    const bool half = (f & 1) != 0;
+    if constexpr (mma_has_wide<D, KV8>) {
+        if ((f & 2) != 0 && mma_wide_pays(D, half, a->max_query_len)) {
+            *form = ATTN_MMA_WIDE;
+            const int64_t tiles = (a->max_query_len + ATTN_WIDE_BM - 1) / ATTN_WIDE_BM;
+            return launch_mma_form<T, D, KV8, false, ATTN_WIDE_WARPS>(
+                a, tiles, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s);
+        }
+    }
+    *form = half ? ATTN_MMA_HALF : ATTN_MMA_FULL;
     if constexpr (mma_has_half<D>) {
-        if (f == 2) {
+        if (half) {
             return launch_mma_form<T, D, KV8, true>(a, tiles_per_row, head_group, scale_log2, neg_q,
                                                     q_vec, kv_vec, o_vec, s);
         }
@@ -1086,7 +1150,7 @@ launch_mma(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group
 /* A head size's launchers, one per query dtype, over a cache of that dtype (KV8 false) or an
  * e4m3 one (KV8 true). */
 typedef cudaError_t (*mma_launcher)(const dk_attention_args *, int64_t, int64_t, float, bool, bool,
-                                    bool, bool, cudaStream_t, bool *);
+                                    bool, bool, cudaStream_t, attn_mma_form *);
 struct mma_launchers {
     int32_t head;
     mma_launcher f16, bf16;
@@ -1103,14 +1167,14 @@ mma_head()
 static cudaError_t
 mma_run(const mma_launchers *heads, size_t n, const dk_attention_args *a, int64_t tiles_per_row,
         int64_t head_group, float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
-        cudaStream_t s, bool *half)
+        cudaStream_t s, attn_mma_form *form)
 {
-    *half = false;
+    *form = ATTN_MMA_FULL;
     for (size_t i = 0; i < n; i++) {
         if (heads[i].head == a->head_size) {
             const mma_launcher f = a->dtype == DK_BF16 ? heads[i].bf16 : heads[i].f16;
             return f(a, tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s,
-                     half);
+                     form);
         }
     }
     return cudaErrorInvalidValue;
@@ -1119,4 +1183,4 @@ mma_run(const mma_launchers *heads, size_t n, const dk_attention_args *a, int64_
 /* attention_sm80_fp8.cu: attn_mma_launch's calls over an e4m3 cache. */
 cudaError_t attn_mma_kv8_launch(const dk_attention_args *a, int64_t tiles_per_row,
                                 int64_t head_group, float scale_log2, bool neg_q, bool q_vec,
-                                bool kv_vec, bool o_vec, cudaStream_t s, bool *half);
+                                bool kv_vec, bool o_vec, cudaStream_t s, attn_mma_form *form);

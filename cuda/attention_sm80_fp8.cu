@@ -13,8 +13,8 @@ static const mma_launchers mma_kv8_heads[] = {DK_CUDA_HEAD_SIZES(MMA_HEAD)};
 cudaError_t
 attn_mma_kv8_launch(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group,
                     float scale_log2, bool neg_q, bool q_vec, bool kv_vec, bool o_vec,
-                    cudaStream_t s, bool *half)
+                    cudaStream_t s, attn_mma_form *form)
 {
     return mma_run(mma_kv8_heads, sizeof(mma_kv8_heads) / sizeof(mma_kv8_heads[0]), a,
-                   tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s, half);
+                   tiles_per_row, head_group, scale_log2, neg_q, q_vec, kv_vec, o_vec, s, form);
 }

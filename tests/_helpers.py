@@ -37,11 +37,15 @@ def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.Complet
     )
 
 
-def mma_kernel_name(head: int, fp8: bool = False) -> str:
+def mma_kernel_name(head: int, fp8: bool = False, max_query_len: int | None = None) -> str:
     """What ``_C.last_attention_kernel()`` names a call of the mma.sync kernel at this head size
     on the current GPU: "sm80" ("sm80-fp8"), or with "-smallsmem" where its full tiles leave one
     CTA an SM and the form with half the keys per tile fits two (an A100's 164 KB; also under
-    DIFFKV_MMA_SMEM_KB, which plans the kernels for that much shared memory per SM).  The sizes
+    DIFFKV_MMA_SMEM_KB, which plans the kernels for that much shared memory per SM).  Over an fp8
+    cache, "sm80-fp8-wide" where the form of eight warps and 256 query rows exists (heads up to
+    160), fits one CTA an SM and pays: on such a GPU always, else (but at head 32) where the
+    call's last 256-row tile (of ``max_query_len``, which fp8 names need) is empty or more than
+    half full -- DIFFKV_MMA_WIDE=0 / 1 forcing it off / on (attention_sm80.cuh's mma_wide_pays).  The sizes
     are attention_sm80.cuh's attn_tile, each CTA counted with 1 KB of static and 1 KB of
     reserved shared memory."""
     per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
@@ -52,10 +56,18 @@ def mma_kernel_name(head: int, fp8: bool = False) -> str:
     bn = 128 if head <= 64 else 64 if head <= 128 else 32
     ds = (head + 63) // 64 * 64
 
-    def two_fit(bn: int) -> bool:
-        return 2 * ((bm + 4 * bn) * ds * 2 + 16 * bn + 2048) <= per_sm
+    def fit(ctas: int, bm: int, bn: int) -> bool:
+        return ctas * ((bm + 4 * bn) * ds * 2 + 16 * bn + 2048) <= per_sm
 
-    half = head != 192 and not two_fit(bn) and two_fit(bn // 2)
+    half = head != 192 and not fit(2, bm, bn) and fit(2, bm, bn // 2)
+    if fp8 and head <= 160 and fit(1, 2 * bm, bn):
+        if max_query_len is None:
+            raise ValueError("mma_kernel_name(fp8=True) needs the call's max_query_len")
+        tail = max_query_len % 256
+        env = os.environ.get("DIFFKV_MMA_WIDE")
+        pays = half or (head != 32 and (tail == 0 or tail > 128))
+        if (env == "1") if env in ("0", "1") else pays:
+            return "sm80-fp8-wide"
     return ("sm80-fp8" if fp8 else "sm80") + ("-smallsmem" if half else "")
 
 

@@ -21,6 +21,7 @@ and 2^-6 of the largest output, which a scale 10 % off fails as well."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -157,7 +158,9 @@ def test_fp8_attention_matches_the_reference(
     # Hopper: TMA boxes of 16-key chunks with blocks of a multiple of 16 keys, of 8-key chunks
     # with blocks of an odd multiple of 8, else cp.async
     hopper = "sm90-fp8-tma" if block % 8 == 0 else "sm90-fp8"
-    assert _C.last_attention_kernel() == (mma_kernel_name(size, fp8=True) if sm80 else hopper)
+    assert _C.last_attention_kernel() == (
+        mma_kernel_name(size, fp8=True, max_query_len=300) if sm80 else hopper
+    )
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=not sm80), sm80)
 
 
@@ -183,8 +186,58 @@ def test_sm80_fp8_every_head_size_matches_the_reference(
     limits = _limits(rows, 5) if mask == "limits" else None
     scale = size**-0.5
     out = _run(*prob, MODES[mask], scale, limits)
-    assert _C.last_attention_kernel() == mma_kernel_name(size, fp8=True)
+    assert _C.last_attention_kernel() == mma_kernel_name(size, fp8=True, max_query_len=300)
     _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=False), sm80=True)
+
+
+# Rows whose longest query row leaves its last 256-row tile empty (512), more than half full
+# (400) and half full (384): the first two run the wide e4m3 form at an H100's full tiles.
+WIDE_ROWS = {
+    "512": [(512, 900), (200, 333)],
+    "400": [(400, 700), (1, 50)],
+    "384": [(384, 1000), (37, 37)],
+}
+
+
+@pytest.mark.parametrize("size", [64, 72, 128, 160])
+@pytest.mark.parametrize("rows", list(WIDE_ROWS))
+@pytest.mark.parametrize("mask", ["none", "causal", "limits"])
+def test_sm80_fp8_wide_form_matches_the_reference(attention_kernel, size, rows, mask):
+    """The mma.sync kernel's e4m3 form of eight warps and 256 query rows a CTA ("sm80-fp8-wide",
+    one CTA an SM, each K/V tile widened once for all of them) where the call's last query tile
+    says so (``mma_kernel_name``), and the four-warp form where not: against the float64
+    reference over the dequantized cache, per-head scales, an HND cache, GQA."""
+    attention_kernel("sm80")
+    r = WIDE_ROWS[rows]
+    prob = _problem(r, 8, 2, size, 16, "hnd", True, torch.bfloat16, seed=size + int(rows))
+    limits = _limits(r, 5) if mask == "limits" else None
+    scale = size**-0.5
+    out = _run(*prob, MODES[mask], scale, limits)
+    assert _C.last_attention_kernel() == mma_kernel_name(size, fp8=True, max_query_len=r[0][0])
+    _check(out, _expected(*prob, _visible(mask, limits), scale, round_q=False), sm80=True)
+
+
+def test_the_wide_form_follows_the_last_query_tile_at_the_full_tiles(attention_kernel):
+    """At an H100's or H200's shared memory (two four-warp CTAs of the full tiles an SM) and no
+    DIFFKV_MMA_WIDE: the e4m3 form runs wide where the call's last 256-row tile is empty or more
+    than half full (HunyuanImage's 4,097 queries: not), but never at head 32."""
+    per_sm = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+    if os.environ.get("DIFFKV_MMA_WIDE") or os.environ.get("DIFFKV_MMA_SMEM_KB") or per_sm < 200 * 1024:
+        pytest.skip("needs a GPU of at least 200 KB of shared memory per SM, planned as it is")
+    attention_kernel("sm80")
+    for size, queries, wide in [
+        (128, 512, True),
+        (128, 400, True),
+        (128, 384, False),
+        (64, 4097, False),
+        (72, 700, True),
+        (32, 512, False),
+    ]:
+        prob = _problem(
+            [(queries, queries + 10)], 2, 1, size, 16, "contiguous", False, torch.bfloat16, seed=queries
+        )
+        _run(*prob, _C.MASK_NONE, size**-0.5)
+        assert _C.last_attention_kernel() == ("sm80-fp8-wide" if wide else "sm80-fp8"), (size, queries)
 
 
 @pytest.mark.parametrize("block", [16, 8])

@@ -274,7 +274,7 @@ def test_fp8_dense_forward_every_head_size(head, causal):
     K/V and the query as it is (the form's products are fp16: tests/test_attention_fp8_cuda.py)."""
     q, k, v, impl, visible = _dense_case(head, causal, 80, 150, head + causal)
     out = impl.forward(q, k, v, diffkv.AttentionMetadata(extra={"kv_cache_dtype": "fp8"}))
-    assert _C.last_attention_kernel() == mma_kernel_name(head, fp8=True)
+    assert _C.last_attention_kernel() == mma_kernel_name(head, fp8=True, max_query_len=80)
     exact = ref_attention(q.cpu().double(), e4m3_tensor(k.cpu()), e4m3_tensor(v.cpu()), visible, head**-0.5)
     rel = ((out.cpu().double() - exact).norm() / exact.norm()).item()
     assert rel <= 2.0**-8, rel
