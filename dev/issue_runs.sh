@@ -2,7 +2,9 @@
 # The measurements issues 27 (fp8) and 28 (head sizes, short rows) ask of the H200, in one device
 # call, trimmed to a deadline: bench_fp8.py's four cases (diffkv fp8 against cuDNN fp8 and
 # diffkv bf16, accuracy included), the short rows against cuDNN (1-2 rows of 1k-4k tokens, head
-# 128), and every head size at 16k tokens causal against cuDNN. Logs and JSON go to $OUT
+# 128), every head size at 16k tokens causal against cuDNN, and last, if time is left, the
+# mma.sync kernel's e4m3 form against its bf16 form (the kernel choice sm80, head 128: what an
+# A100 runs, issue 27's "not slower"). Logs and JSON go to $OUT
 # (default ./out); each step prints its table rows. With REQUIRE_H200=1 it exits (status 3) on
 # any other GPU before running anything, so a call that lands on an H100 costs only its start.
 # Usage (repo root, the extension built in place, cudnn-frontend's wheel in .whl/ as
@@ -43,4 +45,9 @@ timeout "$(left 100)" python3 -m diffkv bench --head-sizes all --seq-lens 16k --
     > "$W/heads_causal.log" 2>&1
 echo "rc=$?" >> "$W/heads_causal.log"
 grep -E "^ +16384 " "$W/heads_causal.log" | tr -s ' '
+el sm80-fp8 against the sm80 bf16 kernel
+timeout "$(left 60)" python3 benchmarks/bench_fp8.py --kernel sm80 --baselines diffkv_bf16 --no-layer \
+    --data gaussian --no-accuracy --no-profile --reps 10 --json "$W/sm80.json" > "$W/sm80.log" 2>&1
+echo "rc=$?" >> "$W/sm80.log"
+grep -E "^\| (long|hunyuan)" "$W/sm80.log" | cut -d'|' -f2,5,6,7,12
 el done
