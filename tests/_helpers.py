@@ -46,8 +46,8 @@ def mma_kernel_name(head: int, fp8: bool = False, max_query_len: int | None = No
     160), fits one CTA an SM and pays: on such a GPU always, else (but at head 32) where the
     call's last 256-row tile (of ``max_query_len``, which fp8 names need) is empty or more than
     half full -- DIFFKV_MMA_WIDE=0 / 1 forcing it off / on (attention_sm80.cuh's mma_wide_pays).  The sizes
-    are attention_sm80.cuh's attn_tile, each CTA counted with 1 KB of static and 1 KB of
-    reserved shared memory."""
+    are attention_sm80.cuh's attn_tile, each CTA counted with 1 KB of static (the wide one 1.5 KB)
+    and 1 KB of reserved shared memory."""
     per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
     kb = int(os.environ.get("DIFFKV_MMA_SMEM_KB", "0") or 0)
     if 0 < kb * 1024 < per_sm:
@@ -56,11 +56,11 @@ def mma_kernel_name(head: int, fp8: bool = False, max_query_len: int | None = No
     bn = 128 if head <= 64 else 64 if head <= 128 else 32
     ds = (head + 63) // 64 * 64
 
-    def fit(ctas: int, bm: int, bn: int) -> bool:
-        return ctas * ((bm + 4 * bn) * ds * 2 + 16 * bn + 2048) <= per_sm
+    def fit(ctas: int, bm: int, bn: int, static: int = 1024) -> bool:
+        return ctas * ((bm + 4 * bn) * ds * 2 + 16 * bn + static + 1024) <= per_sm
 
     half = head != 192 and not fit(2, bm, bn) and fit(2, bm, bn // 2)
-    if fp8 and head <= 160 and fit(1, 2 * bm, bn):
+    if fp8 and head <= 160 and fit(1, 2 * bm, bn, static=1536):
         if max_query_len is None:
             raise ValueError("mma_kernel_name(fp8=True) needs the call's max_query_len")
         tail = max_query_len % 256
