@@ -1048,7 +1048,7 @@ template <int D> static constexpr bool mma_has_half = D != 192;
  * ATTN_WIDE_WARPS warps and ATTN_WIDE_BM query rows, the full tiles of keys, one CTA an SM -- so
  * that each K/V tile is widened once for twice the queries of a four-warp CTA.  The sizes of two
  * m-tiles a warp (32 to 160). */
-template <int D, bool KV8> static constexpr bool mma_has_wide = KV8 &&attn_tile<D>::MTILES == 2;
+template <int D, bool KV8> static constexpr bool mma_has_wide = KV8 && (attn_tile<D>::MTILES == 2);
 
 /* DIFFKV_MMA_WIDE: 0 never runs the WIDE form, 1 always where it exists and fits; unset (or
  * anything else): mma_wide_pays decides.  Read once. */
@@ -1069,8 +1069,8 @@ mma_wide_env(void)
  * CTAs of the full tiles only with half the keys (an A100's 164 KB), always; at the full tiles
  * (an H100's 228 KB), where the call's last query tile of ATTN_WIDE_BM rows is empty or more than
  * half full, but never at head 32 -- on an H100 the WIDE form ran 1.03-1.13x the four-warp one
- * on 16k rows at 64 to 160 but 0.90-0.98x on HunyuanImage's 4,097 queries a row (a last CTA of
- * one query row), and 0.90-0.98x at 32 (docs/fp8.md, *The wide form*). */
+ * on 16k rows at 64 to 160 but 0.94-0.98x on HunyuanImage's 4,097 queries a row (a last CTA of
+ * one query row; 72: 1.01x), and 0.90-0.98x at 32 (docs/fp8.md, *The wide form*). */
 static bool
 mma_wide_pays(int64_t d, bool half, int64_t max_query_len)
 {
