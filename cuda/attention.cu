@@ -359,8 +359,8 @@ static dk_status
 attn_fp8(const dk_attention_args *a, int64_t tiles_per_row, int64_t head_group, float scale_log2,
          bool neg_q, bool q_vec, bool o_vec, void *stream, dk_error *err)
 {
-    /* e4m3: one byte per element, so 16-byte chunks are 16 elements; the mma.sync form copies
-     * head 72's rows in 8-byte chunks */
+    /* e4m3: one byte per element, so 16-byte chunks are 16 elements; head 72's 72-byte rows need
+     * only 8-byte alignment (the mma.sync form stages each whole, at its offset from 16) */
     const int64_t unit = a->head_size % 16 == 0 ? 16 : 8;
     if (!kv_rows_in_chunks(a, 1, unit)) {
         return dk_fail(err, DK_ERR_NOT_IMPLEMENTED,

@@ -534,8 +534,8 @@ convert_kv8(const uint8_t *slot, uint16_t *tile, const char *kc, const char *kc2
  *   - K/V tiles land by cp.async as bytes in a staging slot (stage_kv8: 16-byte chunks, head
  *     72 whole rows) and the threads widen them into the fp16 K and V tiles (convert_kv8,
  *     values / KV8_UNIT).  The shared memory of the second fp16 stage holds two staging slots
- * instead, so there is one fp16 stage: per tile, a barrier (tile kt - 1 done), tile kt + 1's copies
- *     issued, tile kt converted, a barrier, then the math.
+ *     instead, so there is one fp16 stage: per tile, a barrier (tile kt - 1 done), tile kt + 1's
+ *     copies issued, tile kt converted, a barrier, then the math.
  *   - bf16 queries become fp16 in place, times one power of two 2^e for the CTA's Q tile
  *     (its largest magnitude just under 2^15): fp16's 11-bit significand holds bf16's 8, and
  *     values under 2^-39 of the tile's largest lose bits -- each such score's error is under
